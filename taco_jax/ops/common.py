@@ -1,0 +1,112 @@
+"""Kernel plumbing shared by the compress, decompress and reduce kernels: tiling config,
+the tensor-core Hadamard, row-tile loads and the pallas_call launcher."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from taco_jax import hadamard
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tiling of one program. Defaults measured on H200 (see docs/design.md)."""
+    blocks_per_program: int = 32    # rows of B elements per program (power of two)
+    num_warps: int = 4
+    num_stages: int = 2
+    precise: bool = True            # bf16 hi+lo split of the intermediate (≈16-bit mantissa)
+
+    @staticmethod
+    def default(block_size: int) -> "KernelConfig":
+        return KernelConfig(blocks_per_program=max(8, 8192 // block_size))
+
+
+def kron_ok(block_size: int) -> bool:
+    """Tensor-core dots need every dimension ≥ 16: the Kronecker path needs r, c ≥ 16."""
+    return min(hadamard.factors(block_size)) >= 16
+
+
+def hadamard_operands(block_size: int) -> tuple[jax.Array, jax.Array]:
+    """The ±1 matrices a kernel needs (kernels cannot capture array constants)."""
+    if kron_ok(block_size):
+        r, c = hadamard.factors(block_size)
+        return (jnp.asarray(hadamard.sylvester(r), jnp.bfloat16),
+                jnp.asarray(hadamard.sylvester(c), jnp.bfloat16))
+    m = hadamard.wire_matrix(block_size)
+    return jnp.asarray(m, jnp.bfloat16), jnp.asarray(m.T.copy(), jnp.bfloat16)
+
+
+def _dot(v, h, exact_input: bool, precise: bool):
+    """v (f32) @ h (±1, bf16) with f32 accumulation. v is rounded to bf16 for the tensor
+    cores; `precise` adds the bf16 residual in a second dot (hi + lo ≈ 16 mantissa bits)."""
+    hi = v.astype(jnp.bfloat16)
+    out = jnp.dot(hi, h, preferred_element_type=jnp.float32)
+    if precise and not exact_input:
+        lo = (v - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        out = out + jnp.dot(lo, h, preferred_element_type=jnp.float32)
+    return out
+
+
+def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: bool,
+                  precise: bool):
+    """Unnormalised wire-order Hadamard of a (tm, B) f32 tile (times sqrt(B) vs `hadamard`).
+
+    Kronecker path: view (tm, a, b), multiply by H_b on the right, transpose each block,
+    multiply by H_a: 2·(a + b) FLOP/element instead of 2·B for the dense matrix."""
+    tm = v.shape[0]
+    if not kron_ok(block_size):
+        m = h2 if inverse else h1
+        return _dot(v, m, exact_input, precise)
+    r, c = hadamard.factors(block_size)
+    (a, ha), (b, hb) = ((c, h2), (r, h1)) if inverse else ((r, h1), (c, h2))
+    y = _dot(v.reshape(tm * a, b), hb, exact_input, precise)            # (tm·a, b)
+    y = jnp.transpose(y.reshape(tm, a, b), (0, 2, 1)).reshape(tm * b, a)  # (tm·b, a)
+    return _dot(y, ha, False, precise).reshape(tm, block_size)
+
+
+def row_tile(ref, tm: int, col0: int, width: int, n_rows: int, lead=()):
+    """Index + mask for rows [pid·tm, pid·tm + tm) and columns [col0, col0 + width)."""
+    rows = pl.program_id(0) * tm + jnp.arange(tm)
+    cols = col0 + jnp.arange(width)
+    mask = (rows < n_rows)[:, None]
+    return ref.at[(*lead, rows[:, None], cols[None, :])], mask
+
+
+def load_rows(ref, tm, col0, width, n_rows, lead=()):
+    view, mask = row_tile(ref, tm, col0, width, n_rows, lead)
+    return plgpu.load(view, mask=mask, other=0)
+
+
+def store_rows(ref, value, tm, col0, n_rows):
+    view, mask = row_tile(ref, tm, col0, value.shape[1], n_rows)
+    plgpu.store(view, value, mask=mask)
+
+
+def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, name: str,
+           *args):
+    """pallas_call over row tiles; refs are whole arrays (tiles are addressed by hand so
+    payload and scales of one row can live in one uint8 buffer)."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(pl.cdiv(n_rows, cfg.blocks_per_program),),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
+def out_struct(shape, dtype, like):
+    """ShapeDtypeStruct that carries `like`'s manual axes (needed under shard_map with
+    check_vma=True, where pallas_call outputs must say which axes they vary over)."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

@@ -1,0 +1,77 @@
+"""Compress: one pass over the input, blocks → wire rows (codes ‖ scales).
+
+Kernel per program (tm blocks): load → α from the block RMS (eqs. 6–7) → Hadamard by two
+tensor-core dots (eq. 8) → per-block absmax and scale (eq. 9) → clip + cast (eq. 10) →
+store codes and packed scales into the same row. α multiplies after the transform (it is a
+per-block scalar, so H(αG) = αHG): the first dot then sees the raw bf16 input, exactly.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax import hadamard
+from taco_jax.ops import common, quant
+
+
+def _encode_tile(x, h1, h2, codec, cfg, exact_input):
+    """(tm, B) f32 → ((tm, B) uint8 codes, (tm, 4·n_scales) uint8 scales). Kernel math."""
+    bad = quant.nonfinite_rows(x)
+    gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
+    if codec.transform == "ash":
+        a = quant.alpha(x)                                         # eqs. 6–7
+        gain = a
+    if codec.transform == "none":
+        z = x * gain
+    else:
+        z = common.hadamard_tile(x, h1, h2, block_size=codec.block_size, inverse=False,
+                                 exact_input=exact_input, precise=cfg.precise)
+        z = z * (gain * np.float32(1 / np.sqrt(codec.block_size)))  # eq. 8
+    s = quant.scale(jnp.max(jnp.abs(z), axis=1, keepdims=True), codec.qmax, bad)  # eq. 9
+    codes = quant.quantize(z, s, codec.qmax, codec.code_dtype)     # eq. 10
+    scales = [s, gain] if codec.transform == "ash" else [s]
+    return codes, quant.pack_scales(scales)
+
+
+def compress_kernel(x_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
+    tm, b = cfg.blocks_per_program, codec.block_size
+    x = common.load_rows(x_ref, tm, 0, b, n_rows).astype(jnp.float32)
+    codes, scales = _encode_tile(x, h1_ref[...], h2_ref[...], codec, cfg,
+                                 exact_input=x_ref.dtype == jnp.bfloat16)
+    common.store_rows(o_ref, codes, tm, 0, n_rows)
+    common.store_rows(o_ref, scales, tm, b, n_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
+def compress(x, codec, cfg=None, interpret=False):
+    """(n_blocks, B) float → (n_blocks, row_bytes) uint8 with the fused Pallas kernel."""
+    n_rows, b = x.shape
+    if b != codec.block_size or not codec.has_kernel:
+        raise ValueError(f"compress kernel: got {x.shape=} for {codec}")
+    cfg = cfg or common.KernelConfig.default(b)
+    h1, h2 = common.hadamard_operands(b)
+    kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
+    out = common.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
+    return common.launch(kernel, out, n_rows, cfg, interpret, "taco_compress", x, h1, h2)
+
+
+def compress_reference(x, codec):
+    """Plain-jnp compress, following the paper's order of operations in f32."""
+    x = x.astype(jnp.float32)
+    bad = quant.nonfinite_rows(x)
+    scales = []
+    if codec.transform == "ash":
+        a = quant.alpha(x)                                         # eqs. 6–7
+        x = x * a
+    z = x if codec.transform == "none" else hadamard.forward(x)    # eq. 8
+    absmax = jnp.max(jnp.abs(z), axis=1, keepdims=True)
+    if codec.scale_mode == "tensor":
+        absmax = jnp.broadcast_to(jnp.max(absmax), absmax.shape)
+        bad = jnp.broadcast_to(jnp.any(bad), bad.shape)
+    s = quant.scale(absmax, codec.qmax, bad)                       # eq. 9
+    codes = quant.quantize(z, s, codec.qmax, codec.code_dtype)     # eq. 10
+    scales = [s, a] if codec.transform == "ash" else [s]
+    return jnp.concatenate([codes, quant.pack_scales(scales)], axis=1)

@@ -1,0 +1,76 @@
+"""Per-block numerics shared by kernels and references (eqs. 6, 7, 9, 10, 11).
+
+Every function here uses only element-wise ops, row reductions and bit shifts, so the same
+code traces inside a Pallas-Triton kernel and in plain XLA. The transform itself differs
+(kernels use tensor-core dots, references exact einsums) and lives with each op.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+TAU = 448.0            # eq. 7 target RMS (public code)
+EPS = 1e-6             # eq. 6 λ (public code)
+ALPHA_MIN, ALPHA_MAX = 1e-3, 1e3
+# Smallest scale: keeps 0/s = 0 for all-zero blocks without a division by zero; far below any
+# scale a finite fp32 block needs (absmax/Qmax ≥ 1e-38/57344 only for denormal inputs).
+SCALE_MIN = float(np.finfo(np.float32).tiny)
+
+
+def alpha(x):
+    """(rows, B) f32 → (rows, 1) α = clip(τ / sqrt(mean(x²) + ε)) (eqs. 6–7).
+    An overflowing mean gives σ = inf, α = α_min: the block still encodes."""
+    sigma = jnp.sqrt(jnp.mean(x * x, axis=1, keepdims=True) + EPS)
+    return jnp.clip(TAU / sigma, ALPHA_MIN, ALPHA_MAX)
+
+
+def nonfinite_rows(x):
+    """(rows, B) → (rows, 1) bool: does the block hold NaN or ±Inf?"""
+    bad = jnp.where(jnp.abs(x) < jnp.inf, 0.0, 1.0)           # NaN < inf is False
+    return jnp.max(bad, axis=1, keepdims=True) > 0
+
+
+def scale(absmax, qmax, bad):
+    """eq. 9, plus the NaN rule: a block with non-finite input gets scale NaN, so every
+    value it decodes to is NaN (the codes themselves cannot carry NaN for int8)."""
+    s = jnp.maximum(absmax * np.float32(1.0 / qmax), SCALE_MIN)
+    return jnp.where(bad, jnp.float32(np.nan), s)
+
+
+def quantize(z, s, qmax, code_dtype):
+    """eq. 10: codes = cast(clip(z / s, ±Qmax)) as uint8 bytes."""
+    y = jnp.clip(z * (1.0 / s), -qmax, qmax)
+    if code_dtype == jnp.int8:
+        q = jnp.round(y).astype(jnp.int8)
+    else:
+        q = y.astype(code_dtype)
+    return lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def dequant_codes(codes, code_dtype, dtype=jnp.float32):
+    """uint8 bytes → code values (exact in bf16 for all three formats)."""
+    return lax.bitcast_convert_type(codes, code_dtype).astype(dtype)
+
+
+def pack_scales(scales):
+    """list of (rows, 1) f32 → (rows, 4·len) uint8, little-endian like XLA's bitcast."""
+    n = len(scales)
+    col = lax.broadcasted_iota(jnp.int32, (1, 4 * n), 1)
+    bits = lax.bitcast_convert_type(scales[0], jnp.int32)
+    for k in range(1, n):
+        bits = jnp.where(col // 4 == k, lax.bitcast_convert_type(scales[k], jnp.int32), bits)
+    byte = lax.shift_right_logical(bits, (col % 4) * 8) & 0xFF
+    return byte.astype(jnp.uint8)
+
+
+def unpack_scales(raw, n):
+    """(rows, 4·n) uint8 → list of n (rows, 1) f32."""
+    b = raw.astype(jnp.int32)
+    col = lax.broadcasted_iota(jnp.int32, b.shape, 1)
+    shifted = lax.shift_left(b, (col % 4) * 8)
+    out = []
+    for k in range(n):
+        bits = jnp.sum(jnp.where(col // 4 == k, shifted, 0), axis=1, keepdims=True)
+        out.append(lax.bitcast_convert_type(bits, jnp.float32))
+    return out

@@ -1,0 +1,56 @@
+"""Owner-side step of the two-shot all-reduce (DESIGN_NOTES §2, steps 3–4), fused:
+decompress the P received copies of this device's segment, sum them in fp32 with the
+device's own segment taken unquantized, and compress the sum once.
+
+Every element is thus quantized at most twice for any P: once by its sender (step 1) and
+once here; the owner's own contribution is quantized only here."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from taco_jax.ops import common, compress, decompress
+
+
+def reduce_kernel(r_ref, x_ref, me_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows,
+                  n_peers):
+    tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
+    h1, h2 = h1_ref[...], h2_ref[...]
+    me = me_ref[0]
+    acc = common.load_rows(x_ref, tm, 0, b, n_rows).astype(jnp.float32)
+    for p in range(n_peers):   # P is small (the TP degree): unrolled
+        codes = common.load_rows(r_ref, tm, 0, b, n_rows, lead=(p,))
+        scale_bytes = common.load_rows(r_ref, tm, b, 4 * ns, n_rows, lead=(p,))
+        dec = decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+        acc = acc + jnp.where(me == p, 0.0, dec)     # own copy: use the exact input instead
+    codes, scales = compress._encode_tile(acc, h1, h2, codec, cfg, exact_input=False)
+    common.store_rows(o_ref, codes, tm, 0, n_rows)
+    common.store_rows(o_ref, scales, tm, b, n_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
+def reduce(recv, own, me, codec, cfg=None, interpret=False):
+    """recv (P, n_blocks, row_bytes) uint8, own (n_blocks, B) float, me int32 scalar
+    → (n_blocks, row_bytes) uint8: the compressed fp32 sum."""
+    n_peers, n_rows, row = recv.shape
+    if row != codec.row_bytes or own.shape != (n_rows, codec.block_size):
+        raise ValueError(f"reduce kernel: got {recv.shape=}, {own.shape=} for {codec}")
+    cfg = cfg or common.KernelConfig.default(codec.block_size)
+    h1, h2 = common.hadamard_operands(codec.block_size)
+    me = jnp.asarray(me, jnp.int32).reshape(1)
+    kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
+                               n_peers=n_peers)
+    out = common.out_struct((n_rows, row), jnp.uint8, own)
+    return common.launch(kernel, out, n_rows, cfg, interpret, "taco_reduce",
+                         recv, own, me, h1, h2)
+
+
+def reduce_reference(recv, own, me, codec):
+    """Plain-jnp owner step: same sum order as the kernel (own, then peers 0..P-1)."""
+    acc = own.astype(jnp.float32)
+    for p in range(recv.shape[0]):
+        dec = decompress.decompress_reference(recv[p], codec)
+        acc = acc + jnp.where(me == p, 0.0, dec)
+    return compress.compress_reference(acc, codec)
