@@ -42,7 +42,7 @@ def quantize(z, s, qmax, code_dtype):
     """eq. 10: codes = cast(clip(z / s, ±Qmax)) as uint8 bytes."""
     y = jnp.clip(z * (1.0 / s), -qmax, qmax)
     if code_dtype == jnp.int8:
-        q = jnp.round(y).astype(jnp.int8)
+        q = jnp.floor(y + 0.5).astype(jnp.int8)    # round half up: Triton lowers no `round`
     else:
         q = y.astype(code_dtype)
     return lax.bitcast_convert_type(q, jnp.uint8)

@@ -1,0 +1,150 @@
+"""Kernel benchmark: fused compress / decompress / reduce vs the HBM roofline.
+
+    python bench/kernels.py [--sizes-mib 16 64 256 1024] [--sweep] [--check] [--out PATH]
+
+roofline_gbs is a plain XLA f32 `x + 1` (bytes read + written) measured in the same run;
+effective bytes of a kernel = bytes it reads + bytes it writes. Writes
+bench/results/kernels.json. --check compares every kernel with its jnp reference on this
+device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+from bench.common import env_facts, print_table, time_loop, write_json  # noqa: E402
+from taco_jax import codecs  # noqa: E402
+from taco_jax.ops import common, compress, decompress, reduce  # noqa: E402
+
+MIB = 1 << 20
+INTERP = jax.default_backend() != "gpu"   # CPU smoke runs use the Pallas interpreter
+
+
+def roofline_gbs(n_bytes: int) -> float:
+    x = jnp.ones(n_bytes // 4, jnp.float32)
+    us = time_loop(lambda v: v + 1, x)
+    return 2 * n_bytes / us / 1e3
+
+
+def bench_kernel(kind, codec, n, cfg=None, dtype=jnp.bfloat16, peers=2):
+    b, row = codec.block_size, codec.row_bytes
+    nb = n // b
+    key = jax.random.key(0)
+    x = (jax.random.normal(key, (nb, b), jnp.float32) * 0.02).astype(dtype)
+    isz = jnp.dtype(dtype).itemsize
+    if kind == "compress":
+        fn = lambda v: compress.compress(v, codec, cfg, INTERP)
+        arg, nbytes = x, n * isz + nb * row
+    elif kind == "decompress":
+        w = compress.compress(x, codec, cfg, INTERP)
+        fn = lambda v: decompress.decompress(v, codec, dtype, cfg, INTERP)
+        arg, nbytes = w, nb * row + n * isz
+    else:  # reduce: P received copies + own segment → one compressed segment
+        w = compress.compress(x, codec, cfg, INTERP)
+        recv = jnp.stack([w] * peers)
+        fn = lambda v: reduce.reduce(v, x, jnp.int32(0), codec, cfg, INTERP)
+        arg, nbytes = recv, peers * nb * row + n * isz + nb * row
+    us = time_loop(fn, arg)
+    return us, nbytes / us / 1e3
+
+
+def check(out_rows):
+    """Kernel vs jnp reference on this device: code agreement and decoded error."""
+    rng = np.random.default_rng(0)
+    for name, b, dtype in itertools.product(
+            ["taco", "taco-1scale", "taco-e5m2", "taco-int8", "block-fp8"],
+            [32, 64, 128, 256, 512], [jnp.bfloat16, jnp.float32, jnp.float16]):
+        if name != "taco" and (b != 256 or dtype != jnp.bfloat16):
+            continue
+        c = codecs.get(name, block_size=b)
+        x = rng.standard_t(3, size=(4099, b)).astype(np.float32) * 0.01
+        x[7, 3] = np.nan
+        x[11, 0] = np.inf
+        x = jnp.asarray(x).astype(dtype)
+        wk, wr = compress.compress(x, c, interpret=INTERP), compress.compress_reference(x, c)
+        codes_k, codes_r = np.asarray(wk[:, :b]), np.asarray(wr[:, :b])
+        dk = np.asarray(decompress.decompress(wr, c, interpret=INTERP), np.float64)
+        dr = np.asarray(decompress.decompress_reference(wr, c), np.float64)
+        fin = np.isfinite(dr)
+        recv = jnp.stack([wr, wr])
+        rk = np.asarray(decompress.decompress_reference(reduce.reduce(recv, x, jnp.int32(1), c, interpret=INTERP), c))
+        rr = np.asarray(decompress.decompress_reference(reduce.reduce_reference(recv, x, 1, c), c))
+        rfin = np.isfinite(rr)
+        out_rows.append({
+            "codec": name, "block": b, "dtype": jnp.dtype(dtype).name,
+            "codes_differ_frac": float(np.mean(codes_k != codes_r)),
+            "decode_max_rel": float(np.max(np.abs(dk[fin] - dr[fin])) / np.max(np.abs(dr[fin]))),
+            "nan_rows_match": bool(np.array_equal(np.isnan(dk).any(1), np.isnan(dr).any(1))),
+            "reduce_max_rel": float(np.max(np.abs(rk[rfin] - rr[rfin])) / np.max(np.abs(rr[rfin]))),
+            "reduce_nan_match": bool(np.array_equal(np.isnan(rk), np.isnan(rr))),
+        })
+    print_table(out_rows, list(out_rows[0]))
+
+
+def hlo_custom_calls() -> list[str]:
+    c = codecs.get("taco")
+    x = jnp.ones((1024, 256), jnp.bfloat16)
+    if INTERP:
+        return []
+    txt = jax.jit(lambda v: decompress.decompress(compress.compress(v, c), c)).lower(x) \
+        .compile().as_text()
+    return sorted({l.split("custom_call_target=")[1].split(",")[0]
+                   for l in txt.splitlines() if "custom_call_target=" in l})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256, 1024])
+    ap.add_argument("--codecs", nargs="+", default=["taco"])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--out", default="bench/results/kernels.json")
+    args = ap.parse_args()
+    facts = env_facts()
+    result = {**facts, "custom_calls": hlo_custom_calls()}
+    print(facts, "custom calls:", result["custom_calls"])
+    if args.check:
+        result["check"] = []
+        check(result["check"])
+    result["roofline_gbs"] = roofline_gbs(256 * MIB)
+    print(f"roofline (XLA f32 x+1, 256 MiB): {result['roofline_gbs']:.0f} GB/s")
+    if args.sweep:
+        result["sweep"] = []
+        c = codecs.get("taco")
+        n = 256 * MIB // 2
+        for tm, warps, stages, precise in itertools.product(
+                [16, 32, 64], [4, 8], [1, 2, 3], [True, False]):
+            cfg = common.KernelConfig(tm, warps, stages, precise)
+            for kind in ["compress", "decompress"]:
+                try:
+                    us, gbs = bench_kernel(kind, c, n, cfg)
+                except Exception as e:  # a config that does not compile is a finding
+                    us, gbs = None, None
+                    print(f"{cfg} {kind}: {type(e).__name__}: {str(e)[:200]}")
+                result["sweep"].append({"kernel": kind, "tm": tm, "warps": warps,
+                                        "stages": stages, "precise": precise, "us": us,
+                                        "fraction_of_roofline": gbs and gbs / result["roofline_gbs"]})
+        print_table(result["sweep"], list(result["sweep"][0]))
+    rows = []
+    for name in args.codecs:
+        c = codecs.get(name)
+        for mib in args.sizes_mib:
+            n = mib * MIB // 2                                  # bf16 input elements
+            for kind in ["compress", "decompress", "reduce"]:
+                us, gbs = bench_kernel(kind, c, n)
+                rows.append({"kernel": kind, "codec": name, "elements": n, "mib": mib,
+                             "us": round(us, 1), "effective_gbs": round(gbs, 1),
+                             "fraction_of_roofline": round(gbs / result["roofline_gbs"], 3)})
+    result["rows"] = rows
+    print_table(rows, list(rows[0]))
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
