@@ -29,23 +29,17 @@ def env_facts() -> dict:
 
 def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:
     """Median µs per call of fn(x), timed inside one jitted fori_loop so dispatch overhead
-    (~100 µs per call) does not hide small kernels. Each iteration writes one element of the
-    input from the previous output, so XLA cannot hoist the call out of the loop; the update
-    is in place on the carried buffer (a few bytes)."""
-    def body(_, carry):
-        x, _ = carry
-        out = fn(x)
-        leaf = jax.tree.leaves(out)[0]
-        poke = leaf.reshape(-1)[0].astype(x.dtype) * 0
-        idx = (0,) * x.ndim
-        x = lax.dynamic_update_slice(x, (x[idx] + poke).reshape((1,) * x.ndim), idx)
-        return x, out
-
+    (~100 µs per call) does not hide small kernels. An optimization barrier ties the input
+    to the loop index, so XLA cannot hoist the loop-invariant call out of the loop, without
+    touching the data."""
     @jax.jit
     def loop(x):
+        def body(i, carry):
+            xi, _ = lax.optimization_barrier((x, i))
+            return carry[0] + 1, fn(xi)
         out0 = jax.eval_shape(fn, x)
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
-        return lax.fori_loop(0, iters, body, (x, init))
+        return lax.fori_loop(0, iters, body, (0, init))
 
     jax.block_until_ready(loop(x))                      # compile + warm up
     times = []

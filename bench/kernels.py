@@ -118,9 +118,9 @@ def main():
         result["sweep"] = []
         c = codecs.get("taco")
         n = 256 * MIB // 2
-        for tm, warps, stages, precise in itertools.product(
-                [16, 32, 64], [4, 8], [1, 2, 3], [True, False]):
-            cfg = common.KernelConfig(tm, warps, stages, precise)
+        for tm, warps, stages, tiles in itertools.product(
+                [8, 16, 32], [4, 8], [2, 3], [1, 8]):
+            cfg = common.KernelConfig(tm, warps, stages, None, tiles)
             for kind in ["compress", "decompress"]:
                 try:
                     us, gbs = bench_kernel(kind, c, n, cfg)
@@ -128,7 +128,7 @@ def main():
                     us, gbs = None, None
                     print(f"{cfg} {kind}: {type(e).__name__}: {str(e)[:200]}")
                 result["sweep"].append({"kernel": kind, "tm": tm, "warps": warps,
-                                        "stages": stages, "precise": precise, "us": us,
+                                        "stages": stages, "tiles": tiles, "us": us,
                                         "fraction_of_roofline": gbs and gbs / result["roofline_gbs"]})
         print_table(result["sweep"], list(result["sweep"][0]))
     rows = []

@@ -17,14 +17,24 @@ from taco_jax import hadamard
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Tiling of one program. Defaults measured on H200 (see docs/design.md)."""
-    blocks_per_program: int = 32    # rows of B elements per program (power of two)
+    blocks_per_program: int = 16    # rows of B elements per tile (power of two)
     num_warps: int = 4
-    num_stages: int = 2
-    precise: bool = True            # bf16 hi+lo split of the intermediate (≈16-bit mantissa)
+    num_stages: int = 3
+    # bf16 hi+lo split of the Hadamard intermediate (≈16 mantissa bits). None: only where
+    # the data is wider than bf16; for bf16 data the single rounding (2^-9) adds ~0.1% to
+    # the FP8 error of ~2.6% and costs ~15% of compress time (measured, docs/design.md).
+    precise: bool | None = None
+    tiles_per_program: int = 1      # >1: a loop over tiles per program (lets Triton pipeline)
 
     @staticmethod
     def default(block_size: int) -> "KernelConfig":
-        return KernelConfig(blocks_per_program=max(8, 8192 // block_size))
+        return KernelConfig(blocks_per_program=max(8, 4096 // block_size))
+
+    def resolve(self, wide: bool) -> "KernelConfig":
+        """Fix `precise` for data that is (wide=True) or is not wider than bf16."""
+        if self.precise is not None:
+            return self
+        return dataclasses.replace(self, precise=wide)
 
 
 def kron_ok(block_size: int) -> bool:
@@ -70,22 +80,36 @@ def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: boo
     return _dot(y, ha, False, precise).reshape(tm, block_size)
 
 
-def row_tile(ref, tm: int, col0: int, width: int, n_rows: int, lead=()):
-    """Index + mask for rows [pid·tm, pid·tm + tm) and columns [col0, col0 + width)."""
-    rows = pl.program_id(0) * tm + jnp.arange(tm)
+def row_tile(ref, tile, tm: int, col0: int, width: int, n_rows: int, lead=()):
+    """Index + mask for rows [tile·tm, tile·tm + tm) and columns [col0, col0 + width)."""
+    rows = tile * tm + jnp.arange(tm)
     cols = col0 + jnp.arange(width)
     mask = (rows < n_rows)[:, None]
     return ref.at[(*lead, rows[:, None], cols[None, :])], mask
 
 
-def load_rows(ref, tm, col0, width, n_rows, lead=()):
-    view, mask = row_tile(ref, tm, col0, width, n_rows, lead)
+def load_rows(ref, tile, tm, col0, width, n_rows, lead=()):
+    view, mask = row_tile(ref, tile, tm, col0, width, n_rows, lead)
     return plgpu.load(view, mask=mask, other=0)
 
 
-def store_rows(ref, value, tm, col0, n_rows):
-    view, mask = row_tile(ref, tm, col0, value.shape[1], n_rows)
+def store_rows(ref, tile, value, tm, col0, n_rows):
+    view, mask = row_tile(ref, tile, tm, col0, value.shape[1], n_rows)
     plgpu.store(view, value, mask=mask)
+
+
+def for_each_tile(cfg: KernelConfig, body) -> None:
+    """Run body(tile) for this program's tiles: one, or a loop Triton can pipeline."""
+    t = cfg.tiles_per_program
+    if t == 1:
+        body(pl.program_id(0))
+        return
+    pid = pl.program_id(0)
+
+    def step(k, carry):
+        body(pid * t + k)
+        return carry
+    jax.lax.fori_loop(0, t, step, 0)
 
 
 def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, name: str,
@@ -95,7 +119,7 @@ def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, n
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(pl.cdiv(n_rows, cfg.blocks_per_program),),
+        grid=(pl.cdiv(pl.cdiv(n_rows, cfg.blocks_per_program), cfg.tiles_per_program),),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages),
         interpret=interpret,

@@ -38,11 +38,15 @@ def _encode_tile(x, h1, h2, codec, cfg, exact_input):
 
 def compress_kernel(x_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
     tm, b = cfg.blocks_per_program, codec.block_size
-    x = common.load_rows(x_ref, tm, 0, b, n_rows).astype(jnp.float32)
-    codes, scales = _encode_tile(x, h1_ref[...], h2_ref[...], codec, cfg,
-                                 exact_input=x_ref.dtype == jnp.bfloat16)
-    common.store_rows(o_ref, codes, tm, 0, n_rows)
-    common.store_rows(o_ref, scales, tm, b, n_rows)
+    h1, h2 = h1_ref[...], h2_ref[...]
+
+    def tile(t):
+        x = common.load_rows(x_ref, t, tm, 0, b, n_rows).astype(jnp.float32)
+        codes, scales = _encode_tile(x, h1, h2, codec, cfg,
+                                     exact_input=x_ref.dtype == jnp.bfloat16)
+        common.store_rows(o_ref, t, codes, tm, 0, n_rows)
+        common.store_rows(o_ref, t, scales, tm, b, n_rows)
+    common.for_each_tile(cfg, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
@@ -51,7 +55,7 @@ def compress(x, codec, cfg=None, interpret=False):
     n_rows, b = x.shape
     if b != codec.block_size or not codec.has_kernel:
         raise ValueError(f"compress kernel: got {x.shape=} for {codec}")
-    cfg = cfg or common.KernelConfig.default(b)
+    cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=x.dtype != jnp.bfloat16)
     h1, h2 = common.hadamard_operands(b)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
     out = common.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)

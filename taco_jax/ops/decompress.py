@@ -30,10 +30,14 @@ def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
 
 def decompress_kernel(w_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
     tm, b = cfg.blocks_per_program, codec.block_size
-    codes = common.load_rows(w_ref, tm, 0, b, n_rows)
-    scale_bytes = common.load_rows(w_ref, tm, b, 4 * codec.n_scales, n_rows)
-    x = _decode_tile(codes, scale_bytes, h1_ref[...], h2_ref[...], codec, cfg)
-    common.store_rows(o_ref, x.astype(o_ref.dtype), tm, 0, n_rows)
+    h1, h2 = h1_ref[...], h2_ref[...]
+
+    def tile(t):
+        codes = common.load_rows(w_ref, t, tm, 0, b, n_rows)
+        scale_bytes = common.load_rows(w_ref, t, tm, b, 4 * codec.n_scales, n_rows)
+        x = _decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+        common.store_rows(o_ref, t, x.astype(o_ref.dtype), tm, 0, n_rows)
+    common.for_each_tile(cfg, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
@@ -43,7 +47,7 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
     if row != codec.row_bytes or not codec.has_kernel:
         raise ValueError(f"decompress kernel: got {w.shape=} for {codec}")
     b = codec.block_size
-    cfg = cfg or common.KernelConfig.default(b)
+    cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=out_dtype != jnp.bfloat16)
     h1, h2 = common.hadamard_operands(b)
     kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
     out = common.out_struct((n_rows, b), out_dtype, w)

@@ -19,15 +19,18 @@ def reduce_kernel(r_ref, x_ref, me_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_
     tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
     h1, h2 = h1_ref[...], h2_ref[...]
     me = me_ref[0]
-    acc = common.load_rows(x_ref, tm, 0, b, n_rows).astype(jnp.float32)
-    for p in range(n_peers):   # P is small (the TP degree): unrolled
-        codes = common.load_rows(r_ref, tm, 0, b, n_rows, lead=(p,))
-        scale_bytes = common.load_rows(r_ref, tm, b, 4 * ns, n_rows, lead=(p,))
-        dec = decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
-        acc = acc + jnp.where(me == p, 0.0, dec)     # own copy: use the exact input instead
-    codes, scales = compress._encode_tile(acc, h1, h2, codec, cfg, exact_input=False)
-    common.store_rows(o_ref, codes, tm, 0, n_rows)
-    common.store_rows(o_ref, scales, tm, b, n_rows)
+
+    def tile(t):
+        acc = common.load_rows(x_ref, t, tm, 0, b, n_rows).astype(jnp.float32)
+        for p in range(n_peers):   # P is small (the TP degree): unrolled
+            codes = common.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
+            scale_bytes = common.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
+            dec = decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+            acc = acc + jnp.where(me == p, 0.0, dec)  # own copy: the exact input instead
+        codes, scales = compress._encode_tile(acc, h1, h2, codec, cfg, exact_input=False)
+        common.store_rows(o_ref, t, codes, tm, 0, n_rows)
+        common.store_rows(o_ref, t, scales, tm, b, n_rows)
+    common.for_each_tile(cfg, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
@@ -37,7 +40,8 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False):
     n_peers, n_rows, row = recv.shape
     if row != codec.row_bytes or own.shape != (n_rows, codec.block_size):
         raise ValueError(f"reduce kernel: got {recv.shape=}, {own.shape=} for {codec}")
-    cfg = cfg or common.KernelConfig.default(codec.block_size)
+    cfg = (cfg or common.KernelConfig.default(codec.block_size)).resolve(
+        wide=own.dtype != jnp.bfloat16)
     h1, h2 = common.hadamard_operands(codec.block_size)
     me = jnp.asarray(me, jnp.int32).reshape(1)
     kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
