@@ -24,11 +24,11 @@ import taco_jax  # noqa: E402
 MIB = 1 << 20
 
 
-def make_fns(mesh, codec, min_bytes, check_vma=True):
+def make_fns(mesh, codec, min_bytes, check_vma=True, chunk_bytes=None):
     out = P() if check_vma else P("tp")
 
     def taco(v):
-        return taco_jax.psum(v, "tp", codec=codec, min_bytes=min_bytes)
+        return taco_jax.psum(v, "tp", codec=codec, min_bytes=min_bytes, chunk_bytes=chunk_bytes)
     lax_fn = jax.shard_map(lambda v: jax.lax.psum(v, "tp"), mesh=mesh, in_specs=P("tp"),
                            out_specs=out, check_vma=check_vma)
     taco_fn = jax.shard_map(taco, mesh=mesh, in_specs=P("tp"), out_specs=out,
@@ -64,6 +64,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--codecs", nargs="+", default=["taco"])
+    ap.add_argument("--chunks-mib", type=float, nargs="*", default=[],
+                    help="also time forced compression with these chunk sizes (0 = none)")
     ap.add_argument("--out", default="bench/results/collectives.json")
     args = ap.parse_args()
     n_dev = jax.device_count()
@@ -90,6 +92,9 @@ def main():
                          "taco_psum_us": round(t_def, 1), "ratio": round(t_def / lax_us, 3),
                          "compressed_us": round(t_forced, 1),
                          "compressed_ratio": round(t_forced / lax_us, 3)})
+            for cm in args.chunks_mib:
+                _, fn = make_fns(mesh, codec, 0, chunk_bytes=int(cm * MIB))
+                rows[-1][f"chunk{cm:g}MiB_ratio"] = round(time_loop(fn, x) / lax_us, 3)
             print_table(rows[-1:], list(rows[-1]))
     result["rows"] = rows
     print_table(rows, list(rows[0]))

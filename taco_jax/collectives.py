@@ -27,6 +27,8 @@ from taco_jax import codecs, dispatch, telemetry
 # Below this many bytes per device, the fixed latency of three kernels and two collectives
 # loses to one NCCL all-reduce; measured on 2×H200 (docs/results.md).
 DEFAULT_MIN_BYTES = 4 << 20
+# Chunk size of the pipelined two-shot (paper: 64 MB best); measured on 2×H200.
+DEFAULT_CHUNK_BYTES = 32 << 20
 
 
 # -- argument handling ----------------------------------------------------------
@@ -63,62 +65,82 @@ def _varying(x, axis) -> bool:
 
 
 # -- the two-shot all-reduce ------------------------------------------------------
-def _segments(x, p: int, block: int):
-    """Flatten and pad to P·nb whole blocks: (P·nb, B) with segment j = rows [j·nb, (j+1)·nb)."""
+def _chunking(n: int, p: int, block: int, itemsize: int, chunk_bytes: int | None):
+    """(k chunks, nb rows per segment per chunk): rows = k·P·nb ≥ n / B. Prefers a k that
+    divides the segment rows evenly, so tensors of whole blocks need no padding copy."""
+    seg_rows = max(1, -(-n // (p * block)))
+    if not chunk_bytes:
+        return 1, seg_rows
+    target = max(1, -(-seg_rows * p * block * itemsize // chunk_bytes))
+    for k in range(target, 2 * target + 1):
+        if seg_rows % k == 0:
+            return k, seg_rows // k
+    return target, -(-seg_rows // target)
+
+
+def _two_shot(x, axis, codec, p: int, chunk_bytes: int | None):
+    """Chunk c covers rows [c·P·nb, (c+1)·P·nb) of the (rows, B) block view; within it,
+    segment j (nb rows) is owned by device j. Chunks are independent, so XLA can overlap
+    the kernels of one chunk with the collectives of another."""
+    b, row = codec.block_size, codec.row_bytes
     flat = x.reshape(-1)
-    nb = max(1, -(-flat.size // (p * block)))
-    pad = p * nb * block - flat.size
-    if pad:
-        flat = jnp.pad(flat, (0, pad))
-    return flat.reshape(p * nb, block), nb
-
-
-def _two_shot(x, axis, codec, p: int):
-    blocks, nb = _segments(x, p, codec.block_size)                  # (P·nb, B)
+    k, nb = _chunking(flat.size, p, b, x.dtype.itemsize, chunk_bytes)
+    total = k * p * nb
+    if total * b != flat.size:
+        flat = jnp.pad(flat, (0, total * b - flat.size))
+    blocks = flat.reshape(total, b)                                  # (rows, B)
     me = lax.axis_index(axis)
-    wire = dispatch.compress(blocks, codec).reshape(p, nb, codec.row_bytes)
-    recv = lax.all_to_all(wire, axis, 0, 0)                          # recv[j]: from device j
-    own = lax.dynamic_slice_in_dim(blocks, me * nb, nb)             # exact own segment
-    mine = dispatch.reduce(recv, own, me, codec)                    # (nb, row) compressed sum
-    everyone = lax.all_gather(mine, axis, to="invarying" if _check_vma() else "varying")
-    out = dispatch.decompress(everyone.reshape(p * nb, codec.row_bytes), codec, x.dtype)
+    to = "invarying" if _check_vma() else "varying"
+    out = None
+    for c in range(k):
+        base = c * p * nb
+        wire = dispatch.compress(blocks, codec, row0=base, n_rows=p * nb)
+        recv = lax.all_to_all(wire.reshape(p, nb, row), axis, 0, 0)  # recv[j]: from device j
+        mine = dispatch.reduce(recv, blocks, me, codec, own_row0=base + me * nb)
+        everyone = lax.all_gather(mine, axis, to=to)                 # (P, nb, row)
+        out = dispatch.decompress(everyone.reshape(p * nb, row), codec, x.dtype, into=out,
+                                  row0=base, total_rows=total)
     y = codecs.from_blocks(out, x.shape)
     if telemetry.enabled():
-        telemetry.report("psum", x, y, axis, codec, wire_bytes=2 * p * nb * codec.row_bytes)
+        telemetry.report("psum", x, y, axis, codec, wire_bytes=2 * total * row)
     return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _psum(x, axis, codec, p, vma):
-    return _two_shot(x, axis, codec, p)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _psum(x, axis, codec, p, vma, chunk):
+    return _two_shot(x, axis, codec, p, chunk)
 
 
-def _psum_fwd(x, axis, codec, p, vma):
-    return _two_shot(x, axis, codec, p), None
+def _psum_fwd(x, axis, codec, p, vma, chunk):
+    return _two_shot(x, axis, codec, p, chunk), None
 
 
-def _psum_bwd(axis, codec, p, vma, _, g):
+def _psum_bwd(axis, codec, p, vma, chunk, _, g):
     # lax.psum's transpose: under check_vma the cotangent of an invariant output is
     # broadcast to the varying input; without it, JAX's convention is psum(g).
     if vma:
         return (lax.pcast(g, axis, to="varying"),)
-    return (_psum(g, axis, codec, p, vma),)
+    return (_psum(g, axis, codec, p, vma, chunk),)
 
 
 _psum.defvjp(_psum_fwd, _psum_bwd)
 
 
-def psum(x, axis_name, *, codec="taco", min_bytes: int | None = None):
+def psum(x, axis_name, *, codec="taco", min_bytes: int | None = None,
+         chunk_bytes: int | None = None):
     """Drop-in for `jax.lax.psum` inside `jax.shard_map`, compressed with `codec`.
 
     Leaves that are not float32/bfloat16/float16, smaller than `min_bytes`
     (default DEFAULT_MIN_BYTES) or on an axis of size 1, and every leaf with codec="none",
     go through `lax.psum` unchanged. The result is identical on every device.
+    Tensors larger than `chunk_bytes` (default DEFAULT_CHUNK_BYTES; 0 = never) are split
+    into chunks whose compression overlaps the communication of their neighbours.
     """
     codec = codecs.get(codec)
     axis = _single_axis(axis_name, "psum")
     p = _axis_size(axis, "psum")
     min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
+    chunk = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
     vma = _check_vma()
 
     def leaf(v):
@@ -126,28 +148,29 @@ def psum(x, axis_name, *, codec="taco", min_bytes: int | None = None):
         if (p == 1 or not _compressible(v, codec) or v.size * v.dtype.itemsize < min_bytes
                 or (vma and not _varying(v, axis))):
             return lax.psum(v, axis)
-        return _psum(v, axis, codec, p, vma)
+        return _psum(v, axis, codec, p, vma, chunk)
     return jax.tree.map(leaf, x)
 
 
 # -- pvary: Megatron's f (identity forward, compressed all-reduce backward) ----------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _pvary(x, axis, codec, p, vma):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _pvary(x, axis, codec, p, vma, chunk):
     return lax.pcast(x, axis, to="varying") if vma else x
 
 
-def _pvary_fwd(x, axis, codec, p, vma):
-    return _pvary(x, axis, codec, p, vma), None
+def _pvary_fwd(x, axis, codec, p, vma, chunk):
+    return _pvary(x, axis, codec, p, vma, chunk), None
 
 
-def _pvary_bwd(axis, codec, p, vma, _, g):
-    return (_psum(g, axis, codec, p, vma),)
+def _pvary_bwd(axis, codec, p, vma, chunk, _, g):
+    return (_psum(g, axis, codec, p, vma, chunk),)
 
 
 _pvary.defvjp(_pvary_fwd, _pvary_bwd)
 
 
-def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None):
+def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None,
+          chunk_bytes: int | None = None):
     """Identity forward; compressed psum of the cotangent backward (Megatron's `f`).
 
     Under check_vma=True the result is varying over `axis_name` (like
@@ -156,6 +179,7 @@ def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None):
     axis = _single_axis(axis_name, "pvary")
     p = _axis_size(axis, "pvary")
     min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
+    chunk = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
     vma = _check_vma()
 
     def leaf(v):
@@ -164,5 +188,5 @@ def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None):
             raise ValueError(f"taco_jax.pvary: x is already varying over {axis!r}")
         if (p == 1 or not _compressible(v, codec) or v.size * v.dtype.itemsize < min_bytes):
             return lax.pcast(v, axis, to="varying") if vma else v
-        return _pvary(v, axis, codec, p, vma)
+        return _pvary(v, axis, codec, p, vma, chunk)
     return jax.tree.map(leaf, x)

@@ -11,6 +11,7 @@ import os
 import threading
 
 import jax
+import jax.numpy as jnp
 
 from taco_jax.ops import compress as _c, decompress as _d, reduce as _r
 
@@ -47,22 +48,29 @@ def backend_for(codec) -> str:
     return name
 
 
-def compress(x, codec):
+def compress(x, codec, row0: int = 0, n_rows: int | None = None):
+    """Compress rows [row0, row0 + n_rows) of the (rows, B) array x."""
     mode = backend_for(codec)
     if mode == "reference":
-        return _c.compress_reference(x, codec)
-    return _c.compress(x, codec, interpret=mode == "interpret")
+        n = x.shape[0] - row0 if n_rows is None else n_rows
+        return _c.compress_reference(x[row0:row0 + n], codec)
+    return _c.compress(x, codec, interpret=mode == "interpret", row0=row0, n_rows=n_rows)
 
 
-def decompress(w, codec, out_dtype):
+def decompress(w, codec, out_dtype, into=None, row0: int = 0, total_rows: int | None = None):
+    """Decode w; windowed into rows [row0, …) of a (total_rows, B) buffer (see ops)."""
     mode = backend_for(codec)
     if mode == "reference":
-        return _d.decompress_reference(w, codec, out_dtype)
-    return _d.decompress(w, codec, out_dtype=out_dtype, interpret=mode == "interpret")
+        y = _d.decompress_reference(w, codec, out_dtype)
+        if into is None and (row0 or total_rows not in (None, w.shape[0])):
+            into = jnp.zeros((total_rows or row0 + w.shape[0], y.shape[1]), out_dtype)
+        return y if into is None else jax.lax.dynamic_update_slice_in_dim(into, y, row0, 0)
+    return _d.decompress(w, codec, out_dtype=out_dtype, interpret=mode == "interpret",
+                         into=into, row0=row0, total_rows=total_rows)
 
 
-def reduce(recv, own, me, codec):
+def reduce(recv, own, me, codec, own_row0=0):
     mode = backend_for(codec)
     if mode == "reference":
-        return _r.reduce_reference(recv, own, me, codec)
-    return _r.reduce(recv, own, me, codec, interpret=mode == "interpret")
+        return _r.reduce_reference(recv, own, me, codec, own_row0)
+    return _r.reduce(recv, own, me, codec, interpret=mode == "interpret", own_row0=own_row0)

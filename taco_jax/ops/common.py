@@ -80,21 +80,24 @@ def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: boo
     return _dot(y, ha, False, precise).reshape(tm, block_size)
 
 
-def row_tile(ref, tile, tm: int, col0: int, width: int, n_rows: int, lead=()):
-    """Index + mask for rows [tile·tm, tile·tm + tm) and columns [col0, col0 + width)."""
-    rows = tile * tm + jnp.arange(tm)
+def row_tile(ref, tile, tm: int, col0: int, width: int, n_rows: int, lead=(), row0=0):
+    """Index + mask for rows row0 + [tile·tm, tile·tm + tm) (masked to < row0 + n_rows) and
+    columns [col0, col0 + width). row0 lets a kernel work on a window of a larger array
+    (a chunk of a pipelined collective) without slicing copies."""
+    local = tile * tm + jnp.arange(tm)
     cols = col0 + jnp.arange(width)
-    mask = (rows < n_rows)[:, None]
+    mask = (local < n_rows)[:, None]
+    rows = row0 + local
     return ref.at[(*lead, rows[:, None], cols[None, :])], mask
 
 
-def load_rows(ref, tile, tm, col0, width, n_rows, lead=()):
-    view, mask = row_tile(ref, tile, tm, col0, width, n_rows, lead)
+def load_rows(ref, tile, tm, col0, width, n_rows, lead=(), row0=0):
+    view, mask = row_tile(ref, tile, tm, col0, width, n_rows, lead, row0)
     return plgpu.load(view, mask=mask, other=0)
 
 
-def store_rows(ref, tile, value, tm, col0, n_rows):
-    view, mask = row_tile(ref, tile, tm, col0, value.shape[1], n_rows)
+def store_rows(ref, tile, value, tm, col0, n_rows, row0=0):
+    view, mask = row_tile(ref, tile, tm, col0, value.shape[1], n_rows, row0=row0)
     plgpu.store(view, value, mask=mask)
 
 
@@ -113,7 +116,7 @@ def for_each_tile(cfg: KernelConfig, body) -> None:
 
 
 def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, name: str,
-           *args):
+           *args, aliases=None):
     """pallas_call over row tiles; refs are whole arrays (tiles are addressed by hand so
     payload and scales of one row can live in one uint8 buffer)."""
     return pl.pallas_call(
@@ -124,6 +127,7 @@ def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, n
                                              num_stages=cfg.num_stages),
         interpret=interpret,
         name=name,
+        input_output_aliases=aliases or {},
     )(*args)
 
 

@@ -36,12 +36,12 @@ def _encode_tile(x, h1, h2, codec, cfg, exact_input):
     return codes, quant.pack_scales(scales)
 
 
-def compress_kernel(x_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
+def compress_kernel(x_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows, row0):
     tm, b = cfg.blocks_per_program, codec.block_size
     h1, h2 = h1_ref[...], h2_ref[...]
 
     def tile(t):
-        x = common.load_rows(x_ref, t, tm, 0, b, n_rows).astype(jnp.float32)
+        x = common.load_rows(x_ref, t, tm, 0, b, n_rows, row0=row0).astype(jnp.float32)
         codes, scales = _encode_tile(x, h1, h2, codec, cfg,
                                      exact_input=x_ref.dtype == jnp.bfloat16)
         common.store_rows(o_ref, t, codes, tm, 0, n_rows)
@@ -49,15 +49,18 @@ def compress_kernel(x_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
     common.for_each_tile(cfg, tile)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
-def compress(x, codec, cfg=None, interpret=False):
-    """(n_blocks, B) float → (n_blocks, row_bytes) uint8 with the fused Pallas kernel."""
-    n_rows, b = x.shape
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "row0", "n_rows"))
+def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None):
+    """(n_blocks, B) float → (n_blocks, row_bytes) uint8 with the fused Pallas kernel.
+    With row0/n_rows: compress only rows [row0, row0 + n_rows) of x (no slicing copy)."""
+    b = x.shape[1]
+    n_rows = x.shape[0] - row0 if n_rows is None else n_rows
     if b != codec.block_size or not codec.has_kernel:
         raise ValueError(f"compress kernel: got {x.shape=} for {codec}")
     cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=x.dtype != jnp.bfloat16)
     h1, h2 = common.hadamard_operands(b)
-    kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
+    kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
+                               row0=row0)
     out = common.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
     return common.launch(kernel, out, n_rows, cfg, interpret, "taco_compress", x, h1, h2)
 

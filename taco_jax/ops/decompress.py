@@ -28,7 +28,8 @@ def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
     return g * (gain * np.float32(1 / np.sqrt(codec.block_size)))
 
 
-def decompress_kernel(w_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
+def decompress_kernel(w_ref, h1_ref, h2_ref, *refs, codec, cfg, n_rows, row0):
+    o_ref = refs[-1]                     # refs = (into_ref, o_ref) when writing in place
     tm, b = cfg.blocks_per_program, codec.block_size
     h1, h2 = h1_ref[...], h2_ref[...]
 
@@ -36,21 +37,35 @@ def decompress_kernel(w_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
         codes = common.load_rows(w_ref, t, tm, 0, b, n_rows)
         scale_bytes = common.load_rows(w_ref, t, tm, b, 4 * codec.n_scales, n_rows)
         x = _decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
-        common.store_rows(o_ref, t, x.astype(o_ref.dtype), tm, 0, n_rows)
+        common.store_rows(o_ref, t, x.astype(o_ref.dtype), tm, 0, n_rows, row0=row0)
     common.for_each_tile(cfg, tile)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
-def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
-    """(n_blocks, row_bytes) uint8 → (n_blocks, B) out_dtype with the fused Pallas kernel."""
+@functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret", "row0",
+                                             "total_rows"))
+def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False, into=None,
+               row0=0, total_rows=None):
+    """(n_blocks, row_bytes) uint8 → (n_blocks, B) out_dtype with the fused Pallas kernel.
+
+    Windowed: the result is a (total_rows, B) buffer whose rows [row0, row0 + n_blocks)
+    hold the decoded values; with `into` (aliased, updated in place) the other rows keep
+    into's values, without it they are left unwritten for later windowed calls to fill.
+    This assembles a chunked collective's output without a concatenation copy."""
     n_rows, row = w.shape
     if row != codec.row_bytes or not codec.has_kernel:
         raise ValueError(f"decompress kernel: got {w.shape=} for {codec}")
     b = codec.block_size
     cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=out_dtype != jnp.bfloat16)
     h1, h2 = common.hadamard_operands(b)
-    kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
-    out = common.out_struct((n_rows, b), out_dtype, w)
+    kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
+                               row0=row0)
+    if into is not None:
+        if into.shape[1] != b or into.dtype != out_dtype:
+            raise ValueError(f"decompress into: got {into.shape=} {into.dtype=}")
+        return common.launch(kernel, common.out_struct(into.shape, out_dtype, into), n_rows,
+                             cfg, interpret, "taco_decompress", w, h1, h2, into,
+                             aliases={3: 0})
+    out = common.out_struct((total_rows or row0 + n_rows, b), out_dtype, w)
     return common.launch(kernel, out, n_rows, cfg, interpret, "taco_decompress", w, h1, h2)
 
 

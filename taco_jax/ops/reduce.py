@@ -14,14 +14,14 @@ import jax.numpy as jnp
 from taco_jax.ops import common, compress, decompress
 
 
-def reduce_kernel(r_ref, x_ref, me_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows,
+def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows,
                   n_peers):
     tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
     h1, h2 = h1_ref[...], h2_ref[...]
-    me = me_ref[0]
+    me, own_row0 = idx_ref[0], idx_ref[1]
 
     def tile(t):
-        acc = common.load_rows(x_ref, t, tm, 0, b, n_rows).astype(jnp.float32)
+        acc = common.load_rows(x_ref, t, tm, 0, b, n_rows, row0=own_row0).astype(jnp.float32)
         for p in range(n_peers):   # P is small (the TP degree): unrolled
             codes = common.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
             scale_bytes = common.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
@@ -34,26 +34,27 @@ def reduce_kernel(r_ref, x_ref, me_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
-def reduce(recv, own, me, codec, cfg=None, interpret=False):
-    """recv (P, n_blocks, row_bytes) uint8, own (n_blocks, B) float, me int32 scalar
-    → (n_blocks, row_bytes) uint8: the compressed fp32 sum."""
+def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
+    """recv (P, n_blocks, row_bytes) uint8, own (≥ own_row0 + n_blocks, B) float, me int32
+    → (n_blocks, row_bytes) uint8: the compressed fp32 sum. The exact own segment is rows
+    [own_row0, own_row0 + n_blocks) of `own` (own_row0 may be traced, e.g. from me)."""
     n_peers, n_rows, row = recv.shape
-    if row != codec.row_bytes or own.shape != (n_rows, codec.block_size):
+    if row != codec.row_bytes or own.shape[1] != codec.block_size or own.shape[0] < n_rows:
         raise ValueError(f"reduce kernel: got {recv.shape=}, {own.shape=} for {codec}")
     cfg = (cfg or common.KernelConfig.default(codec.block_size)).resolve(
         wide=own.dtype != jnp.bfloat16)
     h1, h2 = common.hadamard_operands(codec.block_size)
-    me = jnp.asarray(me, jnp.int32).reshape(1)
+    idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
     kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                n_peers=n_peers)
     out = common.out_struct((n_rows, row), jnp.uint8, own)
     return common.launch(kernel, out, n_rows, cfg, interpret, "taco_reduce",
-                         recv, own, me, h1, h2)
+                         recv, own, idx, h1, h2)
 
 
-def reduce_reference(recv, own, me, codec):
+def reduce_reference(recv, own, me, codec, own_row0=0):
     """Plain-jnp owner step: same sum order as the kernel (own, then peers 0..P-1)."""
-    acc = own.astype(jnp.float32)
+    acc = jax.lax.dynamic_slice_in_dim(own, own_row0, recv.shape[1]).astype(jnp.float32)
     for p in range(recv.shape[0]):
         dec = decompress.decompress_reference(recv[p], codec)
         acc = acc + jnp.where(me == p, 0.0, dec)
