@@ -24,11 +24,15 @@ from jax._src import config as _jax_config
 
 from taco_jax import codecs, dispatch, telemetry
 
-# Below this many bytes per device, the fixed latency of three kernels and two collectives
-# loses to one NCCL all-reduce; measured on 2×H200 (docs/results.md).
-DEFAULT_MIN_BYTES = 4 << 20
-# Chunk size of the pipelined two-shot (paper: 64 MB best); measured on 2×H200.
-DEFAULT_CHUNK_BYTES = 32 << 20
+# Below this many bytes per device the compressed path does not beat one NCCL all-reduce
+# on 2×H200 NVLink with the current kernels: measured ratio taco/lax 1.10 at 64 MiB,
+# 1.01 at 256 MiB, 0.98 at 1 GiB (bench/results/collectives.json, docs/results.md).
+# Slower links (PCIe, inter-node) break even far lower: pass min_bytes explicitly there.
+DEFAULT_MIN_BYTES = 512 << 20
+# Chunking (paper: 64 MB chunks) only pays if XLA overlaps one chunk's kernels with another
+# chunk's collectives; measured on 2×H200 it did not (8–32 MiB chunks: 1.2–1.8× slower,
+# 64 MiB: 0.96× at 256 MiB but 1.04× at 1 GiB), so it is off by default.
+DEFAULT_CHUNK_BYTES = 0
 
 
 # -- argument handling ----------------------------------------------------------
