@@ -1,0 +1,235 @@
+"""A GPT-2 style transformer in Flax NNX with Megatron tensor parallelism.
+
+The model is written for the *local* shard of one device inside `jax.shard_map` over a mesh
+with axes ("data", "tp") (see models/parallel.py). Parameters that are split over "tp" carry
+their partition as `pspec` metadata; every size the forward pass needs is read from the local
+parameter shapes, so the same code runs at TP = 1, 2, 4, ...
+
+Megatron's conjugate pair (paper Fig. 2, DESIGN_NOTES §3), per block:
+  f = taco_jax.pvary(x, "tp", codec=codec_bwd)  before QKV and MLP-up (column-parallel):
+      identity forward, (compressed) all-reduce of the input gradient backward;
+  g = taco_jax.psum(y, "tp", codec=codec_fwd)   after attention-out and MLP-down (row-parallel):
+      (compressed) all-reduce forward, identity backward.
+So each block has two compressed all-reduces forward and two backward.
+
+Choices (documented in docs/training.md):
+  - LM head untied from the token embedding and vocab-parallel (columns split over "tp"), with a
+    Megatron vocab-parallel cross-entropy: the (B, T, V) logits never get gathered; the three
+    small exact psums it needs are of (B, T) fp32 scalars and are not compressed.
+  - Token/position embeddings and LayerNorms are replicated (invariant over "tp").
+  - fp32 parameters, computation in `dtype` (bf16 by default); LayerNorm statistics and the
+    loss in fp32. No dropout: runs are deterministic, which makes resume bit-exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+import taco_jax
+
+TP = "tp"  # mesh axis of tensor parallelism
+DATA = "data"  # mesh axis of data parallelism
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 4096  # model vocabulary; >= tokenizer vocab, divisible by tp
+    seq_len: int = 128  # context length (position table size)
+    n_layer: int = 4
+    n_head: int = 4  # attention heads; divisible by tp (heads are split over "tp")
+    d_model: int = 128
+    d_ff: int = 0  # MLP hidden size; 0 means 4 * d_model
+    dtype: str = "bfloat16"  # compute dtype (params are fp32); auto = fp32 on CPU, else bf16
+    codec_fwd: str = "taco"  # codec of the forward all-reduces (row-parallel outputs)
+    codec_bwd: str = "taco"  # codec of the backward all-reduces (column-parallel inputs)
+    attention: str = "auto"  # jax.nn.dot_product_attention implementation: auto | xla | cudnn
+    min_bytes: int = -1  # all-reduces smaller than this stay lax.psum; -1 = taco_jax's default
+
+    @property
+    def comm(self) -> dict:
+        """Keyword arguments of taco_jax.psum / pvary besides the codec."""
+        return {} if self.min_bytes < 0 else {"min_bytes": self.min_bytes}
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def compute_dtype(self):
+        if self.dtype == "auto":  # XLA:CPU's bf16 backward matmuls are ~6x slower than fp32
+            return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return _DTYPES[self.dtype]
+
+    def validate(self, tp: int = 1) -> "GPTConfig":
+        """Raise ValueError naming the values if this shape cannot run with `tp` shards."""
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
+        if self.d_ff < 0:
+            raise ValueError(f"model.d_ff={self.d_ff} must be >= 0 (0 means 4 * d_model)")
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} must be divisible by "
+                             f"model.n_head={self.n_head}")
+        if self.dtype not in (*_DTYPES, "auto"):
+            raise ValueError(f"model.dtype={self.dtype!r} must be one of "
+                             f"{[*_DTYPES, 'auto']}")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"model.attention={self.attention!r} must be auto, xla or cudnn")
+        if self.min_bytes < -1:
+            raise ValueError(f"model.min_bytes={self.min_bytes} must be >= 0, or -1 for the "
+                             f"taco_jax default")
+        if tp <= 0:
+            raise ValueError(f"tp={tp} must be positive")
+        for name, size in (("n_head", self.n_head), ("d_ff", self.ff),
+                           ("vocab_size", self.vocab_size)):
+            if size % tp:
+                raise ValueError(f"model.{name}={size} is not divisible by tp={tp}: "
+                                 f"Megatron TP splits it evenly over the 'tp' mesh axis")
+        for name in ("codec_fwd", "codec_bwd"):  # the one place codec names are checked
+            try:
+                taco_jax.codecs.get(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"model.{name}={getattr(self, name)!r}: {e}") from None
+        return self
+
+    def num_params(self) -> int:
+        d, ff, v, n = self.d_model, self.ff, self.vocab_size, self.n_layer
+        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)
+        return v * d + self.seq_len * d + n * block + 2 * d + d * v
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers. `pspec` metadata = the parameter's partition over the mesh (None = replicated dim).
+
+def _normal(rngs: nnx.Rngs, shape, std: float):
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, d: int):
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)  # statistics in fp32: bf16 variance loses too much
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention; heads split over "tp" (QKV column-, output row-parallel)."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, h, hd = cfg.d_model, cfg.n_head, cfg.head_dim
+        self.cfg = cfg
+        self.qkv_kernel = nnx.Param(_normal(rngs, (d, 3, h, hd), 0.02),
+                                    pspec=(None, None, TP, None))
+        self.qkv_bias = nnx.Param(jnp.zeros((3, h, hd), jnp.float32), pspec=(None, TP, None))
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer).
+        self.out_kernel = nnx.Param(_normal(rngs, (h, hd, d), 0.02 / math.sqrt(2 * cfg.n_layer)),
+                                    pspec=(TP, None, None))
+        self.out_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+
+    def __call__(self, x):  # x: (B, T, d), invariant over "tp"
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        x = taco_jax.pvary(x, TP, codec=cfg.codec_bwd, **cfg.comm)  # Megatron f
+        qkv = jnp.einsum("btd,dkhe->btkhe", x, self.qkv_kernel[...].astype(dt))
+        qkv = qkv + self.qkv_bias[...].astype(dt)  # (B, T, 3, H/tp, hd)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        impl = None if cfg.attention == "auto" else cfg.attention
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        y = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt))  # partial sum
+        y = taco_jax.psum(y, TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
+        return y + self.out_bias[...].astype(dt)
+
+
+class MLP(nnx.Module):
+    """GELU MLP; hidden units split over "tp" (up column-, down row-parallel)."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, ff = cfg.d_model, cfg.ff
+        self.cfg = cfg
+        self.up_kernel = nnx.Param(_normal(rngs, (d, ff), 0.02), pspec=(None, TP))
+        self.up_bias = nnx.Param(jnp.zeros((ff,), jnp.float32), pspec=(TP,))
+        self.down_kernel = nnx.Param(_normal(rngs, (ff, d), 0.02 / math.sqrt(2 * cfg.n_layer)),
+                                     pspec=(TP, None))
+        self.down_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+
+    def __call__(self, x):  # x: (B, T, d), invariant over "tp"
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        x = taco_jax.pvary(x, TP, codec=cfg.codec_bwd, **cfg.comm)  # Megatron f
+        h = x @ self.up_kernel[...].astype(dt) + self.up_bias[...].astype(dt)  # (B, T, ff/tp)
+        h = jax.nn.gelu(h, approximate=True)
+        y = h @ self.down_kernel[...].astype(dt)  # partial sum over the hidden shards
+        y = taco_jax.psum(y, TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
+        return y + self.down_bias[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.ln1 = LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg, rngs)
+        self.ln2 = LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02))
+        self.wpe = nnx.Param(_normal(rngs, (cfg.seq_len, cfg.d_model), 0.01))
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
+        self.ln_f = LayerNorm(cfg.d_model)
+        self.lm_head = nnx.Param(_normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02),
+                                 pspec=(None, TP))
+
+    def __call__(self, tokens):
+        """tokens (B, T) int32 -> local logits (B, T, V/tp) fp32, vocab shard of this device."""
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        t = tokens.shape[1]
+        if t > cfg.seq_len:
+            raise ValueError(f"sequence length {t} > model.seq_len={cfg.seq_len}")
+        x = (self.wte[...][tokens] + self.wpe[...][:t]).astype(dt)  # (B, T, d)
+        for block in self.blocks:
+            x = block(x)
+        x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.codec_bwd, **cfg.comm)  # f of the LM head
+        return jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(dt),
+                          preferred_element_type=jnp.float32)
+
+    def loss(self, tokens, targets):
+        """Mean next-token cross-entropy over this device's tokens (invariant over "tp")."""
+        return vocab_parallel_xent(self(tokens), targets).mean()
+
+
+def vocab_parallel_xent(logits, targets, axis: str = TP):
+    """Cross-entropy with logits split over `axis` along the vocabulary (Megatron).
+
+    logits: (B, T, V/P) fp32, this device's vocab shard [i*V/P, (i+1)*V/P); targets: (B, T).
+    Returns (B, T) losses, identical on every device of `axis`.
+    """
+    v_local = logits.shape[-1]
+    start = lax.axis_index(axis) * v_local
+    # The max only stabilises exp; logsumexp does not depend on it, so no gradient through it.
+    m = lax.pmax(lax.stop_gradient(logits.max(-1)), axis)  # (B, T)
+    sum_exp = lax.psum(jnp.exp(logits - m[..., None]).sum(-1), axis)
+    local = targets - start
+    mine = (local >= 0) & (local < v_local)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, v_local - 1)[..., None], -1)[..., 0]
+    target_logit = lax.psum(jnp.where(mine, picked, 0.0), axis)
+    return m + jnp.log(sum_exp) - target_logit

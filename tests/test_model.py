@@ -1,0 +1,128 @@
+"""models/: the TP GPT agrees across TP sizes and data parallelism, and rejects bad shapes."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from models import parallel
+from models.gpt import GPTConfig
+
+# Odd sizes on purpose: head_dim 6, d_ff 40, vocab 68 (divisible by 4, not a power of two).
+CFG = GPTConfig(vocab_size=68, seq_len=12, n_layer=2, n_head=4, d_model=24, d_ff=40,
+                dtype="float32", codec_fwd="none", codec_bwd="none", attention="xla")
+BATCH = 4
+
+
+def _tokens(cfg, batch=BATCH, seed=0):
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1)).astype(np.int32)
+    return t[:, :-1], t[:, 1:]
+
+
+def _loss_and_grads(cfg, data, tp, seed=0):
+    mesh = parallel.make_mesh(data, tp)
+    model = parallel.shard_gpt(cfg, mesh)
+    params = model.init(jax.random.key(0))
+    x, y = (parallel.put_batch(a, mesh) for a in _tokens(cfg, seed=seed))
+    loss, grads = jax.jit(model.loss_and_grad_fn())(params, x, y)
+    return float(loss), jax.device_get(grads), jax.device_get(params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _loss_and_grads(CFG, 1, 1)
+
+
+def _max_rel_err(a, b):
+    errs = jax.tree.map(lambda u, v: np.max(np.abs(u - v)) / (np.max(np.abs(v)) + 1e-12), a, b)
+    return max(jax.tree.leaves(errs))
+
+
+@pytest.mark.parametrize("data,tp", [(1, 2), (1, 4), (2, 2)])
+def test_tp_and_dp_match_single_device(reference, data, tp):
+    loss0, grads0, params0 = reference
+    loss, grads, params = _loss_and_grads(CFG, data, tp)
+    # Same init regardless of the mesh: parameters are initialised globally, then sharded.
+    assert _max_rel_err(params, params0) == 0.0
+    assert abs(loss - loss0) < 1e-5 * loss0, (loss, loss0)
+    err = _max_rel_err(grads, grads0)
+    assert err < 1e-4, f"max relative gradient error {err:.2e} at data={data} tp={tp}"
+
+
+def test_loss_at_init_is_near_uniform(reference):
+    loss0, grads0, _ = reference
+    assert abs(loss0 - np.log(CFG.vocab_size)) < 0.1, loss0
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads0))
+    # every parameter gets a gradient (nothing silently detached)
+    assert all(np.any(g != 0) for g in jax.tree.leaves(grads0))
+
+
+def test_bf16_compute_close_to_fp32(reference):
+    loss0, grads0, _ = reference
+    loss, grads, _ = _loss_and_grads(dataclasses.replace(CFG, dtype="bfloat16"), 1, 4)
+    assert abs(loss - loss0) < 2e-2 * loss0, (loss, loss0)
+    g, g0 = np.concatenate([a.ravel() for a in jax.tree.leaves(grads)]), \
+        np.concatenate([a.ravel() for a in jax.tree.leaves(grads0)])
+    cos = g @ g0 / (np.linalg.norm(g) * np.linalg.norm(g0))
+    assert cos > 0.99, cos
+
+
+def test_taco_first_step_loss_close_to_uncompressed():
+    """TACO on every all-reduce (min_bytes=0) perturbs the first loss only slightly."""
+    base = dataclasses.replace(CFG, dtype="bfloat16", d_model=64, n_head=4, d_ff=0,
+                               vocab_size=128, seq_len=16)
+    loss_none, grads_none, _ = _loss_and_grads(base, 1, 4)
+    taco = dataclasses.replace(base, codec_fwd="taco", codec_bwd="taco", min_bytes=0)
+    loss_taco, grads_taco, _ = _loss_and_grads(taco, 1, 4)
+    assert abs(loss_taco - loss_none) < 1e-2 * loss_none, (loss_taco, loss_none)
+    g, g0 = (np.concatenate([a.ravel() for a in jax.tree.leaves(t)])
+             for t in (grads_taco, grads_none))
+    cos = g @ g0 / (np.linalg.norm(g) * np.linalg.norm(g0))
+    assert cos > 0.98, cos
+
+
+def test_causal_and_vocab_parallel_logits():
+    """Logits at position t ignore tokens after t; logits come back as (B, T, V)."""
+    mesh = parallel.make_mesh(1, 4)
+    model = parallel.shard_gpt(CFG, mesh)
+    params = model.init(jax.random.key(1))
+    x, _ = _tokens(CFG)
+    x2 = x.copy()
+    x2[:, 7:] = (x2[:, 7:] + 1) % CFG.vocab_size
+    logits = jax.jit(model.logits_fn())
+    a = np.asarray(logits(params, parallel.put_batch(x, mesh)))
+    b = np.asarray(logits(params, parallel.put_batch(x2, mesh)))
+    assert a.shape == (BATCH, CFG.seq_len, CFG.vocab_size)
+    np.testing.assert_array_equal(a[:, :7], b[:, :7])
+    assert np.abs(a[:, 7:] - b[:, 7:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("change,tp,match", [
+    (dict(n_head=6), 4, "model.n_head=6 is not divisible by tp=4"),
+    (dict(d_model=25), 1, "model.d_model=25 must be divisible by model.n_head=4"),
+    (dict(vocab_size=66), 4, "model.vocab_size=66 is not divisible by tp=4"),
+    (dict(d_ff=42), 4, "model.d_ff=42 is not divisible by tp=4"),
+    (dict(codec_fwd="tacoo"), 1, "tacoo"),
+    (dict(dtype="fp8"), 1, "model.dtype='fp8'"),
+    (dict(n_layer=0), 1, "model.n_layer=0"),
+])
+def test_bad_model_configs_fail_clearly(change, tp, match):
+    with pytest.raises((ValueError, KeyError), match=match):
+        dataclasses.replace(CFG, **change).validate(tp=tp)
+
+
+def test_bad_meshes_fail_clearly():
+    with pytest.raises(ValueError, match="needs 16 devices but only 8"):
+        parallel.mesh_shape(8, tp=16)
+    with pytest.raises(ValueError, match="needs 12 devices but only 8"):
+        parallel.mesh_shape(8, tp=4, data=3)
+    with pytest.raises(ValueError, match="needs 16 devices but only 8 cpu devices"):
+        parallel.make_mesh(4, 4)
+    assert parallel.mesh_shape(8, tp=0, data=2) == (2, 4)
+    assert parallel.mesh_shape(8, tp=2, data=0) == (4, 2)
+    with pytest.raises(ValueError, match="model.n_head=4 is not divisible by tp=8"):
+        parallel.shard_gpt(CFG, parallel.make_mesh(1, 8))
+    with pytest.raises(ValueError, match="train.batch_size=3 must be a positive multiple of"
+                                         " the data-parallel size data=2"):
+        parallel.check_batch(3, CFG.seq_len, CFG, parallel.make_mesh(2, 2))

@@ -1,0 +1,194 @@
+"""train/: presets build, configs parse and fail clearly, a smoke run writes its artifacts,
+and a run interrupted by SIGTERM resumes bit-exactly."""
+import json
+import re
+import signal
+import sysconfig
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import train
+from models import parallel
+from train import config as config_lib
+from train import data as data_lib
+from train.metrics import read_jsonl
+
+PRESETS = sorted(config_lib.CONFIG_DIR.glob("*.yaml"))
+CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"  # ~50 KB of Python, on every machine
+
+
+def _overrides(cache, run_dir, *extra):
+    return ["model.vocab_size=512", "model.seq_len=32", "model.n_layer=2", "model.n_head=4",
+            "model.d_model=32", "parallel.tp=2", "parallel.data=2",
+            f"data.paths=[{CORPUS}]", f"data.cache_dir={cache}", "train.batch_size=4",
+            "train.steps=6", "train.eval_every=3", "train.ckpt_every=3", "train.eval_batches=2",
+            "train.progress=false", "optim.warmup_steps=2", f"train.run_dir={run_dir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def full_run(cache, tmp_path_factory):
+    """6 uninterrupted steps (TACO on every all-reduce, data=2 x tp=2)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "full"
+    return train.run(config_lib.load_config("tiny", _overrides(cache, run_dir)))
+
+
+# ---------------------------------------------------------------------------------------------
+# presets and config parsing
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_preset_builds(preset):
+    cfg = config_lib.load_config(preset, ["parallel.tp=2"])
+    mesh = parallel.make_mesh(1, 2)
+    prog = train.build(cfg, mesh)
+    state = prog.abstract_state()  # no 350M parameters allocated
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    assert n == cfg.model.num_params()
+    x = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), np.int32,
+                             sharding=jax.sharding.NamedSharding(mesh, parallel.BATCH_SPEC))
+    new_state, metrics = jax.eval_shape(prog.step, state, x, x)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    assert metrics["loss"].shape == ()
+    expected = {"tiny": (1e6, 3e6), "small": (110e6, 170e6), "350m": (330e6, 400e6),
+                "comm_heavy": (10e6, 200e6)}[preset.stem]
+    assert expected[0] < n < expected[1], n
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_preset_fields_are_commented(preset):
+    """Every leaf field of a preset carries a one-line reason (STYLE.md 9)."""
+    for line in preset.read_text().splitlines():
+        if re.match(r"^\s+\w+:\s*\S", line):  # an indented `key: value` line
+            assert "#" in line, f"{preset.name}: no comment on {line.strip()!r}"
+
+
+def test_overrides_and_codec_shorthand():
+    cfg = config_lib.load_config("tiny", ["codec=none", "model.n_layer=2", "optim.lr=1e-3",
+                                          "data.paths=[a, b]", "train.async_ckpt=false"])
+    assert (cfg.model.codec_fwd, cfg.model.codec_bwd) == ("none", "none")
+    assert cfg.model.n_layer == 2 and cfg.optim.lr == 1e-3 and cfg.data.paths == ("a", "b")
+    assert cfg.train.async_ckpt is False
+    cfg = config_lib.load_config("tiny", ["model.codec_fwd=taco", "model.codec_bwd=fp8"])
+    assert (cfg.model.codec_fwd, cfg.model.codec_bwd) == ("taco", "fp8")
+    # the dump of a config loads back to the same config
+    assert config_lib.from_dict(__import__("yaml").safe_load(config_lib.dump(cfg))) == cfg
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.n_layers=2"], r"unknown config key 'model.n_layers'"),
+    (["train.steps=ten"], r"train.steps='ten': expected int"),
+    (["train.steps=2.5"], r"train.steps=2.5: expected int"),
+    (["codec=taco2"], r"model.codec_fwd='taco2'"),
+    (["model.n_head=5"], r"model.d_model=128 must be divisible by model.n_head=5"),
+    (["parallel.tp=8"], r"model.n_head=4 is not divisible by tp=8"),
+    (["train.batch_size=0"], r"train.batch_size=0 must be positive"),
+    (["data.tokenizer=sentencepiece"], r"data.tokenizer='sentencepiece'"),
+    (["data.tokenizer=bytes", "model.vocab_size=128"], r"model.vocab_size=128 < 257"),
+    (["optim.min_lr=1.0"], r"optim.min_lr=1.0 <= optim.lr=0.003"),
+    (["train.steps"], r"must look like key=value"),
+])
+def test_bad_configs_fail_clearly(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        config_lib.load_config("tiny", overrides)
+
+
+def test_config_too_big_for_the_devices():
+    cfg = config_lib.load_config("tiny", ["parallel.tp=4", "parallel.data=4"])
+    with pytest.raises(ValueError, match="needs 16 devices but only 8"):
+        train.loop.build_mesh(cfg)
+    cfg = config_lib.load_config("tiny", ["parallel.data=2", "parallel.tp=2",
+                                          "train.batch_size=5"])
+    with pytest.raises(ValueError, match="train.batch_size=5 must be a positive multiple"):
+        train.build(cfg, train.loop.build_mesh(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+def test_data_is_deterministic_and_offline(cache):
+    dcfg = config_lib.load_config("tiny", [f"data.paths=[{CORPUS}]", f"data.cache_dir={cache}",
+                                           "model.vocab_size=512"]).data
+    a = data_lib.load_corpus(dcfg, 512, verbose=False)
+    b = data_lib.load_corpus(dcfg, 512, verbose=False)  # from the cache
+    assert a.path == b.path and a.tokenizer_file is not None
+    assert a.train.dtype == np.uint16 and 0 < a.vocab_size <= 512
+    assert len(a.val) == int((len(a.train) + len(a.val)) * dcfg.val_fraction)
+    batches = data_lib.Batches(a.train, 4, 32, seed=0)
+    x, y = batches[7]
+    assert x.shape == y.shape == (4, 32) and x.dtype == np.int32
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    np.testing.assert_array_equal(batches[7][0], data_lib.Batches(b.train, 4, 32, seed=0)[7][0])
+    assert not np.array_equal(batches[7][0], batches[8][0])
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(a.tokenizer_file))
+    text = (CORPUS / "__init__.py").read_text()[:200]
+    assert tok.decode(tok.encode(text).ids) == text
+    by = data_lib._tokenize(["hé"], "bytes", 0, cache)
+    assert by[1] == 257 and list(by[0]) == [104, 195, 169, 256]
+
+
+# ---------------------------------------------------------------------------------------------
+# the training program
+
+def test_smoke_run_writes_metrics_plot_checkpoint(full_run):
+    run_dir = Path(full_run["run_dir"])
+    assert full_run["step"] == 6 and not full_run["interrupted"]
+    assert full_run["mesh"] == {"data": 2, "tp": 2} and full_run["codec_fwd"] == "taco"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert rows[-1]["loss"] < rows[0]["loss"]  # it learns, even in 6 steps
+    csv_lines = (run_dir / "metrics.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("step,loss,val_loss") and len(csv_lines) == 7
+    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert (run_dir / "ckpt" / "6").is_dir() and (run_dir / "ckpt" / "3").is_dir()
+    assert json.loads((run_dir / "summary.json").read_text())["final_val_loss"] == \
+        full_run["final_val_loss"]
+    assert full_run["step_time_s"] > 0 and full_run["final_train_loss"] == rows[-1]["loss"]
+
+
+def test_sigterm_saves_and_resume_is_bit_exact(full_run, cache, tmp_path, monkeypatch):
+    """Interrupt at step 3 with SIGTERM, resume to 6: the same losses, bit for bit."""
+    run_dir = tmp_path / "interrupted"
+    cfg = config_lib.load_config("tiny", _overrides(cache, run_dir, "train.ckpt_every=0"))
+    real_getitem = data_lib.Batches.__getitem__
+
+    def getitem(self, i):  # deliver SIGTERM while step 3 is being prepared
+        if self.stream == 0 and i == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return real_getitem(self, i)
+
+    monkeypatch.setattr(data_lib.Batches, "__getitem__", getitem)
+    first = train.run(cfg)
+    monkeypatch.setattr(data_lib.Batches, "__getitem__", real_getitem)
+    assert first["interrupted"] and first["step"] == 3
+    assert (run_dir / "ckpt" / "3").is_dir()
+    assert len(read_jsonl(run_dir / "metrics.jsonl")) == 3
+
+    second = train.run(cfg, resume=True)
+    assert second["step"] == 6 and not second["interrupted"]
+    got = read_jsonl(run_dir / "metrics.jsonl")
+    want = read_jsonl(Path(full_run["run_dir"]) / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for g, w in zip(got, want):
+        assert g["loss"] == w["loss"] and g["grad_norm"] == w["grad_norm"], (g, w)
+        assert g.get("val_loss") == w.get("val_loss")
+
+
+def test_plot_cli_draws_several_runs(full_run, tmp_path):
+    from train import plot
+    out = tmp_path / "cmp.png"
+    assert plot.main([full_run["run_dir"], full_run["run_dir"], "-o", str(out),
+                      "--labels", "a", "b"]) == 0
+    assert out.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no metrics.jsonl rows"):
+        plot.main([str(tmp_path), "-o", str(out)])

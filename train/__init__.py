@@ -1,0 +1,5 @@
+"""Training program for the tensor-parallel GPT: `python -m train`, or `train.run(config)`."""
+from train.config import Config, load_config
+from train.loop import build, make_train_step, run
+
+__all__ = ["Config", "build", "load_config", "make_train_step", "run"]

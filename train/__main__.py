@@ -1,0 +1,59 @@
+"""python -m train [--config configs/<name>.yaml] [--resume [RUN_DIR]] [key=value ...]
+
+Multi-process (one process per host or per GPU group):
+    python -m train --coordinator HOST:PORT --num-processes N --process-id I [...]
+or set JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (or run under SLURM etc.)
+with --distributed. See docs/training.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny", help="preset name or YAML path (default tiny)")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
+                   help="continue RUN_DIR (default: newest run of this config) from its "
+                        "latest checkpoint; overrides still apply")
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() (auto-detected cluster or env)")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0 (implies --distributed)")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 codec=none")
+    args = p.parse_args(argv)
+
+    from train import config as config_lib
+    from pathlib import Path
+    import yaml
+
+    overrides = list(args.overrides)
+    if args.resume:  # continue that run: its saved config, then the command line's overrides
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").exists():
+            p.error(f"--resume {args.resume}: no config.yaml in that directory")
+        cfg = config_lib.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()),
+                                   overrides + [f"train.run_dir={run_dir}"])
+    else:
+        cfg = config_lib.load_config(args.config, overrides)
+
+    import jax
+    if args.distributed or args.coordinator:
+        # Gloo carries CPU collectives between processes; the setting is ignored on GPUs.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        from train.loop import setup_backend
+        setup_backend(cfg)
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+
+    from train.loop import run
+    summary = run(cfg, resume=args.resume is not None)
+    if jax.process_index() == 0:
+        print(json.dumps(summary, indent=1))
+    return 130 if summary["interrupted"] and summary["step"] != cfg.train.halt_at else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

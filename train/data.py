@@ -1,0 +1,150 @@
+"""Offline text data: corpus files -> locally trained tokenizer -> cached token memmap -> batches.
+
+Default corpus: the *.py sources of the running interpreter's standard library (present on
+every machine, ~30 MB on CPython 3.12). Nothing is ever downloaded. The cache key is a hash of
+the file names and contents plus the tokenizer settings, so a changed corpus re-tokenizes.
+
+Layout of one cache entry, <cache_dir>/<key>/:
+    tokenizer.json   HF tokenizers BPE (byte-level), absent for the bytes tokenizer
+    tokens.bin       all tokens, documents separated by end-of-text, uint16 or uint32
+    meta.json        dtype, token counts, train/val split, file list
+Split: the last `val_fraction` of the stream is validation (fixed, deterministic).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+EOT = "<|endoftext|>"
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def default_paths() -> tuple[str, ...]:
+    return (sysconfig.get_paths()["stdlib"],)
+
+
+def collect_files(paths, glob: str = "*.py") -> list[Path]:
+    """Files given, plus files matching `glob` under folders given; sorted, deterministic.
+    Inside folders, third-party packages (site-packages) and caches are skipped."""
+    files: list[Path] = []
+    for p in map(Path, paths or default_paths()):
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            files += sorted(f for f in p.rglob(glob) if f.is_file()
+                            and not _SKIP_DIRS.intersection(f.relative_to(p).parts))
+        else:
+            raise FileNotFoundError(f"data path {str(p)!r} does not exist")
+    if not files:
+        raise ValueError(f"no files matching {glob!r} under data.paths={list(paths)}")
+    return files
+
+
+def _read(f: Path) -> str:
+    return f.read_text(encoding="utf-8", errors="replace")
+
+
+def _fingerprint(files: list[Path], extra: str) -> str:
+    h = hashlib.sha256(extra.encode())
+    for f in files:
+        h.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _train_bpe(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def _tokenize(texts: list[str], tokenizer: str, vocab_size: int, out: Path) -> tuple[np.ndarray, int]:
+    """-> (tokens, tokenizer vocab size); writes tokenizer.json for BPE."""
+    if tokenizer == "bytes":
+        eot = 256
+        parts = [np.append(np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint32), eot)
+                 for t in texts]
+        return np.concatenate(parts), 257
+    tok = _train_bpe(texts, vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    eot = tok.token_to_id(EOT)
+    parts = [np.append(np.asarray(e.ids, np.uint32), eot) for e in tok.encode_batch_fast(texts)]
+    return np.concatenate(parts), tok.get_vocab_size()
+
+
+@dataclasses.dataclass
+class Corpus:
+    train: np.ndarray  # token memmaps
+    val: np.ndarray
+    vocab_size: int  # tokenizer vocabulary (<= model.vocab_size)
+    path: Path  # cache entry
+
+    @property
+    def tokenizer_file(self) -> Path | None:
+        p = self.path / "tokenizer.json"
+        return p if p.exists() else None
+
+
+def load_corpus(data_cfg, vocab_size: int, *, verbose: bool = True) -> Corpus:
+    """Build (once) and open the token cache for `data_cfg` (train.config.DataConfig)."""
+    files = collect_files(data_cfg.paths, data_cfg.glob)
+    key = _fingerprint(files, f"{data_cfg.tokenizer}:{vocab_size}:v1")
+    entry = Path(data_cfg.cache_dir) / key
+    meta_file = entry / "meta.json"
+    if not meta_file.exists():
+        if verbose:
+            print(f"[data] tokenizing {len(files)} files ({data_cfg.tokenizer}, "
+                  f"vocab {vocab_size}) into {entry} (cached for later runs)", flush=True)
+        tmp = entry.with_name(f"{key}.tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        tokens, vocab = _tokenize([_read(f) for f in files], data_cfg.tokenizer, vocab_size, tmp)
+        dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
+        tokens.astype(dtype).tofile(tmp / "tokens.bin")
+        meta = dict(dtype=np.dtype(dtype).name, n_tokens=int(tokens.size), vocab_size=vocab,
+                    tokenizer=data_cfg.tokenizer, files=[str(f) for f in files])
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(entry)  # atomic: concurrent builders (several processes) all agree
+        except OSError:  # another process finished first; its entry is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta = json.loads(meta_file.read_text())
+    tokens = np.memmap(entry / "tokens.bin", dtype=meta["dtype"], mode="r")
+    n_val = int(len(tokens) * data_cfg.val_fraction)
+    return Corpus(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:],
+                  meta["vocab_size"], entry)
+
+
+class Batches:
+    """Deterministic random windows: batch i depends only on (seed, split, i).
+
+    That makes the data position a single integer (the next batch index), which the
+    checkpoint stores; resuming at position i replays exactly what an uninterrupted run sees.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
+                 stream: int = 0):
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"only {len(tokens)} tokens in this split, need > seq_len+1="
+                             f"{seq_len + 1}; give more data or a smaller model.seq_len")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.seed, self.stream = seed, stream
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets), each (batch_size, seq_len) int32."""
+        rng = np.random.default_rng([self.seed, self.stream, i])
+        starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        idx = starts[:, None] + np.arange(self.seq_len + 1)  # (B, T+1)
+        window = np.asarray(self.tokens[idx], dtype=np.int32)
+        return window[:, :-1], window[:, 1:]

@@ -1,0 +1,330 @@
+"""The training program: jitted train step on a ("data", "tp") mesh, and the loop around it.
+
+    from train import run, load_config
+    summary = run(load_config("tiny", ["train.steps=20", "codec=none"]))
+
+For benchmarks, `make_train_step(cfg, mesh) -> (init_state_fn, step_fn)` gives the jitted step
+without the loop (see docs/training.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models import parallel
+from models.parallel import ShardedGPT
+from train import config as config_lib
+from train.checkpoint import Checkpointer
+from train.config import Config
+from train.data import Batches, load_corpus
+from train.metrics import MetricsWriter, plot_runs
+
+State = dict  # {"step", "params", "opt_state", "rng", "codec_state"}: one pytree, checkpointed
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and mesh
+
+def setup_backend(cfg: Config) -> None:
+    """Ask for `parallel.cpu_devices` simulated CPU devices. Must run before JAX starts its
+    backends; afterwards (tests, notebooks) the devices already there are kept."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(cfg.parallel.cpu_devices, 1))
+    except RuntimeError:
+        pass
+
+
+def build_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
+    """The ("data", "tp") mesh `cfg.parallel` asks for, on the default backend's devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    data, tp = parallel.mesh_shape(len(devices), cfg.parallel.tp, cfg.parallel.data)
+    return parallel.make_mesh(data, tp, devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and the jitted step
+
+def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, Callable]:
+    o, steps = cfg.optim, cfg.train.steps
+    warmup = min(o.warmup_steps, steps - 1)  # short (smoke) runs keep a decay phase
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=steps,
+        end_value=o.min_lr)
+
+    def decay_mask(params):  # decay matrices and embeddings; not biases or LayerNorm
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: str(path[-1].key).endswith("kernel")
+            or str(path[-1].key) in ("wte", "wpe", "lm_head"), params)
+
+    adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                        mask=decay_mask)
+    tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip else adamw
+    return tx, schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything jitted for one (config, mesh)."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    model: ShardedGPT
+    init: Callable[[int], State]  # seed -> fresh state, sharded on the mesh
+    step: Callable[[State, jax.Array, jax.Array], tuple[State, dict]]  # donates the state
+    eval_loss: Callable[[dict, jax.Array, jax.Array], jax.Array]  # params, x, y -> loss
+    state_shardings: Any  # NamedShardings, same structure as the state
+
+    def abstract_state(self) -> State:
+        """ShapeDtypeStructs (with shardings) of the state, without allocating it."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(self.init, 0), self.state_shardings)
+
+    def put_batch(self, x: np.ndarray) -> jax.Array:
+        return parallel.put_batch(x, self.mesh)
+
+
+def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
+    """Validate `cfg` on `mesh` and build the jitted init / train step / eval loss.
+    Raises ValueError before anything compiles if the config does not fit the mesh."""
+    cfg.validate()
+    model = parallel.shard_gpt(cfg.model, mesh)
+    parallel.check_batch(cfg.train.batch_size, cfg.model.seq_len, cfg.model, mesh)
+    tx, schedule = make_optimizer(cfg)
+    replicated = NamedSharding(mesh, P())
+    param_sh = model.shardings
+    opt_sh = optax.tree_map_params(  # moments sharded like their params, counters replicated
+        tx, lambda _, s: s, jax.eval_shape(tx.init, model.abstract_params()), param_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding))
+    state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh,
+                "rng": replicated, "codec_state": {}}
+    loss_and_grad = model.loss_and_grad_fn()
+
+    init_opt = jax.jit(tx.init, out_shardings=opt_sh)
+
+    def init(seed: int) -> State:
+        key = jax.random.key(seed)
+        params = model.init(key)
+        return {"step": jax.device_put(jnp.zeros((), jnp.int32), replicated),
+                "params": params, "opt_state": init_opt(params),
+                "rng": jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)),
+                                      replicated),
+                "codec_state": {}}  # slot for codec/feedback state (Echo); empty for TACO
+
+    def step(state: State, tokens, targets) -> tuple[State, dict]:
+        loss, grads = loss_and_grad(state["params"], tokens, targets)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": schedule(state["step"])}
+        new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
+               "rng": rng, "codec_state": state["codec_state"]}
+        return new, metrics
+
+    batch_sh = NamedSharding(mesh, parallel.BATCH_SPEC)
+    step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh, batch_sh),
+                      out_shardings=(state_sh, replicated), donate_argnums=0)
+    eval_fn = jax.jit(model.loss_fn(), in_shardings=(param_sh, batch_sh, batch_sh))
+    return Program(cfg, mesh, model, init, step_fn, eval_fn, state_sh)
+
+
+def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
+    """-> (init_state_fn, step_fn) for benchmarks.
+
+    init_state_fn(seed: int) -> state (pytree of global arrays sharded on `mesh`)
+    step_fn(state, tokens, targets) -> (state, {"loss", "grad_norm", "lr"})
+        tokens/targets: int32 (batch_size, seq_len) global arrays split over "data"
+        (`parallel.put_batch(np_array, mesh)`); `state` is donated.
+    """
+    prog = build(cfg, mesh)
+    return prog.init, prog.step
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+def _run_dir(cfg: Config, resume: bool) -> Path:
+    if cfg.train.run_dir:
+        return Path(cfg.train.run_dir)
+    out = Path(cfg.train.out_dir)
+    if resume:
+        runs = sorted(out.glob(f"{cfg.name}-*"), key=lambda p: p.stat().st_mtime)
+        if runs:
+            return runs[-1]
+    stamp = int(time.time())
+    if jax.process_count() > 1:  # every process must agree on the directory
+        from jax.experimental import multihost_utils
+        stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
+    return out / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}"
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM -> finish the current step, checkpoint, exit. A second SIGINT aborts."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def evaluate(prog: Program, params, batches: Batches, n: int) -> float:
+    losses = [prog.eval_loss(params, *map(prog.put_batch, batches[i])) for i in range(n)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def run(config: Config | dict | str, *, resume: bool = False) -> dict:
+    """Train per `config` (a Config, a dict like the YAML presets, or a preset name/path).
+
+    resume=True continues the run in `train.run_dir` (or the newest `<name>-*` in out_dir)
+    from its latest checkpoint. Returns a summary dict (also written to summary.json).
+    """
+    if isinstance(config, (str, Path)):
+        cfg = config_lib.load_config(config)
+    elif isinstance(config, dict):
+        cfg = config_lib.from_dict(config)
+    else:
+        cfg = config.validate()
+    setup_backend(cfg)
+    mesh = build_mesh(cfg)
+    prog = build(cfg, mesh)
+    t_cfg, lead = cfg.train, jax.process_index() == 0
+
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size, verbose=lead)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer vocabulary {corpus.vocab_size} > model.vocab_size="
+                         f"{cfg.model.vocab_size}")
+    seq = cfg.model.seq_len
+    train_batches = Batches(corpus.train, t_cfg.batch_size, seq, t_cfg.seed, stream=0)
+    val_batches = Batches(corpus.val, t_cfg.batch_size, seq, t_cfg.seed, stream=1)
+
+    run_dir = _run_dir(cfg, resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(run_dir / "ckpt", keep=t_cfg.keep, async_save=t_cfg.async_ckpt)
+    state = prog.init(t_cfg.seed)
+    start = 0
+    latest = ckpt.latest_step() if resume else None
+    if latest is not None:
+        state, meta = ckpt.restore(latest, state)
+        start = int(meta["data_pos"])
+    if lead:
+        (run_dir / "config.yaml").write_text(config_lib.dump(cfg))
+    writer = MetricsWriter(run_dir, truncate_after=start if latest is not None else None,
+                           enabled=lead)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+    if lead:
+        print(f"[train] {cfg.name}: {n_params / 1e6:.2f}M params, mesh data={mesh.shape['data']}"
+              f" x tp={mesh.shape['tp']} on {jax.devices()[0].platform}, codec fwd="
+              f"{cfg.model.codec_fwd} bwd={cfg.model.codec_bwd}, run dir {run_dir}"
+              + (f", resumed at step {start}" if latest is not None else ""), flush=True)
+
+    def save(step: int) -> None:
+        ckpt.save(step, state, {"data_pos": step, "name": cfg.name, "time": time.time()})
+
+    tokens_per_step = t_cfg.batch_size * seq
+    step_times, compile_s, row = [], None, {}
+    last_loss = val_loss = None
+    t0 = t_prev = time.perf_counter()
+    pending = 0  # steps since the last host sync
+    bar = None
+    if lead and t_cfg.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=t_cfg.steps, initial=start, desc=cfg.name, unit="step",
+                   dynamic_ncols=True)
+    step = start
+    with _StopFlag() as stop:
+        try:
+            for step in range(start + 1, t_cfg.steps + 1):
+                x, y = train_batches[step - 1]
+                state, metrics = prog.step(state, prog.put_batch(x), prog.put_batch(y))
+                pending += 1
+                last = step == t_cfg.steps
+                halt = step == t_cfg.halt_at or stop.signum is not None
+                is_eval = bool(t_cfg.eval_every and step % t_cfg.eval_every == 0) or last
+                is_ckpt = bool(t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last or halt
+                if step % t_cfg.log_every == 0 or is_eval or is_ckpt:
+                    m = jax.device_get(metrics)  # syncs: the interval's time is real
+                    now = time.perf_counter()
+                    dt = (now - t_prev) / pending
+                    if compile_s is None:
+                        compile_s = now - t_prev  # first interval includes compilation
+                    else:
+                        step_times.append(dt)
+                    t_prev, pending = now, 0
+                    last_loss = float(m["loss"])
+                    row = {"step": step, "loss": last_loss, "lr": float(m["lr"]),
+                           "grad_norm": float(m["grad_norm"]), "step_time_s": dt,
+                           "tokens_per_s": tokens_per_step / dt, "elapsed_s": now - t0}
+                    if not math.isfinite(last_loss):
+                        raise FloatingPointError(f"loss became {last_loss} at step {step}")
+                    if is_eval:
+                        val_loss = row["val_loss"] = evaluate(prog, state["params"], val_batches,
+                                                              t_cfg.eval_batches)
+                    writer.write(row)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                        ms=f"{1e3 * dt:.1f}", refresh=False)
+                        if is_eval:
+                            bar.write(f"step {step}: val loss {val_loss:.4f}")
+                if bar is not None:
+                    bar.update(1)
+                if is_ckpt:
+                    save(step)
+                if is_eval or is_ckpt:
+                    t_prev = time.perf_counter()  # keep eval/save time out of step times
+                if halt:
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+            ckpt.close()
+            writer.close()
+
+    interrupted = step < t_cfg.steps
+    if lead and (run_dir / "metrics.jsonl").exists() and row:
+        plot_runs([run_dir], run_dir / "loss.png", title=f"{cfg.name}: loss")
+    step_time = statistics.median(step_times) if step_times else None
+    summary = {
+        "run_dir": str(run_dir), "name": cfg.name, "step": step, "steps": t_cfg.steps,
+        "interrupted": interrupted, "final_train_loss": last_loss, "final_val_loss": val_loss,
+        "step_time_s": step_time,
+        "tokens_per_s": tokens_per_step / step_time if step_time else None,
+        "compile_s": compile_s, "params": n_params,
+        "mesh": {"data": mesh.shape["data"], "tp": mesh.shape["tp"]},
+        "platform": jax.devices()[0].platform, "devices": jax.device_count(),
+        "codec_fwd": cfg.model.codec_fwd, "codec_bwd": cfg.model.codec_bwd,
+    }
+    if lead:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if interrupted:
+            why = f"signal {stop.signum}" if stop.signum is not None else "train.halt_at"
+            print(f"[train] stopped at step {step} ({why}); checkpoint saved. Continue with: "
+                  f"python -m train --resume {run_dir}", flush=True)
+    return summary

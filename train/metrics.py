@@ -1,0 +1,105 @@
+"""Run metrics: JSONL (source of truth), CSV, TensorBoard events, and loss-curve PNGs."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
+           "elapsed_s")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    """Appends rows to metrics.jsonl / metrics.csv and TensorBoard scalars under run_dir.
+
+    `truncate_after=step` (on resume) drops rows logged after the restored checkpoint, so a
+    resumed run's files read as one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: str | Path, truncate_after: int | None = None,
+                 enabled: bool = True):
+        self.run_dir = Path(run_dir)
+        self.jsonl, self.csv = self.run_dir / "metrics.jsonl", self.run_dir / "metrics.csv"
+        self.enabled = enabled
+        self.tb = None
+        if not enabled:
+            return
+        rows = read_jsonl(self.jsonl)
+        if truncate_after is not None:
+            rows = [r for r in rows if r["step"] <= truncate_after]
+        else:
+            rows = []
+        self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with self.csv.open("w", newline="") as f:
+            w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        from tensorboardX import SummaryWriter
+        purge = None if truncate_after is None else truncate_after + 1
+        self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        row = {k: (float(v) if isinstance(v, float) else v) for k, v in row.items()}
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        with self.csv.open("a", newline="") as f:
+            csv.DictWriter(f, COLUMNS, extrasaction="ignore").writerow(row)
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_runs(run_dirs, out: str | Path, labels=None, title: str | None = None) -> Path:
+    """Train (lines) and validation (markers) loss of several runs on one figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, run in enumerate(map(Path, run_dirs)):
+        rows = read_jsonl(run / "metrics.jsonl")
+        if not rows:
+            raise ValueError(f"no metrics.jsonl rows in run directory {str(run)!r}")
+        label = labels[i] if labels else _label(run)
+        train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+        val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        (line,) = ax.plot(*zip(*train), lw=1.2, label=f"{label} train") if train else (None,)
+        color = line.get_color() if line is not None else None
+        if val:
+            ax.plot(*zip(*val), "o--", color=color, ms=4, lw=0.8, label=f"{label} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title or "loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _label(run: Path) -> str:
+    """Run name plus its codecs, read from the run's config.yaml when present."""
+    cfg_file = run / "config.yaml"
+    if cfg_file.exists():
+        import yaml
+        m = (yaml.safe_load(cfg_file.read_text()) or {}).get("model", {})
+        fwd, bwd = m.get("codec_fwd"), m.get("codec_bwd")
+        codec = fwd if fwd == bwd else f"{fwd}/{bwd}"
+        return f"{run.name} [{codec}]"
+    return run.name
