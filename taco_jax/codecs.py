@@ -14,6 +14,7 @@ they share the wire format and decoder of the block codecs at 4 bytes per block.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -101,7 +102,7 @@ class Codec:
         return self.scale_mode == "block"
 
     def wire_bytes(self, n: int) -> int:
-        return -(-n // self.block_size) * self.row_bytes
+        return n_blocks(n, self.block_size) * self.row_bytes
 
     def replace(self, **kw) -> "Codec":
         return dataclasses.replace(self, **kw)
@@ -115,11 +116,32 @@ class Codec:
 
     def decode(self, enc: Encoded) -> jax.Array:
         from taco_jax import dispatch
+        if enc.data.shape != (n_blocks(enc.size, self.block_size), self.row_bytes):
+            raise ValueError(f"{self.name}: wire buffer of shape {enc.data.shape} does not fit "
+                             f"{enc.shape=} (expected rows of {self.row_bytes} bytes)")
         blocks = dispatch.decompress(enc.data, self, out_dtype=enc.dtype)
         return from_blocks(blocks, enc.shape)
 
     def roundtrip(self, x) -> jax.Array:
-        return self.decode(self.encode(x))
+        """decode(encode(x)); differentiable with the straight-through gradient (identity),
+        since the wire buffer itself is integer and carries no gradient."""
+        x = jnp.asarray(x)
+        check_float(x)
+        return _straight_through(self, x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _straight_through(codec, x):
+    return codec.decode(codec.encode(x))
+
+
+_straight_through.defvjp(lambda codec, x: (_straight_through(codec, x), None),
+                         lambda codec, _, g: (g,))
+
+
+def n_blocks(n: int, block_size: int) -> int:
+    """Rows of the wire buffer for n elements (an empty tensor still sends one row)."""
+    return max(1, -(-n // block_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +153,18 @@ class Identity:
     is_identity = True
     has_kernel = False
 
+    def __post_init__(self):
+        hadamard.check_block_size(self.block_size)
+
     @property
     def row_bytes(self) -> int:
         return 4 * self.block_size
 
     def wire_bytes(self, n: int) -> int:
-        return -(-n // self.block_size) * self.row_bytes
+        return n_blocks(n, self.block_size) * self.row_bytes
+
+    def replace(self, **kw) -> "Identity":
+        return dataclasses.replace(self, **kw)
 
     def encode(self, x) -> Encoded:
         x = jnp.asarray(x)

@@ -20,8 +20,9 @@ MIN_BLOCK, MAX_BLOCK = 32, 512
 
 
 def check_block_size(block_size: int) -> int:
-    b = int(block_size)
-    if b != block_size or b < MIN_BLOCK or b > MAX_BLOCK or b & (b - 1):
+    b = block_size
+    if (not isinstance(b, int) or isinstance(b, bool) or b < MIN_BLOCK or b > MAX_BLOCK
+            or b & (b - 1)):
         raise ValueError(
             f"block_size={block_size!r} must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]")
     return b

@@ -178,10 +178,6 @@ def test_wire_shape_and_bytes(name, n):
 
 
 @pytest.mark.parametrize("name", ["taco", "none"])
-@pytest.mark.xfail(strict=True, reason=(
-    "Codec.wire_bytes(0) returns 0 but encode() of a 0-size tensor emits one padded row "
-    "(codecs.to_blocks pads an empty input to a whole block), so the byte count the "
-    "telemetry/collectives would report disagrees with the buffer actually produced"))
 def test_wire_bytes_of_empty_tensor(name):
     c = codecs.get(name)
     enc = jax.eval_shape(c.encode, jax.ShapeDtypeStruct((0, 5), jnp.float32))
@@ -411,24 +407,13 @@ def test_unknown_codec_name():
         codecs.get("tacoo")
 
 
-IDENTITY_BLOCK_SIZE = pytest.mark.xfail(strict=True, reason=(
-    "codecs.Identity does not validate block_size: get('none', block_size=…) accepts 16, 48, "
-    "100, 1024, 0, -256 and '256' (block_size=0 then fails in encode with a modulo by "
-    "zero), unlike every other codec, which raises ValueError"))
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=IDENTITY_BLOCK_SIZE) if n == "none"
-                                  else n for n in ALL])
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("bad", [16, 48, 100, 1024, 0, -256, "256"], ids=repr)
 def test_bad_block_size(name, bad):
     with pytest.raises(ValueError, match="block_size"):
         codecs.get(name, block_size=bad)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "hadamard.check_block_size accepts 256.0 (int(256.0) == 256.0) but Codec keeps the float: "
-    "row_bytes becomes 264.0 and encode fails inside jnp.pad with 'pad_width must be of "
-    "integral type' instead of a clear error at construction"))
 def test_float_block_size_is_rejected_or_works():
     try:
         c = codecs.get("taco", block_size=256.0)
@@ -453,22 +438,13 @@ def test_bad_codec_fields():
             codecs.Codec(name="x", **{field: value})
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="codecs.get(obj, block_size=…) calls obj.replace(), which "
-    "codecs.Identity lacks: AttributeError for the 'none' codec object"))
-    if n == "none" else n for n in ALL])
+@pytest.mark.parametrize("name", ALL)
 def test_get_passes_codec_objects_through(name):
     c = codecs.get(codecs.get(name), block_size=128)
     assert c.block_size == 128 and c.name == name
 
 
-@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.xfail(
-    strict=True, reason=(
-        "ops.decompress.decompress_reference (the CPU path of Codec.decode) does not check "
-        "w.shape[1] == codec.row_bytes: a taco-1scale buffer decoded as taco silently gives "
-        "±inf (α is read as 0 from bytes that are not there) and a taco buffer decoded as "
-        "taco-1scale silently ignores α; the kernel wrapper raises ValueError"))),
-    "interpret"])
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_decode_rejects_another_codecs_buffer(backend):
     """Decoding a 1-scale buffer (260-byte rows) as "taco" (264) must fail loudly, on every
     backend, instead of returning garbage."""
@@ -479,22 +455,8 @@ def test_decode_rejects_another_codecs_buffer(backend):
 
 
 # -- gradients ---------------------------------------------------------------------------------
-GRAD_ZERO = pytest.mark.xfail(strict=True, reason=(
-    "jax.grad through Codec.roundtrip silently returns exact zeros: the gradient dies at "
-    "lax.bitcast_convert_type to the uint8 wire buffer (integer outputs carry float0 "
-    "tangents). No error, no straight-through estimator; 'none' meanwhile gives the "
-    "identity gradient"))
-GRAD_PALLAS = pytest.mark.xfail(strict=True, reason=(
-    "jax.grad through the Pallas kernel path dies with a bare AssertionError in "
-    "jax/_src/pallas/core.py axis_frame ('assert env.grid_context is not None'): "
-    "pallas_call's JVP rule re-traces the kernel and pl.program_id has no grid there. "
-    "Nothing (custom_vjp / stop_gradient / clear error) guards the kernels"))
-
-
 @pytest.mark.parametrize("name,backend", [
-    pytest.param("taco", "reference", marks=GRAD_ZERO),
-    pytest.param("fp8", "reference", marks=GRAD_ZERO),
-    pytest.param("taco", "interpret", marks=GRAD_PALLAS)])
+    ("taco", "reference"), ("fp8", "reference"), ("taco", "interpret")])
 def test_grad_of_roundtrip_is_clear(name, backend):
     """jax.grad through codec.roundtrip must either raise a clear error or give a defined
     gradient; "none" gives the identity (straight-through), so a lossy codec should too.

@@ -71,6 +71,9 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False, into=
 
 def decompress_reference(w, codec, out_dtype=jnp.float32):
     """Plain-jnp decompress, eqs. 11–13 in the paper's order, f32."""
+    if w.ndim != 2 or w.shape[1] != codec.row_bytes:
+        raise ValueError(f"decompress: got {w.shape=} for {codec.name} (rows of "
+                         f"{codec.row_bytes} bytes)")
     b = codec.block_size
     q = quant.dequant_codes(w[:, :b], codec.code_dtype, jnp.float32)
     scales = quant.unpack_scales(w[:, b:], codec.n_scales)
