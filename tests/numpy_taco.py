@@ -219,9 +219,10 @@ def decode_wire(data: np.ndarray, name: str, b: int, shape: tuple[int, ...]) -> 
 
 # -- comparison helpers shared by the test files ------------------------------------------
 def code_mismatches(lib_codes: np.ndarray, ref_codes: np.ndarray, fmt: Fmt,
-                    rows: np.ndarray | None = None) -> np.ndarray:
+                    rows: np.ndarray | None = None, atol: float = 0.0) -> np.ndarray:
     """Boolean mask of differing code values (over `rows` if given), after asserting that
-    every difference is one step on the grid (a rounding tie, not a wrong code)."""
+    every difference is one step on the grid (a rounding tie, not a wrong code) or, with
+    `atol`, at most atol in code units (for computations with a known absolute error)."""
     a, b = np.asarray(lib_codes, np.float64), np.asarray(ref_codes, np.float64)
     if rows is not None:
         a, b = a[rows], b[rows]
@@ -229,7 +230,7 @@ def code_mismatches(lib_codes: np.ndarray, ref_codes: np.ndarray, fmt: Fmt,
     if diff.any():
         big = np.maximum(np.abs(a[diff]), np.abs(b[diff]))
         step = np.ones_like(big) if fmt.mant_bits is None else fmt.step(big)
-        far = np.abs(a[diff] - b[diff]) > step
+        far = np.abs(a[diff] - b[diff]) > np.maximum(step, atol)
         assert not far.any(), (
             f"{far.sum()} codes differ by more than one {fmt.name} step, e.g. "
             f"{a[diff][far][:5]} vs {b[diff][far][:5]}")

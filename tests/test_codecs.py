@@ -186,10 +186,9 @@ def test_wire_bytes_of_empty_tensor(name):
 
 # -- properties ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def roundtrip3(name: str):
-    """jit of (x, zeros, poisoned) → three roundtrips with one codec (compiled per shape)."""
-    c = codecs.get(name)
-    return jax.jit(lambda a, z, p: (c.roundtrip(a), c.roundtrip(z), c.roundtrip(p)))
+def jit_roundtrip(name: str):
+    """Jitted roundtrip of one codec (compiled once per shape and dtype)."""
+    return jax.jit(codecs.get(name).roundtrip)
 
 
 def check_poison(name, clean_out, poisoned_out, flat_index, b):
@@ -223,7 +222,8 @@ def test_random_shapes(name, dt, shape, seed, poison, where):
     x = jnp.asarray(rng.standard_normal(shape) * np.exp(rng.uniform(-3, 3))).astype(DTYPES[dt])
     k = int(where * n)
     poisoned = x.reshape(-1).at[k].set(poison).reshape(shape) if n else x
-    out, zero_out, poisoned_out = roundtrip3(name)(x, jnp.zeros_like(x), poisoned)
+    rt = jit_roundtrip(name)
+    out, zero_out, poisoned_out = rt(x), rt(jnp.zeros_like(x)), rt(poisoned)
     for y in (out, zero_out, poisoned_out):
         assert y.shape == shape and y.dtype == DTYPES[dt]
     assert np.all(f64(zero_out) == 0)
@@ -259,7 +259,7 @@ def range_data(kind: str, rng) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def all_codecs_roundtrip():
     cs = [codecs.get(n) for n in ALL]
-    return jax.jit(lambda a, p: {c.name: (c.roundtrip(a), c.roundtrip(p)) for c in cs})
+    return jax.jit(lambda a: {c.name: c.roundtrip(a) for c in cs})
 
 
 @pytest.mark.parametrize("dt,decades", [("f32", 30), ("bf16", 30), ("f16", 2)],
@@ -283,7 +283,9 @@ def test_value_range(dt, decades, data):
     poison = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]), "poison")
     pj = xj.reshape(-1).at[k].set(poison).reshape(RANGE_SHAPE)
     xs = f64(xj)
-    for name, (out, poisoned_out) in all_codecs_roundtrip()(xj, pj).items():
+    clean, poisoned = all_codecs_roundtrip()(xj), all_codecs_roundtrip()(pj)
+    for name, out in clean.items():
+        poisoned_out = poisoned[name]
         assert out.shape == RANGE_SHAPE and out.dtype == DTYPES[dt], name
         y = f64(out)
         if name == "none":
@@ -296,13 +298,6 @@ def test_value_range(dt, decades, data):
             if np.all(xs.reshape(-1)[blk:blk + 256] == 0):
                 assert np.all(y.reshape(-1)[blk:blk + 256] == 0), f"{name}: zero block"
         check_poison(name, out, poisoned_out, k, 256)
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_all_zero_is_exact(name):
-    for dt in DTYPES.values():
-        y = codecs.get(name).roundtrip(jnp.zeros((3, 300), dt))
-        assert y.dtype == dt and np.all(np.asarray(y, np.float32) == 0)
 
 
 # -- error ordering ------------------------------------------------------------------------
@@ -451,7 +446,7 @@ def test_decode_rejects_another_codecs_buffer(backend):
     x = jnp.ones((2, 256), jnp.float32)
     enc = codecs.get("taco-1scale").encode(x)
     with dispatch.use_backend(backend), pytest.raises(ValueError, match="260|row"):
-        codecs.get("taco").decode(enc)
+        jax.eval_shape(codecs.get("taco").decode, enc)      # validation needs no compile
 
 
 # -- gradients ---------------------------------------------------------------------------------
@@ -466,7 +461,7 @@ def test_grad_of_roundtrip_is_clear(name, backend):
     w = jnp.cos(jnp.arange(512, dtype=jnp.float32))
     try:
         with dispatch.use_backend(backend):
-            g = jax.grad(lambda v: jnp.sum(c.roundtrip(v) * w))(x)
+            g = jax.jit(jax.grad(lambda v: jnp.sum(c.roundtrip(v) * w)))(x)
     except (TypeError, ValueError, NotImplementedError) as e:
         assert "grad" in str(e).lower() or "differentia" in str(e).lower(), e
         return
@@ -477,3 +472,12 @@ def test_grad_of_none_is_identity():
     w = jnp.cos(jnp.arange(300, dtype=jnp.float32))
     g = jax.grad(lambda v: jnp.sum(codecs.get("none").roundtrip(v) * w))(jnp.ones(300))
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "hadamard.check_block_size now requires isinstance(b, int), which numpy integers fail: "
+    "codecs.get('taco', block_size=np.int64(256)) raises 'block_size=np.int64(256) must be "
+    "a power of two in [32, 512]' — a misleading message for a valid size (operator.index "
+    "would accept numpy ints and still reject 256.0 and True)"))
+def test_numpy_integer_block_size_is_accepted():
+    assert codecs.get("taco", block_size=np.int64(256)).block_size == 256

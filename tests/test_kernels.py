@@ -1,0 +1,356 @@
+"""The fused Pallas kernels (compress, decompress, reduce) against their jnp references.
+
+On CPU the kernels run through Pallas' interpreter (slow: sizes here are a few hundred
+blocks, 2–3 tiles plus a partial one, so the masked tail is exercised); on a GPU the same
+tests run the compiled kernels. A second group lowers every kernel × codec × block size to
+Triton for an H200 on CPU, which catches primitives Triton cannot lower without a GPU.
+
+Tolerances. The kernels do the Hadamard as ±1 bf16 tensor-core dots with fp32 accumulation;
+`precise` adds a second dot for the bf16 residual (≈16 mantissa bits), and resolves to True
+for data wider than bf16. So:
+  * f32/f16 data: codes equal except rounding ties (measured ≤ 0.08% on H200, ~0.02% in the
+    interpreter), each one grid step; decoded values within 1e-6 of the block's max.
+  * bf16 data on the Kronecker path (B ≥ 256): the transform's intermediate is rounded to
+    bf16 once (precise resolves to False): measured 5–6% of codes off, scales within 2e-3,
+    decoded within ~1e-2 relative L2 — about +0.1 percentage point of FP8 error. The
+    rounding error is absolute (~2^-9 of the block's scale), so codes much smaller than the
+    block max can move by several of their own steps (measured ≤ Qmax/300).
+  * bf16 data on the dense path (B < 256): one exact dot, as fine as f32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpy_taco as nt
+from taco_jax import codecs, dispatch
+from taco_jax.ops import common, compress, decompress, reduce
+
+INTERPRET = jax.default_backend() != "gpu"
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+KERNEL_CODECS = ("taco", "taco-e5m2", "taco-int8", "taco-1scale", "block-fp8")
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+OUT_ROUNDOFF = {"f32": 2.0 ** -24, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def n_rows_for(b: int) -> int:
+    """Two and a half default tiles plus one row: full tiles, a partial tile, masking."""
+    tm = common.KernelConfig.default(b).blocks_per_program
+    return 2 * tm + tm // 2 + 1
+
+
+def kernel_rows(n: int, b: int, dt: str, seed: int = 0) -> np.ndarray:
+    """(n, B) rows: Student-t (4 dof) × e^{2·N} row scales, plus a zero row, a constant row,
+    a NaN row, an Inf row, and rows at the edges of the dtype's range (10^±30 for f32/bf16,
+    10^±3 for f16)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_t(4, (n, b)) * np.exp(2 * rng.standard_normal((n, 1)))
+    big = 1e30 if dt != "f16" else 1e3
+    if dt == "f16":
+        x = np.clip(x, -6e4, 6e4)
+    x[1] = 0.0
+    x[2] = 5.0
+    x[3, 7] = np.nan
+    x[4, 0] = np.inf
+    x[5] = rng.standard_normal(b) / big
+    x[6] = rng.standard_normal(b) * big
+    return x.astype(np.float32)
+
+
+def coarse(dt: str, b: int) -> bool:
+    """Does the default config round the transform's intermediate to bf16? (see module doc)"""
+    return dt == "bf16" and common.kron_ok(b)
+
+
+def compare_wires(name, b, w_kernel, w_ref, x, coarse_mode, max_mismatch=None):
+    """Assert kernel and reference wire buffers agree to the documented tolerances."""
+    spec = nt.SPECS[name]
+    ck, sk, ak = nt.parse_wire(w_kernel, name, b)
+    cr, sr, ar = nt.parse_wire(w_ref, name, b)
+    bad = np.isnan(sr)
+    np.testing.assert_array_equal(np.isnan(sk), bad, err_msg="NaN-scale rows differ")
+    np.testing.assert_array_equal(bad, ~np.isfinite(x).all(axis=1))
+    np.testing.assert_allclose(sk[~bad], sr[~bad], rtol=1e-2 if coarse_mode else 2e-5,
+                               err_msg="scale s")
+    if ak is not None:
+        np.testing.assert_allclose(ak, ar, rtol=1e-6, err_msg="alpha")
+    # coarse: the bf16 intermediate carries an absolute error ~2^-9 of the block's scale,
+    # so small codes may move by more than their own step (measured ≤ Qmax/300)
+    diff = nt.code_mismatches(ck, cr, spec.fmt, rows=~bad,
+                              atol=spec.fmt.qmax / 128 if coarse_mode else 0.0)
+    limit = max_mismatch if max_mismatch is not None else (0.10 if coarse_mode else 1e-3)
+    assert diff.mean() <= limit, f"{diff.mean():.2e} of codes differ"
+    # what matters in the end: the error against the input
+    dk = nt.decode_wire(w_kernel, name, b, x.shape)[~bad]
+    dr = nt.decode_wire(w_ref, name, b, x.shape)[~bad]
+    assert nt.rel_l2(dk, dr) <= (3e-2 if coarse_mode else 1e-3)
+    err_k, err_r = nt.rel_l2(dk, x[~bad]), nt.rel_l2(dr, x[~bad])
+    assert err_k <= err_r + (5e-3 if coarse_mode else 1e-4), (err_k, err_r)
+    return diff.mean()
+
+
+# -- compress ----------------------------------------------------------------------------------
+# Each interpreted kernel costs an XLA compile (~1.5 s CPU), so the cases are chosen, not
+# crossed: every codec, every dtype, both transform paths (dense B < 256, Kronecker B ≥ 256).
+COMPRESS_CASES = [("taco", 256, "f32"), ("taco", 512, "bf16"), ("taco-e5m2", 32, "f16"),
+                  ("taco-int8", 256, "bf16"), ("taco-1scale", 64, "bf16"),
+                  ("block-fp8", 128, "f32")]
+
+
+def case_id(v):
+    return f"B{v}" if isinstance(v, int) else str(v)
+
+
+@pytest.mark.parametrize("name,b,dt", COMPRESS_CASES, ids=case_id)
+def test_compress_kernel_vs_reference(name, b, dt):
+    c = codecs.get(name, block_size=b)
+    x = jnp.asarray(kernel_rows(n_rows_for(b), b, dt)).astype(DTYPES[dt])
+    w_kernel = np.asarray(compress.compress(x, c, interpret=INTERPRET))
+    w_ref = np.asarray(compress.compress_reference(x, c))
+    assert w_kernel.shape == w_ref.shape == (x.shape[0], c.row_bytes)
+    compare_wires(name, b, w_kernel, w_ref, f64(x), coarse(dt, b))
+
+
+def test_imprecise_config():
+    """KernelConfig(precise=False) on f32 data: input and intermediate rounded to bf16.
+    Measured 4–7% of codes off and the error against the input up by < 0.005 (compress);
+    decoded values within 1e-2 of the block max (decompress)."""
+    c, cfg = codecs.get("taco", block_size=256), common.KernelConfig(precise=False)
+    x = jnp.asarray(kernel_rows(n_rows_for(256), 256, "f32"))
+    w_kernel = np.asarray(compress.compress(x, c, cfg=cfg, interpret=INTERPRET))
+    w_ref = compress.compress_reference(x, c)
+    frac = compare_wires("taco", 256, w_kernel, np.asarray(w_ref), f64(x), True,
+                         max_mismatch=0.12)
+    assert frac > 1e-3     # the coarse path is really taken
+    got = f64(decompress.decompress(w_ref, c, jnp.float32, cfg=cfg, interpret=INTERPRET))
+    want = f64(decompress.decompress_reference(w_ref, c))
+    ok = ~np.isnan(want).any(axis=1)
+    assert nt.block_rel_max(got[ok], want[ok]) <= 1e-2
+
+
+def test_tiles_per_program_is_bit_identical():
+    """A loop over tiles inside a program computes exactly what one tile per program does."""
+    c = codecs.get("taco-int8", block_size=128)
+    x = jnp.asarray(kernel_rows(45, 128, "f32"))
+    one = common.KernelConfig(blocks_per_program=8)
+    loop = common.KernelConfig(blocks_per_program=8, tiles_per_program=3)
+    w1 = compress.compress(x, c, cfg=one, interpret=INTERPRET)
+    w3 = compress.compress(x, c, cfg=loop, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(w1), np.asarray(w3))
+
+
+# -- decompress ---------------------------------------------------------------------------------
+DECOMPRESS_CASES = [("taco", 256, "f32"), ("taco-e5m2", 512, "bf16"), ("taco-int8", 32, "f16"),
+                    ("taco-1scale", 128, "f32"), ("block-fp8", 256, "bf16")]
+
+
+@pytest.mark.parametrize("name,b,out", DECOMPRESS_CASES, ids=case_id)
+def test_decompress_kernel_vs_reference(name, b, out):
+    """Same wire (from the reference compress) → decoded blocks: NaN rows identical, zero
+    rows exact zeros, values within 2e-6 of each block's max (plus the output dtype's
+    rounding; bf16 output on B ≥ 256 also rounds the intermediate)."""
+    c = codecs.get(name, block_size=b)
+    x = kernel_rows(n_rows_for(b), b, out)              # f16 output: values f16 can hold
+    w = compress.compress_reference(jnp.asarray(x), c)
+    got = f64(decompress.decompress(w, c, DTYPES[out], interpret=INTERPRET))
+    want = f64(decompress.decompress_reference(w, c, DTYPES[out]))
+    assert got.shape == want.shape == x.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    nan_rows = np.isnan(want).any(axis=1)
+    assert np.isnan(want[nan_rows]).all() and nan_rows[3] and nan_rows[4]
+    assert np.all(got[1] == 0)
+    tol = 2e-6 + 2 * OUT_ROUNDOFF[out] + (4e-3 if coarse(out, b) else 0)
+    err = nt.block_rel_max(got[~nan_rows], want[~nan_rows])
+    assert err <= tol, f"max block-relative error {err:.2e} > {tol:.2e}"
+
+
+# -- reduce (decompress P copies, sum with the own segment, recompress) -------------------------
+REDUCE_CASES = [("taco", 256), ("taco-int8", 64)]
+QUANT_BOUND = {"e4m3": 0.06, "e5m2": 0.12, "int8": 0.03}
+
+
+@pytest.mark.parametrize("name,b", REDUCE_CASES, ids=case_id)
+def test_reduce_kernel_vs_reference(name, b):
+    """P = 3 peers, me = 1. The slot of `me` holds garbage (0xFF bytes: NaN scales) that must
+    be ignored in favour of the exact own rows; kernel ≡ reference to tie level, and the
+    result decodes (numpy) to own + Σ_{p≠me} decode(recv[p]) within one quantization."""
+    c = codecs.get(name, block_size=b)
+    n, me, own_row0 = n_rows_for(b), 1, 3
+    rng = np.random.default_rng(1)
+    peers = [compress.compress_reference(
+        jnp.asarray(rng.standard_normal((n, b)) * np.exp(rng.standard_normal((n, 1)))
+                    .astype(np.float32)), c) for _ in range(3)]
+    peers[me] = jnp.full_like(peers[me], 0xFF)
+    recv = jnp.stack(peers)
+    own = jnp.asarray(rng.standard_normal((n + 5, b)).astype(np.float32))
+    w_kernel = np.asarray(reduce.reduce(recv, own, me, c, interpret=INTERPRET,
+                                        own_row0=own_row0))
+    w_ref = np.asarray(reduce.reduce_reference(recv, own, jnp.int32(me), c, own_row0=own_row0))
+    total = f64(own)[own_row0:own_row0 + n] + sum(
+        nt.decode_wire(np.asarray(recv[p]), name, b, (n, b)) for p in (0, 2))
+    assert np.isfinite(nt.decode_wire(w_kernel, name, b, (n, b))).all()
+    compare_wires(name, b, w_kernel, w_ref, total, False)
+    assert nt.rel_l2(nt.decode_wire(w_kernel, name, b, (n, b)), total) <= \
+        QUANT_BOUND[nt.SPECS[name].fmt.name]
+
+
+# -- windows (row0 / n_rows / into / total_rows), as the chunked psum uses them ------------------
+def test_windowed_kernels_match_reference_dispatch():
+    c = codecs.get("taco", block_size=128)
+    x = jnp.asarray(kernel_rows(60, 128, "f32")[8:])          # finite rows only
+    outs = {}
+    for backend in ("interpret" if INTERPRET else "pallas", "reference"):
+        with dispatch.use_backend(backend):
+            w = dispatch.compress(x, c, row0=7, n_rows=33)
+            into = jnp.full((52, 128), -7.0, jnp.float32)
+            y_into = dispatch.decompress(w, c, jnp.float32, into=into, row0=11)
+            y_win = dispatch.decompress(w, c, jnp.float32, row0=4, total_rows=40)
+            assert y_into.shape == (52, 128) and y_win.shape == (40, 128)
+            outs[backend] = (np.asarray(w), f64(y_into), f64(y_win)[4:37])
+    (wk, ik, yk), (wr, ir, yr) = outs.values()
+    assert wk.shape == wr.shape == (33, c.row_bytes)
+    compare_wires("taco", 128, wk, wr, f64(x)[7:40], False)
+    assert np.all(ik[:11] == -7) and np.all(ik[44:] == -7)
+    np.testing.assert_allclose(ik, ir, rtol=0, atol=2e-6 * np.abs(ir).max())
+    np.testing.assert_allclose(yk, yr, rtol=0, atol=2e-6 * np.abs(yr).max())
+
+
+WINDOW_OOB = pytest.mark.xfail(strict=True, reason=(
+    "Static windows are not bounds-checked: compress(x, row0, n_rows) with row0 + n_rows > "
+    "x.shape[0] makes the kernel read past x (interpret: garbage rows; GPU: out-of-bounds "
+    "loads) while the reference path silently returns fewer rows (x[row0:row0+n] is "
+    "short); decompress(w, row0, total_rows) with row0 + len(w) > total_rows makes the "
+    "kernel drop rows and the reference (dynamic_update_slice clamps row0) silently write "
+    "them at the wrong rows. Both are static ints, so the wrappers can raise ValueError"))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+@pytest.mark.parametrize("op", ["compress", "decompress"])
+@WINDOW_OOB
+def test_window_out_of_bounds_is_an_error(op, backend):
+    c = codecs.get("taco", block_size=64)
+    x = jnp.ones((20, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((10, c.row_bytes), jnp.uint8)
+    with dispatch.use_backend(backend), pytest.raises(ValueError):   # static: trace only
+        if op == "compress":
+            jax.eval_shape(lambda v: dispatch.compress(v, c, row0=5, n_rows=20), x)
+        else:
+            jax.eval_shape(lambda v: dispatch.decompress(v, c, jnp.float32, row0=15,
+                                                         total_rows=20), w)
+
+
+# -- through the codec API -------------------------------------------------------------------------
+@pytest.mark.parametrize("name,dt", [("taco", "bf16")], ids=case_id)
+def test_codec_api_on_interpret_backend(name, dt):
+    """codec.encode/decode routed through the kernels: odd shape (padding), a NaN in one
+    block; same result as the reference backend up to ties; shape, dtype, NaN block kept."""
+    c = codecs.get(name)
+    x = np.nan_to_num(kernel_rows(8, 256, "f32")[:6], nan=0.0, posinf=0.0)
+    x = x.reshape(-1)[:1500].reshape(3, 500)
+    x[1, 300] = np.nan                                       # flat 800 → block 3
+    xj = jnp.asarray(x).astype(DTYPES[dt])
+    with dispatch.use_backend("interpret" if INTERPRET else "pallas"):
+        enc = c.encode(xj)
+        y = c.decode(enc)
+    ref = c.roundtrip(xj)
+    assert y.shape == xj.shape and y.dtype == xj.dtype and enc.data.shape == (6, c.row_bytes)
+    yk, yr = f64(y).reshape(-1), f64(ref).reshape(-1)
+    np.testing.assert_array_equal(np.isnan(yk), np.isnan(yr))
+    assert np.isnan(yk[768:1024]).all() and not np.isnan(yk[:768]).any()
+    ok = ~np.isnan(yr)
+    assert nt.rel_l2(yk[ok], yr[ok]) <= (3e-2 if coarse(dt, 256) else 1e-3)
+
+
+# -- validation ------------------------------------------------------------------------------------
+def test_kernel_wrappers_validate_shapes():
+    c = codecs.get("taco", block_size=128)
+    x = jnp.ones((10, 128), jnp.float32)
+    w = compress.compress_reference(x, c)
+    bad = [
+        lambda: compress.compress(jnp.ones((10, 256)), c, interpret=True),
+        lambda: compress.compress(x, codecs.get("fp8", block_size=128), interpret=True),
+        lambda: decompress.decompress(w[:, :-4], c, interpret=True),
+        lambda: decompress.decompress(w, codecs.get("taco-1scale", block_size=128),
+                                      interpret=True),
+        lambda: decompress.decompress(w, codecs.get("hadamard-fp8", block_size=128),
+                                      interpret=True),
+        lambda: decompress.decompress(w, c, jnp.float32, into=jnp.ones((10, 64)),
+                                      interpret=True),
+        lambda: decompress.decompress(w, c, jnp.float32, into=jnp.ones((10, 128), jnp.bfloat16),
+                                      interpret=True),
+        lambda: reduce.reduce(jnp.stack([w, w])[:, :, :-1], x, 0, c, interpret=True),
+        lambda: reduce.reduce(jnp.stack([w, w]), jnp.ones((10, 64)), 0, c, interpret=True),
+        lambda: reduce.reduce(jnp.stack([w, w]), x[:9], 0, c, interpret=True),
+    ]
+    for i, f in enumerate(bad):
+        with pytest.raises(ValueError, match="shape|got"):
+            f()
+            pytest.fail(f"case {i} did not raise")
+
+
+# -- Triton lowering for an H200, on CPU ------------------------------------------------------------
+@pytest.fixture
+def h200(monkeypatch):
+    """Make Pallas' Triton lowering believe it targets an H200 (fp8 casts need sm ≥ 8.9)."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+
+
+def lower_for_cuda(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def lower_kernel(kernel, c, dt, cfg=None) -> str:
+    n, b = 100, c.block_size
+    if kernel == "compress":
+        return lower_for_cuda(lambda x: compress.compress(x, c, cfg=cfg), sds((n, b), dt))
+    if kernel == "decompress":
+        return lower_for_cuda(lambda w: decompress.decompress(w, c, dt, cfg=cfg),
+                              sds((n, c.row_bytes), jnp.uint8))
+    return lower_for_cuda(lambda r, x, me: reduce.reduce(r, x, me, c, cfg=cfg, own_row0=me),
+                          sds((2, n, c.row_bytes), jnp.uint8), sds((2 * n, b), dt),
+                          sds((), jnp.int32))
+
+
+def assert_one_triton_call(text: str, kernel: str):
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert f'name = "taco_{kernel}"' in text
+
+
+KERNELS = ("compress", "decompress", "reduce")
+
+
+@pytest.mark.parametrize("b", [32, 128, 256, 512], ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("name", KERNEL_CODECS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_lowers_to_triton(h200, kernel, name, b):
+    """Each kernel × codec × block size lowers to one Triton custom call (bf16 data for
+    B = 128, 512, f32 data — the precise hi+lo path — for B = 32, 256)."""
+    dt = jnp.bfloat16 if b in (128, 512) else jnp.float32
+    assert_one_triton_call(lower_kernel(kernel, codecs.get(name, block_size=b), dt), kernel)
+
+
+@pytest.mark.parametrize("b", [64, 256], ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_lowers_to_triton_configs(h200, kernel, b):
+    """Non-default configs: forced precise / imprecise, and the pipelined tile loop."""
+    c = codecs.get("taco", block_size=b)
+    for dt, cfg in [(jnp.bfloat16, common.KernelConfig(precise=True)),
+                    (jnp.float32, common.KernelConfig(precise=False)),
+                    (jnp.bfloat16, common.KernelConfig(blocks_per_program=16,
+                                                       tiles_per_program=4))]:
+        assert_one_triton_call(lower_kernel(kernel, c, dt, cfg), kernel)
