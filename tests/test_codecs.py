@@ -212,7 +212,7 @@ def check_poison(name, clean_out, poisoned_out, flat_index, b):
        shape=st.lists(st.integers(0, 45), max_size=3).map(tuple),
        seed=st.integers(0, 2 ** 16), poison=st.sampled_from([np.nan, np.inf, -np.inf]),
        where=st.floats(0, 1, exclude_max=True))
-@settings(max_examples=16, **HYP)
+@settings(max_examples=12, **HYP)
 def test_random_shapes(name, dt, shape, seed, poison, where):
     """Any shape (0-size, scalars, odd sizes) and dtype: shape and dtype preserved, the
     padding never leaks (result agrees with numpy, which pads on its own), bounded error,
@@ -481,3 +481,16 @@ def test_grad_of_none_is_identity():
     "would accept numpy ints and still reject 256.0 and True)"))
 def test_numpy_integer_block_size_is_accepted():
     assert codecs.get("taco", block_size=np.int64(256)).block_size == 256
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "taco-1scale and hadamard-fp8 turn finite inputs of magnitude ~1e37 (10× below the fp32 "
+    "max) into all-NaN blocks: hadamard.forward (and the kernels' hadamard_tile) sum the "
+    "unnormalised ±1 products before dividing by √B, the sum overflows to inf, absmax = inf "
+    "gives s = inf, and z·(1/s) = inf·0 = NaN. taco (α = 1e-3 scales first), fp8 and "
+    "block-fp8 stay finite; normalising before or during the sum would fix it"))
+def test_large_finite_inputs_stay_finite():
+    x = jnp.asarray(range_data("gauss", np.random.default_rng(0)) * 1e37, jnp.float32)
+    assert np.isfinite(f64(x)).all()
+    bad = [n for n, y in all_codecs_roundtrip()(x).items() if not np.isfinite(f64(y)).all()]
+    assert not bad, f"finite input decoded to non-finite values by {bad}"

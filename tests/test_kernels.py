@@ -148,6 +148,21 @@ def test_tiles_per_program_is_bit_identical():
     np.testing.assert_array_equal(np.asarray(w1), np.asarray(w3))
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "The compress kernel applies α after the transform (z = H(x)·α/√B, compress.py's "
+    "docstring: 'H(αG) = αHG'), so on the Kronecker path (B ≥ 256) the unnormalised ±1 sums "
+    "of raw x overflow fp32 for |x| ~ 1e37: absmax = inf, s = inf, codes inf·0 = NaN, and "
+    "every such block decodes to NaN. The reference multiplies by α (= 1e-3 there) first "
+    "and stays finite. Within the tested 1e±30 range the two agree"))
+def test_compress_kernel_large_finite_inputs():
+    c = codecs.get("taco", block_size=256)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 256)) * 1e37, jnp.float32)
+    ref = f64(decompress.decompress_reference(compress.compress_reference(x, c), c))
+    assert np.isfinite(ref).all()
+    got = f64(decompress.decompress_reference(compress.compress(x, c, interpret=INTERPRET), c))
+    assert np.isfinite(got).all(), f"{np.mean(~np.isfinite(got)):.0%} non-finite"
+
+
 # -- decompress ---------------------------------------------------------------------------------
 DECOMPRESS_CASES = [("taco", 256, "f32"), ("taco-e5m2", 512, "bf16"), ("taco-int8", 32, "f16"),
                     ("taco-1scale", 128, "f32"), ("block-fp8", 256, "bf16")]
