@@ -66,6 +66,9 @@ def main():
     ap.add_argument("--codecs", nargs="+", default=["taco"])
     ap.add_argument("--chunks-mib", type=float, nargs="*", default=[],
                     help="also time forced compression with these chunk sizes (0 = none)")
+    ap.add_argument("--dump-hlo", default=None,
+                    help="write the compiled HLO of forced compression at the largest size "
+                         "and the first --chunks-mib value to this path")
     ap.add_argument("--out", default="bench/results/collectives.json")
     args = ap.parse_args()
     n_dev = jax.device_count()
@@ -98,6 +101,16 @@ def main():
             print_table(rows[-1:], list(rows[-1]))
     result["rows"] = rows
     print_table(rows, list(rows[0]))
+    if args.dump_hlo:
+        chunk = int(args.chunks_mib[0] * MIB) if args.chunks_mib else 0
+        _, fn = make_fns(mesh, args.codecs[0], 0, chunk_bytes=chunk)
+        txt = jax.jit(fn).lower(x).compile().as_text()
+        with open(args.dump_hlo, "w") as f:
+            f.write(txt)
+        ops = [l.split("=")[1].split("(")[0].strip().split(" ")[-1] for l in txt.splitlines()
+               if any(k in l for k in ("all-to-all", "all-gather", "custom-call"))
+               and "=" in l]
+        print("collective/custom-call ops in schedule order:", ops[:60])
     write_json(args.out, result)
 
 

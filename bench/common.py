@@ -24,7 +24,7 @@ def env_facts() -> dict:
     dev = jax.devices()[0]
     return {"device": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
             "n_devices": jax.device_count(), "jax": jax.__version__,
-            "commit": commit}
+            "commit": commit, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:

@@ -98,7 +98,8 @@ def _two_shot(x, axis, codec, p: int, chunk_bytes: int | None):
     out = None
     for c in range(k):
         base = c * p * nb
-        wire = dispatch.compress(blocks, codec, row0=base, n_rows=p * nb)
+        wire = dispatch.compress(blocks, codec, row0=base, n_rows=p * nb,
+                                 skip_start=me * nb, skip_rows=nb)   # own segment: unused
         recv = lax.all_to_all(wire.reshape(p, nb, row), axis, 0, 0)  # recv[j]: from device j
         mine = dispatch.reduce(recv, blocks, me, codec, own_row0=base + me * nb)
         everyone = lax.all_gather(mine, axis, to=to)                 # (P, nb, row)
@@ -116,7 +117,9 @@ def _psum(x, axis, codec, p, vma, chunk):
 
 
 def _psum_fwd(x, axis, codec, p, vma, chunk):
-    return _two_shot(x, axis, codec, p, chunk), None
+    # Call the custom_vjp itself (not _two_shot): under higher-order AD JAX differentiates
+    # this rule, and _two_shot's integer wire codes would give a zero derivative.
+    return _psum(x, axis, codec, p, vma, chunk), None
 
 
 def _psum_bwd(axis, codec, p, vma, chunk, _, g):
@@ -167,7 +170,7 @@ def _pvary_fwd(x, axis, codec, p, vma, chunk):
 
 
 def _pvary_bwd(axis, codec, p, vma, chunk, _, g):
-    return (_psum(g, axis, codec, p, vma, chunk),)
+    return (_psum(g, axis, codec, p, vma, chunk),)   # only reached with check_vma=True
 
 
 _pvary.defvjp(_pvary_fwd, _pvary_bwd)
@@ -178,7 +181,11 @@ def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None,
     """Identity forward; compressed psum of the cotangent backward (Megatron's `f`).
 
     Under check_vma=True the result is varying over `axis_name` (like
-    `lax.pcast(x, axis_name, to="varying")`), so column-parallel weights can consume it."""
+    `lax.pcast(x, axis_name, to="varying")`), so column-parallel weights can consume it.
+    Under check_vma=False it is the identity both ways: JAX's own convention there already
+    sums the cotangents of replicated values (at the shard_map boundary, and through
+    psum's transpose), so an all-reduce here would count them P times. Use
+    check_vma=True to get the compressed backward all-reduce."""
     codec = codecs.get(codec)
     axis = _single_axis(axis_name, "pvary")
     p = _axis_size(axis, "pvary")
@@ -190,7 +197,9 @@ def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None,
         v = jnp.asarray(v)
         if vma and _varying(v, axis):
             raise ValueError(f"taco_jax.pvary: x is already varying over {axis!r}")
+        if not vma:
+            return v
         if (p == 1 or not _compressible(v, codec) or v.size * v.dtype.itemsize < min_bytes):
-            return lax.pcast(v, axis, to="varying") if vma else v
+            return lax.pcast(v, axis, to="varying")
         return _pvary(v, axis, codec, p, vma, chunk)
     return jax.tree.map(leaf, x)

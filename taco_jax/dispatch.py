@@ -48,13 +48,16 @@ def backend_for(codec) -> str:
     return name
 
 
-def compress(x, codec, row0: int = 0, n_rows: int | None = None):
-    """Compress rows [row0, row0 + n_rows) of the (rows, B) array x."""
+def compress(x, codec, row0: int = 0, n_rows: int | None = None, skip_start=0,
+             skip_rows: int = 0):
+    """Compress rows [row0, row0 + n_rows) of the (rows, B) array x; output rows
+    [skip_start, skip_start + skip_rows) may be left unwritten (kernels skip them)."""
     mode = backend_for(codec)
     if mode == "reference":
         n = x.shape[0] - row0 if n_rows is None else n_rows
         return _c.compress_reference(x[row0:row0 + n], codec)
-    return _c.compress(x, codec, interpret=mode == "interpret", row0=row0, n_rows=n_rows)
+    return _c.compress(x, codec, interpret=mode == "interpret", row0=row0, n_rows=n_rows,
+                       skip_start=skip_start, skip_rows=skip_rows)
 
 
 def decompress(w, codec, out_dtype, into=None, row0: int = 0, total_rows: int | None = None):

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from taco_jax import hadamard
 from taco_jax.ops import common, quant
@@ -36,23 +37,37 @@ def _encode_tile(x, h1, h2, codec, cfg, exact_input):
     return codes, quant.pack_scales(scales)
 
 
-def compress_kernel(x_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows, row0):
+def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_rows, row0,
+                    skip_rows):
     tm, b = cfg.blocks_per_program, codec.block_size
     h1, h2 = h1_ref[...], h2_ref[...]
+    skip0 = skip_ref[0]
 
-    def tile(t):
+    def work(t):
         x = common.load_rows(x_ref, t, tm, 0, b, n_rows, row0=row0).astype(jnp.float32)
         codes, scales = _encode_tile(x, h1, h2, codec, cfg,
                                      exact_input=x_ref.dtype == jnp.bfloat16)
         common.store_rows(o_ref, t, codes, tm, 0, n_rows)
         common.store_rows(o_ref, t, scales, tm, b, n_rows)
+
+    def tile(t):
+        if not skip_rows:
+            return work(t)
+        # Tiles wholly inside the skipped window are left unwritten (see `compress`).
+        inside = (t * tm >= skip0) & (t * tm + tm <= skip0 + skip_rows)
+        pl.when(jnp.logical_not(inside))(lambda: work(t))
     common.for_each_tile(cfg, tile)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "row0", "n_rows"))
-def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None):
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "row0", "n_rows",
+                                             "skip_rows"))
+def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None, skip_start=0,
+             skip_rows=0):
     """(n_blocks, B) float → (n_blocks, row_bytes) uint8 with the fused Pallas kernel.
-    With row0/n_rows: compress only rows [row0, row0 + n_rows) of x (no slicing copy)."""
+    With row0/n_rows: compress only rows [row0, row0 + n_rows) of x (no slicing copy).
+    With skip_rows: output rows [skip_start, skip_start + skip_rows) (skip_start may be
+    traced) may be left unwritten — the two-shot all-reduce never reads the segment a device
+    sends to itself, so it need not be compressed."""
     b = x.shape[1]
     n_rows = x.shape[0] - row0 if n_rows is None else n_rows
     if b != codec.block_size or not codec.has_kernel:
@@ -60,9 +75,11 @@ def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None):
     cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=x.dtype != jnp.bfloat16)
     h1, h2 = common.hadamard_operands(b)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
-                               row0=row0)
+                               row0=row0, skip_rows=skip_rows)
+    skip = jnp.asarray(skip_start, jnp.int32).reshape(1)
     out = common.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
-    return common.launch(kernel, out, n_rows, cfg, interpret, "taco_compress", x, h1, h2)
+    return common.launch(kernel, out, n_rows, cfg, interpret, "taco_compress", x, h1, h2,
+                         skip)
 
 
 def compress_reference(x, codec):

@@ -23,10 +23,13 @@ def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n
     def tile(t):
         acc = common.load_rows(x_ref, t, tm, 0, b, n_rows, row0=own_row0).astype(jnp.float32)
         for p in range(n_peers):   # P is small (the TP degree): unrolled
-            codes = common.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
-            scale_bytes = common.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
-            dec = decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
-            acc = acc + jnp.where(me == p, 0.0, dec)  # own copy: the exact input instead
+            def add(a, p=p):
+                codes = common.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
+                scale_bytes = common.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
+                return a + decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+            # The own copy is skipped (never read: the sender may not have written it);
+            # the exact input stands in for it.
+            acc = jax.lax.cond(me == p, lambda a: a, add, acc)
         codes, scales = compress._encode_tile(acc, h1, h2, codec, cfg, exact_input=False)
         common.store_rows(o_ref, t, codes, tm, 0, n_rows)
         common.store_rows(o_ref, t, scales, tm, b, n_rows)
