@@ -10,6 +10,7 @@ lax.psum is what the codec promises. Writes bench/results/collectives.json.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import jax
@@ -107,9 +108,14 @@ def main():
         txt = jax.jit(fn).lower(x).compile().as_text()
         with open(args.dump_hlo, "w") as f:
             f.write(txt)
-        ops = [l.split("=")[1].split("(")[0].strip().split(" ")[-1] for l in txt.splitlines()
-               if any(k in l for k in ("all-to-all", "all-gather", "custom-call"))
-               and "=" in l]
+        pat = re.compile(r"\b(all-to-all(?:-start|-done)?|all-gather(?:-start|-done)?|"
+                         r"custom-call|async-start|async-done)\(")
+        ops = []
+        for line in txt.split("ENTRY")[-1].splitlines():
+            m = pat.search(line)
+            if m:
+                name = re.search(r'kernel_name="?(\w+)', line)
+                ops.append(m.group(1) + (f"[{name.group(1)}]" if name else ""))
         print("collective/custom-call ops in schedule order:", ops[:60])
     write_json(args.out, result)
 
