@@ -110,7 +110,7 @@ def test_replicated_across_devices(p):
     assert rel(y[0], x.astype(np.float64).sum(0)) < CODEC_BOUNDS["taco"]
 
 
-@pytest.mark.parametrize("chunk_bytes", [0, 3072, 4096])
+@pytest.mark.parametrize("chunk_bytes", [3072, 4096])  # 0: test_replicated_across_devices
 def test_replicated_chunks(chunk_bytes):
     # 7*333 f32 elements over P=4: 3 block-rows per segment; chunk_bytes 4096 → 3 chunks
     # (even split), 3072 → 4 chunks of 1 row per segment (uneven: padded)
@@ -120,8 +120,7 @@ def test_replicated_chunks(chunk_bytes):
     assert rel(y[0], x.astype(np.float64).sum(0)) < CODEC_BOUNDS["taco"]
 
 
-@pytest.mark.parametrize("dtype,bound", [(jnp.float32, 0.05), (jnp.bfloat16, 0.05),
-                                         (jnp.float16, 0.05)])
+@pytest.mark.parametrize("dtype,bound", [(jnp.bfloat16, 0.05), (jnp.float16, 0.05)])
 def test_dtypes_replicated(dtype, bound):
     x = jnp.asarray(gauss((4, 5, 97), seed=3), dtype)
     y = run(x, 4, tpsum(), vma=False)
@@ -130,7 +129,7 @@ def test_dtypes_replicated(dtype, bound):
     assert rel(y[0].astype(np.float32), np.asarray(x, np.float64).sum(0)) < bound
 
 
-@pytest.mark.parametrize("shape", [(1,), (3,), (7, 333), (2, 3, 5)])
+@pytest.mark.parametrize("shape", [(1,), (2, 3, 5)])   # (7, 333): the tests above
 def test_odd_shapes(shape):
     x = gauss((4,) + shape, seed=4)
     y = run(x, 4, tpsum(), vma=False)
@@ -202,6 +201,29 @@ def test_grad_codec_none_exact(vma):
     np.testing.assert_array_equal(g_t, g_l)
 
 
+# Found by these tests, fixed in collectives.py since (kept as the regression diagnosis).
+SECOND_ORDER_BUG = (
+    "grad-of-grad through taco_jax.psum is exactly 0 (codec='none' and lax.psum agree and "
+    "are nonzero). _psum_fwd calls _two_shot directly instead of the custom_vjp _psum; for "
+    "higher-order AD JAX differentiates the fwd rule itself, and _two_shot goes through "
+    "uint8 wire codes (integer, zero derivative), so the outer derivative through the "
+    "inner psum's forward vanishes. Fix (verified by monkeypatching: result then within "
+    "0.14 of lax): `_psum_fwd` should return `_psum(x, ...)` (as "
+    "_pvary_fwd already does), so the outer pass uses the custom_vjp rule again.")
+
+
+def test_second_order_grad_matches_lax():  # regression test for SECOND_ORDER_BUG
+    x = gauss((4, 3, 300), seed=25)
+
+    def hvp_like(ps):
+        inner = jax.grad(lambda w: jnp.sum(jnp.sin(ps(w))))
+        return jax.grad(lambda u: jnp.sum(inner(u) ** 2))
+    gt = run(x, 4, hvp_like(tpsum()), vma=False)
+    gl = run(x, 4, hvp_like(lpsum), vma=False)
+    assert np.linalg.norm(gl) > 0
+    assert rel(gt, gl) < 0.3   # with the fix applied (monkeypatched) 0.14 was measured
+
+
 def _mlp_grads(vma, use_taco, p=4):
     """Column-parallel W1 (d, h) then row-parallel W2 (h, d): Megatron f / g pair."""
     mesh = mesh1(p)
@@ -228,6 +250,7 @@ def _mlp_grads(vma, use_taco, p=4):
     return [np.asarray(g) for g in gs]
 
 
+# Found by this test, fixed in collectives.py since (kept as the regression diagnosis).
 PVARY_VMA_FALSE_BUG = (
     "taco_jax.pvary under check_vma=False: _pvary_bwd always returns the compressed "
     "psum(g), but with check_vma=False the lax equivalent (plain x, no pcast) has an "
@@ -238,9 +261,8 @@ PVARY_VMA_FALSE_BUG = (
     "backward all-reduce then happens in _psum_bwd / the shard_map boundary.")
 
 
-@pytest.mark.parametrize("vma", [True, pytest.param(False, marks=pytest.mark.xfail(
-    strict=True, reason=PVARY_VMA_FALSE_BUG))])
-def test_pvary_column_parallel_grad(vma):
+@pytest.mark.parametrize("vma", [True, False])
+def test_pvary_column_parallel_grad(vma):  # vma=False: regression test for PVARY_VMA_FALSE_BUG
     gt = _mlp_grads(vma, True)
     gl = _mlp_grads(vma, False)
     for name, a, b in zip(("x", "w1", "w2"), gt, gl):
