@@ -14,11 +14,12 @@ So each block has two compressed all-reduces forward and two backward.
 
 Choices (documented in docs/training.md):
   - LM head untied from the token embedding and vocab-parallel (columns split over "tp"), with a
-    Megatron vocab-parallel cross-entropy: the (B, T, V) logits never get gathered; the three
-    small exact psums it needs are of (B, T) fp32 scalars and are not compressed.
+    Megatron vocab-parallel cross-entropy: the (B, T, V) logits never get gathered; the pmax
+    and two psums it needs are of (B, T) fp32 values and stay exact lax collectives.
   - Token/position embeddings and LayerNorms are replicated (invariant over "tp").
-  - fp32 parameters, computation in `dtype` (bf16 by default); LayerNorm statistics and the
-    loss in fp32. No dropout: runs are deterministic, which makes resume bit-exact.
+  - fp32 parameters and residual stream (as PyTorch AMP keeps them); matmuls, attention and
+    the all-reduced activations/gradients in `dtype` (bf16 by default); LayerNorm statistics
+    and the loss in fp32. No dropout: runs are deterministic, which makes resume bit-exact.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -55,6 +57,14 @@ class GPTConfig:
     def comm(self) -> dict:
         """Keyword arguments of taco_jax.psum / pvary besides the codec."""
         return {} if self.min_bytes < 0 else {"min_bytes": self.min_bytes}
+
+    def attention_impl(self, dt) -> str:
+        """auto: cuDNN's fused attention on GPU in 16-bit (its supported case), else XLA's."""
+        if self.attention != "auto":
+            return self.attention
+        fused = (jax.default_backend() == "gpu" and dt in (jnp.bfloat16, jnp.float16)
+                 and self.head_dim % 8 == 0 and self.head_dim <= 128)
+        return "cudnn" if fused else "xla"
 
     @property
     def ff(self) -> int:
@@ -111,21 +121,26 @@ class GPTConfig:
 # ---------------------------------------------------------------------------------------------
 # Layers. `pspec` metadata = the parameter's partition over the mesh (None = replicated dim).
 
-def _normal(rngs: nnx.Rngs, shape, std: float):
+def _normal(rngs: nnx.Rngs | np.random.Generator, shape, std: float):
+    if isinstance(rngs, np.random.Generator):  # host init, see ShardedGPT.init: XLA:CPU
+        return std * rngs.standard_normal(shape, np.float32)  # takes ~2 s per threefry op
     return std * jax.random.normal(rngs.params(), shape, jnp.float32)
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, d: int):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+    """fp32 residual stream in, compute dtype out (the input of the next matmul)."""
+
+    def __init__(self, cfg: GPTConfig):
+        self.cfg = cfg
+        self.scale = nnx.Param(np.ones((cfg.d_model,), np.float32))
+        self.bias = nnx.Param(np.zeros((cfg.d_model,), np.float32))
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)  # statistics in fp32: bf16 variance loses too much
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
-        return y.astype(x.dtype)
+        x = x.astype(jnp.float32)  # statistics in fp32: bf16 variance loses too much
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+        return y.astype(self.cfg.compute_dtype)
 
 
 class Attention(nnx.Module):
@@ -136,11 +151,11 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.qkv_kernel = nnx.Param(_normal(rngs, (d, 3, h, hd), 0.02),
                                     pspec=(None, None, TP, None))
-        self.qkv_bias = nnx.Param(jnp.zeros((3, h, hd), jnp.float32), pspec=(None, TP, None))
+        self.qkv_bias = nnx.Param(np.zeros((3, h, hd), np.float32), pspec=(None, TP, None))
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer).
         self.out_kernel = nnx.Param(_normal(rngs, (h, hd, d), 0.02 / math.sqrt(2 * cfg.n_layer)),
                                     pspec=(TP, None, None))
-        self.out_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+        self.out_bias = nnx.Param(np.zeros((d,), np.float32))
 
     def __call__(self, x):  # x: (B, T, d), invariant over "tp"
         cfg, dt = self.cfg, self.cfg.compute_dtype
@@ -148,8 +163,8 @@ class Attention(nnx.Module):
         qkv = jnp.einsum("btd,dkhe->btkhe", x, self.qkv_kernel[...].astype(dt))
         qkv = qkv + self.qkv_bias[...].astype(dt)  # (B, T, 3, H/tp, hd)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        impl = None if cfg.attention == "auto" else cfg.attention
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=cfg.attention_impl(dt))
         y = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt))  # partial sum
         y = taco_jax.psum(y, TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
         return y + self.out_bias[...].astype(dt)
@@ -162,10 +177,10 @@ class MLP(nnx.Module):
         d, ff = cfg.d_model, cfg.ff
         self.cfg = cfg
         self.up_kernel = nnx.Param(_normal(rngs, (d, ff), 0.02), pspec=(None, TP))
-        self.up_bias = nnx.Param(jnp.zeros((ff,), jnp.float32), pspec=(TP,))
+        self.up_bias = nnx.Param(np.zeros((ff,), np.float32), pspec=(TP,))
         self.down_kernel = nnx.Param(_normal(rngs, (ff, d), 0.02 / math.sqrt(2 * cfg.n_layer)),
                                      pspec=(TP, None))
-        self.down_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+        self.down_bias = nnx.Param(np.zeros((d,), np.float32))
 
     def __call__(self, x):  # x: (B, T, d), invariant over "tp"
         cfg, dt = self.cfg, self.cfg.compute_dtype
@@ -179,23 +194,25 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        self.ln1 = LayerNorm(cfg.d_model)
+        self.ln1 = LayerNorm(cfg)
         self.attn = Attention(cfg, rngs)
-        self.ln2 = LayerNorm(cfg.d_model)
+        self.ln2 = LayerNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x):
+    def __call__(self, x):  # x: (B, T, d) fp32 residual stream; branches add in compute dtype
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    """`rngs`: nnx.Rngs (jax.random init) or a numpy Generator (host init, no compilation)."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs | np.random.Generator):
         self.cfg = cfg
         self.wte = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02))
         self.wpe = nnx.Param(_normal(rngs, (cfg.seq_len, cfg.d_model), 0.01))
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
-        self.ln_f = LayerNorm(cfg.d_model)
+        self.ln_f = LayerNorm(cfg)
         self.lm_head = nnx.Param(_normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02),
                                  pspec=(None, TP))
 
@@ -205,7 +222,7 @@ class GPT(nnx.Module):
         t = tokens.shape[1]
         if t > cfg.seq_len:
             raise ValueError(f"sequence length {t} > model.seq_len={cfg.seq_len}")
-        x = (self.wte[...][tokens] + self.wpe[...][:t]).astype(dt)  # (B, T, d)
+        x = self.wte[...][tokens] + self.wpe[...][:t]  # (B, T, d) fp32, as in AMP
         for block in self.blocks:
             x = block(x)
         x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.codec_bwd, **cfg.comm)  # f of the LM head

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.nnx import traversals
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -69,12 +70,14 @@ class ShardedGPT:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             shapes, self.shardings)
 
-    def init(self, key: jax.Array) -> dict:
-        """Initialise the fp32 parameters directly into their shards."""
-        cfg = self.cfg
-        init = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(GPT(cfg, nnx.Rngs(params=k)))),
-                       out_shardings=self.shardings)
-        return init(key)
+    def init(self, seed: int) -> dict:
+        """fp32 parameters, drawn on the host from numpy's generator seeded with `seed` and
+        placed into their shards. Host init is mesh-independent (same values at every TP
+        size), works unchanged with several processes, and compiles nothing: XLA:CPU takes
+        seconds to compile each threefry draw, which dominated small CPU runs."""
+        host = nnx.to_pure_dict(nnx.state(GPT(self.cfg, np.random.default_rng(seed))))
+        return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, a.__getitem__),
+                            host, self.shardings)
 
     def bind(self, params: dict) -> GPT:
         """Rebuild the NNX module around `params` (global or, inside shard_map, local shards)."""

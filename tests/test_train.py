@@ -21,7 +21,7 @@ CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"  # ~50 KB of Python, on 
 
 
 def _overrides(cache, run_dir, *extra):
-    return ["model.vocab_size=512", "model.seq_len=32", "model.n_layer=2", "model.n_head=4",
+    return ["model.vocab_size=512", "model.seq_len=32", "model.n_layer=1", "model.n_head=4",
             "model.d_model=32", "parallel.tp=2", "parallel.data=2",
             f"data.paths=[{CORPUS}]", f"data.cache_dir={cache}", "train.batch_size=4",
             "train.steps=6", "train.eval_every=3", "train.ckpt_every=3", "train.eval_batches=2",
@@ -45,20 +45,26 @@ def full_run(cache, tmp_path_factory):
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_preset_builds(preset):
+    """Each preset parses, fits a TP=2 mesh, and its state and train step have the right
+    abstract shapes (jax.eval_shape: no 350M parameters allocated, nothing compiled)."""
     cfg = config_lib.load_config(preset, ["parallel.tp=2"])
     mesh = parallel.make_mesh(1, 2)
-    prog = train.build(cfg, mesh)
-    state = prog.abstract_state()  # no 350M parameters allocated
+    state = train.build(cfg, mesh).abstract_state()
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     assert n == cfg.model.num_params()
+    expected = {"tiny": (1e6, 3e6), "small": (110e6, 170e6), "350m": (330e6, 400e6),
+                "comm_heavy": (10e6, 200e6)}[preset.stem]
+    assert expected[0] < n < expected[1], n
+    # Trace one step at full width but 2 layers (tracing cost is per layer, wiring is not).
+    prog = train.build(config_lib.replace(cfg, ["model.n_layer=2"]), mesh)
+    state = prog.abstract_state()
     x = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), np.int32,
                              sharding=jax.sharding.NamedSharding(mesh, parallel.BATCH_SPEC))
     new_state, metrics = jax.eval_shape(prog.step, state, x, x)
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    assert all(a.shape == b.shape for a, b in zip(jax.tree.leaves(new_state),
+                                                  jax.tree.leaves(state)))
     assert metrics["loss"].shape == ()
-    expected = {"tiny": (1e6, 3e6), "small": (110e6, 170e6), "350m": (330e6, 400e6),
-                "comm_heavy": (10e6, 200e6)}[preset.stem]
-    assert expected[0] < n < expected[1], n
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)

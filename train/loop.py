@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -87,10 +86,16 @@ class Program:
     eval_loss: Callable[[dict, jax.Array, jax.Array], jax.Array]  # params, x, y -> loss
     state_shardings: Any  # NamedShardings, same structure as the state
 
+    tx: optax.GradientTransformation
+
     def abstract_state(self) -> State:
         """ShapeDtypeStructs (with shardings) of the state, without allocating it."""
+        params = self.model.abstract_params()
+        state = {"step": jax.ShapeDtypeStruct((), np.int32), "params": params,
+                 "opt_state": jax.eval_shape(self.tx.init, params),
+                 "rng": jax.ShapeDtypeStruct((2,), np.uint32), "codec_state": {}}
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(self.init, 0), self.state_shardings)
+                            state, self.state_shardings)
 
     def put_batch(self, x: np.ndarray) -> jax.Array:
         return parallel.put_batch(x, self.mesh)
@@ -116,30 +121,31 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
     init_opt = jax.jit(tx.init, out_shardings=opt_sh)
 
     def init(seed: int) -> State:
-        key = jax.random.key(seed)
-        params = model.init(key)
-        return {"step": jax.device_put(jnp.zeros((), jnp.int32), replicated),
+        params = model.init(seed)
+        # rng: raw threefry key data of jax.random.key(seed). Consumers (dropout, stochastic
+        # codecs) derive per-step keys as fold_in(wrap_key_data(rng), step): stateless, so
+        # resuming at any step reproduces them.
+        rng = np.array([0, seed & 0xFFFFFFFF], np.uint32)
+        return {"step": jax.device_put(np.zeros((), np.int32), replicated),
                 "params": params, "opt_state": init_opt(params),
-                "rng": jax.device_put(jax.random.key_data(jax.random.fold_in(key, 1)),
-                                      replicated),
+                "rng": jax.device_put(rng, replicated),
                 "codec_state": {}}  # slot for codec/feedback state (Echo); empty for TACO
 
     def step(state: State, tokens, targets) -> tuple[State, dict]:
         loss, grads = loss_and_grad(state["params"], tokens, targets)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state["step"])}
         new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
-               "rng": rng, "codec_state": state["codec_state"]}
+               "rng": state["rng"], "codec_state": state["codec_state"]}
         return new, metrics
 
     batch_sh = NamedSharding(mesh, parallel.BATCH_SPEC)
     step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh, batch_sh),
                       out_shardings=(state_sh, replicated), donate_argnums=0)
     eval_fn = jax.jit(model.loss_fn(), in_shardings=(param_sh, batch_sh, batch_sh))
-    return Program(cfg, mesh, model, init, step_fn, eval_fn, state_sh)
+    return Program(cfg, mesh, model, init, step_fn, eval_fn, state_sh, tx)
 
 
 def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
@@ -195,9 +201,14 @@ class _StopFlag:
             signal.signal(s, h)
 
 
+def _host(x) -> np.ndarray:
+    """A replicated global array's value (with several processes, from a local shard)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
 def evaluate(prog: Program, params, batches: Batches, n: int) -> float:
     losses = [prog.eval_loss(params, *map(prog.put_batch, batches[i])) for i in range(n)]
-    return float(np.mean(jax.device_get(losses)))
+    return float(np.mean([_host(x) for x in losses]))
 
 
 def run(config: Config | dict | str, *, resume: bool = False) -> dict:
@@ -270,7 +281,7 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
                 is_eval = bool(t_cfg.eval_every and step % t_cfg.eval_every == 0) or last
                 is_ckpt = bool(t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last or halt
                 if step % t_cfg.log_every == 0 or is_eval or is_ckpt:
-                    m = jax.device_get(metrics)  # syncs: the interval's time is real
+                    m = jax.tree.map(_host, metrics)  # syncs: the interval's time is real
                     now = time.perf_counter()
                     dt = (now - t_prev) / pending
                     if compile_s is None:
