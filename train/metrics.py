@@ -42,7 +42,11 @@ class MetricsWriter:
             w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
-        from tensorboardX import SummaryWriter
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:  # optional: JSONL and CSV still hold every metric
+            print("[metrics] tensorboardX not installed: no TensorBoard events", flush=True)
+            return
         purge = None if truncate_after is None else truncate_after + 1
         self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge)
 
@@ -55,7 +59,7 @@ class MetricsWriter:
         with self.csv.open("a", newline="") as f:
             csv.DictWriter(f, COLUMNS, extrasaction="ignore").writerow(row)
         for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+            if self.tb and k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 self.tb.add_scalar(k, v, row["step"])
 
     def close(self) -> None:
