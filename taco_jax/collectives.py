@@ -25,13 +25,14 @@ from jax._src import config as _jax_config
 from taco_jax import codecs, dispatch, telemetry
 
 # Below this many bytes per device the compressed path does not beat one NCCL all-reduce
-# on 2×H200 NVLink with the current kernels: measured ratio taco/lax 1.10 at 64 MiB,
-# 1.01 at 256 MiB, 0.98 at 1 GiB (bench/results/collectives.json, docs/results.md).
+# on 2×H200 NVLink with the current kernels: measured ratio taco/lax 1.09 at 16 MiB,
+# 0.99 at 64 MiB, 0.90 at 256 MiB, 0.87 at 1 GiB (bench/results/collectives.json).
 # Slower links (PCIe, inter-node) break even far lower: pass min_bytes explicitly there.
-DEFAULT_MIN_BYTES = 512 << 20
-# Chunking (paper: 64 MB chunks) only pays if XLA overlaps one chunk's kernels with another
-# chunk's collectives; measured on 2×H200 it did not (8–32 MiB chunks: 1.2–1.8× slower,
-# 64 MiB: 0.96× at 256 MiB but 1.04× at 1 GiB), so it is off by default.
+DEFAULT_MIN_BYTES = 64 << 20
+# Chunking (paper: 64 MB chunks) only pays if one chunk's kernels overlap another chunk's
+# collectives. XLA does schedule them asynchronously (all-to-all-start … compress of the
+# next chunk … all-to-all-done), but measured on 2×H200 chunks were slower (64 MiB chunks:
+# 0.93 vs 0.90 unchunked at 256 MiB; 16–32 MiB: 1.1–1.6), so it is off by default.
 DEFAULT_CHUNK_BYTES = 0
 
 
