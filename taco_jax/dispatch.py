@@ -48,6 +48,17 @@ def backend_for(codec) -> str:
     return name
 
 
+def _compress_ref(x, codec):
+    """Codecs defined outside codecs.Codec (e.g. Echo) bring their own references."""
+    own = getattr(codec, "compress_reference", None)
+    return own(x) if own else _c.compress_reference(x, codec)
+
+
+def _decompress_ref(w, codec, out_dtype=jnp.float32):
+    own = getattr(codec, "decompress_reference", None)
+    return own(w, out_dtype) if own else _d.decompress_reference(w, codec, out_dtype)
+
+
 def compress(x, codec, row0: int = 0, n_rows: int | None = None, skip_start=0,
              skip_rows: int = 0):
     """Compress rows [row0, row0 + n_rows) of the (rows, B) array x; output rows
@@ -55,7 +66,7 @@ def compress(x, codec, row0: int = 0, n_rows: int | None = None, skip_start=0,
     mode = backend_for(codec)
     if mode == "reference":
         n = x.shape[0] - row0 if n_rows is None else n_rows
-        return _c.compress_reference(x[row0:row0 + n], codec)
+        return _compress_ref(x[row0:row0 + n], codec)
     return _c.compress(x, codec, interpret=mode == "interpret", row0=row0, n_rows=n_rows,
                        skip_start=skip_start, skip_rows=skip_rows)
 
@@ -64,7 +75,7 @@ def decompress(w, codec, out_dtype, into=None, row0: int = 0, total_rows: int | 
     """Decode w; windowed into rows [row0, …) of a (total_rows, B) buffer (see ops)."""
     mode = backend_for(codec)
     if mode == "reference":
-        y = _d.decompress_reference(w, codec, out_dtype)
+        y = _decompress_ref(w, codec, out_dtype)
         if into is None and (row0 or total_rows not in (None, w.shape[0])):
             into = jnp.zeros((total_rows or row0 + w.shape[0], y.shape[1]), out_dtype)
         return y if into is None else jax.lax.dynamic_update_slice_in_dim(into, y, row0, 0)
@@ -75,5 +86,10 @@ def decompress(w, codec, out_dtype, into=None, row0: int = 0, total_rows: int | 
 def reduce(recv, own, me, codec, own_row0=0):
     mode = backend_for(codec)
     if mode == "reference":
+        if hasattr(codec, "compress_reference"):
+            acc = jax.lax.dynamic_slice_in_dim(own, own_row0, recv.shape[1]).astype(jnp.float32)
+            for p in range(recv.shape[0]):
+                acc = acc + jnp.where(me == p, 0.0, _decompress_ref(recv[p], codec))
+            return _compress_ref(acc, codec)
         return _r.reduce_reference(recv, own, me, codec, own_row0)
     return _r.reduce(recv, own, me, codec, interpret=mode == "interpret", own_row0=own_row0)
