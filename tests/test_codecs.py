@@ -33,10 +33,6 @@ REL_L2_BOUND = {"e4m3": 0.1, "e5m2": 0.15, "int8": 0.1}
 HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
-def dtype_key(dt) -> str:
-    return {np.dtype(v): k for k, v in DTYPES.items()}[np.dtype(dt)]
-
-
 def f64(x) -> np.ndarray:
     return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
