@@ -67,7 +67,7 @@ class Codec:
     block_size: int = 256           # paper's best B (Table 2)
 
     def __post_init__(self):
-        hadamard.check_block_size(self.block_size)
+        object.__setattr__(self, "block_size", hadamard.check_block_size(self.block_size))
         if self.transform not in TRANSFORMS:
             raise ValueError(f"transform={self.transform!r} must be one of {TRANSFORMS}")
         if self.scale_mode not in SCALE_MODES:
@@ -154,7 +154,7 @@ class Identity:
     has_kernel = False
 
     def __post_init__(self):
-        hadamard.check_block_size(self.block_size)
+        object.__setattr__(self, "block_size", hadamard.check_block_size(self.block_size))
 
     @property
     def row_bytes(self) -> int:
@@ -239,3 +239,7 @@ register("hadamard-fp8", _codec("hadamard-fp8", transform="hadamard", scale_mode
 register("none", lambda **kw: Identity(**kw))
 
 Taco = _REGISTRY["taco"]
+
+# Echo's 4-bit codecs register themselves; imported last so taco_jax.echo finds every name
+# above even when it is imported first (then this import returns the partly built module).
+from taco_jax import echo as _echo  # noqa: E402,F401

@@ -1,0 +1,128 @@
+"""Echo codecs (seed 003): 4-bit codes, two per byte, per-group fp32 scale and zero point.
+
+"echo4" is the paper's quantizer ("zero-aware asymmetric, g=128", Table 8): each group of
+B values gets the grid {(q − z)·s : q = 0..15} over [min(x, 0), max(x, 0)] with an
+*integer* zero point z, so x = 0 maps to code z and decodes to exactly 0 (the "naive
+zero-point" ablation, a float offset at min(x), does not, and is worse in Table 8).
+"int4-sym" is the "symmetric grid" ablation: {(q − 8)·s : q = 1..15}, s = max|x| / 7.
+
+Wire row (little-endian, like the TACO codecs' rows): B/2 bytes of codes — element 2i in
+the low nibble of byte i, element 2i+1 in the high nibble — then fp32 s and, for echo4,
+the zero point z as fp32: row_bytes = B/2 + 8 (echo4) or B/2 + 4 (int4-sym).
+
+Reference only (`has_kernel = False`): `dispatch` calls `compress_reference` /
+`decompress_reference` on every backend. The math is kept in small jnp functions of
+element-wise ops and row reductions so a Pallas kernel can reuse it later.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from taco_jax import codecs, hadamard
+from taco_jax.ops import quant
+
+LEVELS = 15                  # 4 bits: codes 0..15, 15 steps between the grid's ends
+SYM_QMAX = 7                 # symmetric grid: integers −7..7 (code 0 unused, so it stays odd)
+
+
+# -- per-group math ((rows, B) f32 in, (rows, 1) scales) --------------------------------
+def asym_params(x, bad):
+    """Zero-aware asymmetric grid: s = (hi − lo)/15 over [lo, hi] ∋ 0, integer z = round(−lo/s).
+    hi/15 − lo/15 cannot overflow for finite inputs (hi − lo can). Rounding z moves the grid
+    by < s/2, so clipping adds no more than the rounding error it replaces."""
+    lo = jnp.minimum(jnp.min(x, axis=1, keepdims=True), 0.0)
+    hi = jnp.maximum(jnp.max(x, axis=1, keepdims=True), 0.0)
+    s = jnp.maximum(hi * np.float32(1 / LEVELS) - lo * np.float32(1 / LEVELS), quant.SCALE_MIN)
+    z = jnp.clip(jnp.round(-lo / s), 0, LEVELS)
+    s = jnp.where(bad, jnp.float32(np.nan), s)               # NaN rule: the group decodes NaN
+    return s, jnp.where(bad, 0.0, z)
+
+
+def sym_params(x, bad):
+    """Symmetric grid: s = max|x| / 7, zero point fixed at 8."""
+    s = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True) * np.float32(1 / SYM_QMAX),
+                    quant.SCALE_MIN)
+    return jnp.where(bad, jnp.float32(np.nan), s), jnp.full_like(s, SYM_QMAX + 1)
+
+
+def quantize4(x, s, z):
+    """codes q = clip(round(x/s) + z, 0, 15) as int32 (round half to even)."""
+    q = jnp.clip(jnp.round(x / s) + z, 0, LEVELS)
+    return jnp.where(jnp.isnan(q), 0, q).astype(jnp.int32)   # non-finite groups: codes 0
+
+
+def dequantize4(q, s, z):
+    """(q − z)·s: q − z is an exact small integer, so code z decodes to exactly 0."""
+    return (q.astype(jnp.float32) - z) * s
+
+
+def pack_nibbles(q):
+    """(rows, B) int32 codes in [0, 15] → (rows, B/2) uint8; element 2i in the low nibble."""
+    q = q.reshape(q.shape[0], -1, 2)                          # (rows, B/2, 2)
+    return (q[..., 0] | lax.shift_left(q[..., 1], 4)).astype(jnp.uint8)
+
+
+def unpack_nibbles(b):
+    """(rows, B/2) uint8 → (rows, B) int32."""
+    b = b.astype(jnp.int32)
+    return jnp.stack([b & 0xF, lax.shift_right_logical(b, 4)], axis=-1).reshape(b.shape[0], -1)
+
+
+# -- the codec ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """4-bit group codec; encode/decode/roundtrip behave like `codecs.Codec`."""
+    name: str = "echo4"
+    block_size: int = 128           # paper's g = 128 (Table 8)
+    symmetric: bool = False         # True: the "symmetric grid" ablation
+
+    is_identity = False
+    has_kernel = False              # jnp reference everywhere; a Pallas kernel is future work
+
+    def __post_init__(self):
+        hadamard.check_block_size(self.block_size)
+
+    @property
+    def n_scales(self) -> int:
+        return 1 if self.symmetric else 2                    # (s,) or (s, z)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.block_size // 2 + 4 * self.n_scales
+
+    def wire_bytes(self, n: int) -> int:
+        return codecs.n_blocks(n, self.block_size) * self.row_bytes
+
+    def replace(self, **kw) -> "Echo":
+        return dataclasses.replace(self, **kw)
+
+    # -- dispatch hooks (see taco_jax.dispatch) ---------------------------------------
+    def compress_reference(self, x):
+        """(rows, B) float → (rows, row_bytes) uint8."""
+        x = x.astype(jnp.float32)
+        bad = quant.nonfinite_rows(x)
+        s, z = (sym_params if self.symmetric else asym_params)(x, bad)
+        q = quantize4(jnp.where(bad, 0.0, x), s, z)
+        scales = [s] if self.symmetric else [s, z]
+        return jnp.concatenate([pack_nibbles(q), quant.pack_scales(scales)], axis=1)
+
+    def decompress_reference(self, w, out_dtype=jnp.float32):
+        """(rows, row_bytes) uint8 → (rows, B) out_dtype."""
+        half = self.block_size // 2
+        scales = quant.unpack_scales(w[:, half:], self.n_scales)
+        z = jnp.float32(SYM_QMAX + 1) if self.symmetric else scales[1]
+        return dequantize4(unpack_nibbles(w[:, :half]), scales[0], z).astype(out_dtype)
+
+    # -- public API (as codecs.Codec) -------------------------------------------------
+    encode = codecs.Codec.encode
+    decode = codecs.Codec.decode
+    roundtrip = codecs.Codec.roundtrip
+
+
+codecs.register("echo4", lambda **kw: Echo(**{"name": "echo4", **kw}))
+codecs.register("int4-sym", lambda **kw: Echo(**{"name": "int4-sym", "symmetric": True, **kw}))
