@@ -28,6 +28,9 @@ from taco_jax.ops import quant
 
 LEVELS = 15                  # 4 bits: codes 0..15, 15 steps between the grid's ends
 SYM_QMAX = 7                 # symmetric grid: integers −7..7 (code 0 unused, so it stays odd)
+# Smallest scale: 0/s stays 0 for all-zero groups. Only divides here (no constant folded into
+# 1/s, unlike TACO's sqrt(B)), so FLT_MIN is safe and keeps tiny groups at full precision.
+SCALE_MIN = float(np.finfo(np.float32).tiny)
 
 
 # -- per-group math ((rows, B) f32 in, (rows, 1) scales) --------------------------------
@@ -37,7 +40,7 @@ def asym_params(x, bad):
     by < s/2, so clipping adds no more than the rounding error it replaces."""
     lo = jnp.minimum(jnp.min(x, axis=1, keepdims=True), 0.0)
     hi = jnp.maximum(jnp.max(x, axis=1, keepdims=True), 0.0)
-    s = jnp.maximum(hi * np.float32(1 / LEVELS) - lo * np.float32(1 / LEVELS), quant.SCALE_MIN)
+    s = jnp.maximum(hi * np.float32(1 / LEVELS) - lo * np.float32(1 / LEVELS), SCALE_MIN)
     z = jnp.clip(jnp.round(-lo / s), 0, LEVELS)
     s = jnp.where(bad, jnp.float32(np.nan), s)               # NaN rule: the group decodes NaN
     return s, jnp.where(bad, 0.0, z)
@@ -46,7 +49,7 @@ def asym_params(x, bad):
 def sym_params(x, bad):
     """Symmetric grid: s = max|x| / 7, zero point fixed at 8."""
     s = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True) * np.float32(1 / SYM_QMAX),
-                    quant.SCALE_MIN)
+                    SCALE_MIN)
     return jnp.where(bad, jnp.float32(np.nan), s), jnp.full_like(s, SYM_QMAX + 1)
 
 
