@@ -198,3 +198,15 @@ def test_plot_cli_draws_several_runs(full_run, tmp_path):
     assert out.stat().st_size > 1000
     with pytest.raises(ValueError, match="no metrics.jsonl rows"):
         plot.main([str(tmp_path), "-o", str(out)])
+
+
+def test_cli_resume_uses_the_runs_config(full_run):
+    from train.__main__ import parse_args
+    run_dir = full_run["run_dir"]
+    cfg, args = parse_args(["--resume", run_dir, "train.steps=8"])
+    saved = config_lib.from_dict(__import__("yaml").safe_load(
+        (Path(run_dir) / "config.yaml").read_text()))
+    assert args.resume == run_dir and cfg.train.run_dir == run_dir
+    assert cfg.train.steps == 8 and cfg.model == saved.model and cfg.data == saved.data
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", str(Path(run_dir) / "ckpt")])  # no config.yaml there

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """-> (Config, args). With --resume RUN_DIR the run's saved config.yaml is the base."""
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny", help="preset name or YAML path (default tiny)")
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
@@ -26,29 +28,31 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 codec=none")
     args = p.parse_args(argv)
 
-    from train import config as config_lib
-    from pathlib import Path
     import yaml
+    from train import config as config_lib
 
-    overrides = list(args.overrides)
     if args.resume:  # continue that run: its saved config, then the command line's overrides
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").exists():
             p.error(f"--resume {args.resume}: no config.yaml in that directory")
         cfg = config_lib.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()),
-                                   overrides + [f"train.run_dir={run_dir}"])
+                                   [*args.overrides, f"train.run_dir={run_dir}"])
     else:
-        cfg = config_lib.load_config(args.config, overrides)
+        cfg = config_lib.load_config(args.config, args.overrides)
+    return cfg, args
 
+
+def main(argv=None) -> int:
+    cfg, args = parse_args(argv)
     import jax
+    from train.loop import run, setup_backend
+
     if args.distributed or args.coordinator:
         # Gloo carries CPU collectives between processes; the setting is ignored on GPUs.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        from train.loop import setup_backend
         setup_backend(cfg)
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
-    from train.loop import run
     summary = run(cfg, resume=args.resume is not None)
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=1))
