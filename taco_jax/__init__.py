@@ -1,5 +1,6 @@
 """taco_jax: compressed tensor-parallel collectives for JAX (TACO, Echo)."""
 from taco_jax import codecs, telemetry
+from taco_jax import feedback  # Echo error feedback: psum_with_feedback, FeedbackState
 from taco_jax.collectives import psum, pvary
 from taco_jax.dispatch import use_backend
 

@@ -54,7 +54,7 @@ def data(shape, seed=0, relu=False):
 
 # -- codec ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,sym", [("echo4", False), ("int4-sym", True)])
-@pytest.mark.parametrize("block", [32, 128, 512])
+@pytest.mark.parametrize("block", [32, 512])
 def test_wire_and_values_match_numpy(name, sym, block):
     c = codecs.get(name, block_size=block)
     x = data((5, 299), seed=block)
@@ -73,8 +73,8 @@ def test_wire_and_values_match_numpy(name, sym, block):
     np.testing.assert_array_less(np.abs(y - x).reshape(-1), 0.5001 * s + 1e-45)
 
 
-@pytest.mark.parametrize("name", ["echo4", "int4-sym"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name,dtype", [("echo4", jnp.float32), ("echo4", jnp.bfloat16),
+                                        ("int4-sym", jnp.float16)])
 def test_zeros_exact_and_dtypes(name, dtype):
     c = codecs.get(name)
     x = jnp.asarray(data((3, 7, 41), relu=True), dtype)   # half zeros, odd size: padding
@@ -143,7 +143,7 @@ def np_two_shot(x, block=128):
     return np.concatenate(out)[:x[0].size].reshape(x.shape[1:])
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("p", [2, 8])
 def test_psum_echo4_matches_numpy_two_shot(p):
     x = data((p, 7, 333), seed=p)
     y = np.asarray(shard(p, lambda b: taco_jax.psum(b[0], "tp", codec="echo4", min_bytes=0)[None],
