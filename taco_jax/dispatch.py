@@ -66,6 +66,8 @@ def compress(x, codec, row0: int = 0, n_rows: int | None = None, skip_start=0,
     mode = backend_for(codec)
     if mode == "reference":
         n = x.shape[0] - row0 if n_rows is None else n_rows
+        if row0 < 0 or n < 0 or row0 + n > x.shape[0]:
+            raise ValueError(f"compress: window {row0=} n_rows={n} outside {x.shape[0]} rows")
         return _compress_ref(x[row0:row0 + n], codec)
     return _c.compress(x, codec, interpret=mode == "interpret", row0=row0, n_rows=n_rows,
                        skip_start=skip_start, skip_rows=skip_rows)
@@ -76,6 +78,10 @@ def decompress(w, codec, out_dtype, into=None, row0: int = 0, total_rows: int | 
     mode = backend_for(codec)
     if mode == "reference":
         y = _decompress_ref(w, codec, out_dtype)
+        rows_out = into.shape[0] if into is not None else (total_rows or row0 + w.shape[0])
+        if row0 < 0 or row0 + w.shape[0] > rows_out:
+            raise ValueError(f"decompress: window {row0=} + {w.shape[0]} rows outside "
+                             f"{rows_out} rows")
         if into is None and (row0 or total_rows not in (None, w.shape[0])):
             into = jnp.zeros((total_rows or row0 + w.shape[0], y.shape[1]), out_dtype)
         return y if into is None else jax.lax.dynamic_update_slice_in_dim(into, y, row0, 0)

@@ -11,6 +11,7 @@ so the inverse is the same operation on the transposed layout.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +21,11 @@ MIN_BLOCK, MAX_BLOCK = 32, 512
 
 
 def check_block_size(block_size: int) -> int:
-    b = block_size
-    if (not isinstance(b, int) or isinstance(b, bool) or b < MIN_BLOCK or b > MAX_BLOCK
-            or b & (b - 1)):
+    try:
+        b = operator.index(block_size)          # ints and numpy integers, not 256.0 or "256"
+    except TypeError:
+        b = None
+    if b is None or isinstance(block_size, bool) or b < MIN_BLOCK or b > MAX_BLOCK or b & (b - 1):
         raise ValueError(
             f"block_size={block_size!r} must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]")
     return b
@@ -51,9 +54,11 @@ def forward(x: jnp.ndarray) -> jnp.ndarray:
     nb, b = x.shape
     r, c = factors(b)
     hr, hc = jnp.asarray(sylvester(r)), jnp.asarray(sylvester(c))
-    xm = x.reshape(nb, r, c)                                   # (nb, r, c)
+    # Scale by 1/B (a power of two: exact) before the ±1 sums, which could otherwise overflow
+    # near the fp32 limit; sqrt(B) after restores the orthonormal scale.
+    xm = x.reshape(nb, r, c) * np.float32(1 / b)               # (nb, r, c)
     z = jnp.einsum("im,nmk,kj->nji", hr, xm, hc, precision=lax.Precision.HIGHEST)
-    return z.reshape(nb, b) / np.float32(np.sqrt(b))          # stored as Zᵀ: (nb, c, r)
+    return z.reshape(nb, b) * np.float32(np.sqrt(b))           # stored as Zᵀ: (nb, c, r)
 
 
 def inverse(z: jnp.ndarray) -> jnp.ndarray:
@@ -61,9 +66,9 @@ def inverse(z: jnp.ndarray) -> jnp.ndarray:
     nb, b = z.shape
     r, c = factors(b)
     hr, hc = jnp.asarray(sylvester(r)), jnp.asarray(sylvester(c))
-    zt = z.reshape(nb, c, r)                                   # (nb, c, r) = Zᵀ
+    zt = z.reshape(nb, c, r) * np.float32(1 / b)               # (nb, c, r) = Zᵀ
     x = jnp.einsum("im,njm,jk->nik", hr, zt, hc, precision=lax.Precision.HIGHEST)
-    return x.reshape(nb, b) / np.float32(np.sqrt(b))
+    return x.reshape(nb, b) * np.float32(np.sqrt(b))
 
 
 @functools.lru_cache(maxsize=None)

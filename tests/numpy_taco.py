@@ -18,7 +18,7 @@ import functools
 import numpy as np
 
 TAU, EPS, ALPHA_MIN, ALPHA_MAX = 448.0, 1e-6, 1e-3, 1e3      # eqs. 6–7, public code
-F32_TINY = float(np.finfo(np.float32).tiny)
+SCALE_MIN = 2.0 ** -100   # the spec's smallest scale (taco_jax/ops/quant.py says why)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +177,7 @@ def encode(x: np.ndarray, name: str, b: int) -> NpEncoded:
         if spec.per_tensor:
             absmax = np.full_like(absmax, np.max(absmax))
             bad = np.full_like(bad, bad.any())
-        s = np.maximum(absmax / spec.fmt.qmax, F32_TINY)                   # eq. 9
+        s = np.maximum(absmax / spec.fmt.qmax, SCALE_MIN)                   # eq. 9
         s = np.where(bad, np.nan, s)                                       # NaN rule
         y = np.clip(z / s[:, None], -spec.fmt.qmax, spec.fmt.qmax)
         codes = round_to_grid(np.nan_to_num(y), spec.fmt)                  # eq. 10

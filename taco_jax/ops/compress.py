@@ -28,9 +28,12 @@ def _encode_tile(x, h1, h2, codec, cfg, exact_input):
     if codec.transform == "none":
         z = x * gain
     else:
-        z = common.hadamard_tile(x, h1, h2, block_size=codec.block_size, inverse=False,
+        # Scaling by 1/B (a power of two: exact) keeps the unnormalised ±1 sums from
+        # overflowing for inputs near the fp32 limit; sqrt(B)·α restores eq. 8's scale.
+        b = codec.block_size
+        z = common.hadamard_tile(x * np.float32(1 / b), h1, h2, block_size=b, inverse=False,
                                  exact_input=exact_input, precise=cfg.precise)
-        z = z * (gain * np.float32(1 / np.sqrt(codec.block_size)))  # eq. 8
+        z = z * (gain * np.float32(np.sqrt(b)))                    # eq. 8
     s = quant.scale(jnp.max(jnp.abs(z), axis=1, keepdims=True), codec.qmax, bad)  # eq. 9
     codes = quant.quantize(z, s, codec.qmax, codec.code_dtype)     # eq. 10
     scales = [s, gain] if codec.transform == "ash" else [s]
@@ -72,6 +75,8 @@ def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None, skip_star
     n_rows = x.shape[0] - row0 if n_rows is None else n_rows
     if b != codec.block_size or not codec.has_kernel:
         raise ValueError(f"compress kernel: got {x.shape=} for {codec}")
+    if row0 < 0 or n_rows < 0 or row0 + n_rows > x.shape[0]:
+        raise ValueError(f"compress: window {row0=} {n_rows=} outside {x.shape[0]} rows")
     cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=x.dtype != jnp.bfloat16)
     h1, h2 = common.hadamard_operands(b)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
