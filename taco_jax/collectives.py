@@ -14,6 +14,7 @@ psum ↔ pvary (Megatron's g and f), all_gather ↔ psum_scatter.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -62,6 +63,29 @@ def _compressible(x, codec) -> bool:
     return (not getattr(codec, "is_identity", False)
             and jnp.issubdtype(jnp.result_type(x), jnp.floating)
             and jnp.result_type(x) in codecs.FLOAT_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """The validated, static arguments of one psum / pvary call."""
+    codec: object
+    axis: object
+    p: int
+    min_bytes: int
+    chunk: int
+    vma: bool
+
+    @staticmethod
+    def make(op: str, axis_name, codec, min_bytes, chunk_bytes) -> "_Call":
+        axis = _single_axis(axis_name, op)
+        return _Call(codecs.get(codec), axis, _axis_size(axis, op),
+                     DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes),
+                     DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes),
+                     _check_vma())
+
+    def compresses(self, v) -> bool:
+        return (self.p > 1 and _compressible(v, self.codec)
+                and v.size * v.dtype.itemsize >= self.min_bytes)
 
 
 def _varying(x, axis) -> bool:
@@ -144,19 +168,13 @@ def psum(x, axis_name, *, codec="taco", min_bytes: int | None = None,
     Tensors larger than `chunk_bytes` (default DEFAULT_CHUNK_BYTES; 0 = never) are split
     into chunks whose compression overlaps the communication of their neighbours.
     """
-    codec = codecs.get(codec)
-    axis = _single_axis(axis_name, "psum")
-    p = _axis_size(axis, "psum")
-    min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
-    chunk = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
-    vma = _check_vma()
+    op = _Call.make("psum", axis_name, codec, min_bytes, chunk_bytes)
 
     def leaf(v):
         v = jnp.asarray(v)
-        if (p == 1 or not _compressible(v, codec) or v.size * v.dtype.itemsize < min_bytes
-                or (vma and not _varying(v, axis))):
-            return lax.psum(v, axis)
-        return _psum(v, axis, codec, p, vma, chunk)
+        if not op.compresses(v) or (op.vma and not _varying(v, op.axis)):
+            return lax.psum(v, op.axis)
+        return _psum(v, op.axis, op.codec, op.p, op.vma, op.chunk)
     return jax.tree.map(leaf, x)
 
 
@@ -187,20 +205,15 @@ def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None,
     sums the cotangents of replicated values (at the shard_map boundary, and through
     psum's transpose), so an all-reduce here would count them P times. Use
     check_vma=True to get the compressed backward all-reduce."""
-    codec = codecs.get(codec)
-    axis = _single_axis(axis_name, "pvary")
-    p = _axis_size(axis, "pvary")
-    min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
-    chunk = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
-    vma = _check_vma()
+    op = _Call.make("pvary", axis_name, codec, min_bytes, chunk_bytes)
 
     def leaf(v):
         v = jnp.asarray(v)
-        if vma and _varying(v, axis):
-            raise ValueError(f"taco_jax.pvary: x is already varying over {axis!r}")
-        if not vma:
+        if op.vma and _varying(v, op.axis):
+            raise ValueError(f"taco_jax.pvary: x is already varying over {op.axis!r}")
+        if not op.vma:
             return v
-        if (p == 1 or not _compressible(v, codec) or v.size * v.dtype.itemsize < min_bytes):
-            return lax.pcast(v, axis, to="varying")
-        return _pvary(v, axis, codec, p, vma, chunk)
+        if not op.compresses(v):
+            return lax.pcast(v, op.axis, to="varying")
+        return _pvary(v, op.axis, op.codec, op.p, op.vma, op.chunk)
     return jax.tree.map(leaf, x)
