@@ -12,6 +12,16 @@ Megatron's conjugate pair (paper Fig. 2, DESIGN_NOTES §3), per block:
       (compressed) all-reduce forward, identity backward.
 So each block has two compressed all-reduces forward and two backward.
 
+Error feedback (`feedback=True`, Echo, docs/echo.md): the same sites go through
+`taco_jax.feedback.pvary_with_feedback` / `psum_with_feedback`, and one `FeedbackState`
+(zeros at the start of each forward pass, created inside the shard_map) is threaded through
+them in forward order, so the error each compressed all-reduce injects into the residual
+stream is subtracted at the next one. With feedback a compressing `f` site sits *before*
+the LayerNorm (on the stream itself, not on LN's output), so a backward site's error lands
+directly in the stream's cotangent and the next backward site cancels it, as the forward
+sites do; the math is unchanged (LN is replicated: applying it before or after an
+identity-forward op gives the same values and, summed over "tp", the same gradients).
+
 Choices (documented in docs/training.md):
   - LM head untied from the token embedding and vocab-parallel (columns split over "tp"), with a
     Megatron vocab-parallel cross-entropy: the (B, T, V) logits never get gathered; the pmax
@@ -52,11 +62,16 @@ class GPTConfig:
     codec_bwd: str = "taco"  # codec of the backward all-reduces (column-parallel inputs)
     attention: str = "auto"  # jax.nn.dot_product_attention implementation: auto | xla | cudnn
     min_bytes: int = -1  # all-reduces smaller than this stay lax.psum; -1 = taco_jax's default
+    feedback: bool = False  # Echo error feedback at every compressed all-reduce site (docs/echo.md)
 
     @property
     def comm(self) -> dict:
         """Keyword arguments of taco_jax.psum / pvary besides the codec."""
         return {} if self.min_bytes < 0 else {"min_bytes": self.min_bytes}
+
+    def compresses(self, name: str) -> bool:
+        """Whether codec `name` ("codec_fwd" / "codec_bwd") changes the values it sums."""
+        return not getattr(taco_jax.codecs.get(getattr(self, name)), "is_identity", False)
 
     def attention_impl(self, dt) -> str:
         """auto: cuDNN's fused attention on GPU in 16-bit (its supported case), else XLA's."""
@@ -110,6 +125,11 @@ class GPTConfig:
                 taco_jax.codecs.get(getattr(self, name))
             except ValueError as e:
                 raise ValueError(f"model.{name}={getattr(self, name)!r}: {e}") from None
+        if self.feedback and not (self.compresses("codec_fwd") or self.compresses("codec_bwd")):
+            raise ValueError(f"model.feedback=True needs a compressing codec, but "
+                             f"model.codec_fwd={self.codec_fwd!r} and model.codec_bwd="
+                             f"{self.codec_bwd!r} are exact: there is no error to feed back "
+                             f"(set model.feedback=false)")
         return self
 
     def num_params(self) -> int:
@@ -160,14 +180,21 @@ class Attention(nnx.Module):
     def __call__(self, x):  # x: (B, T, d), invariant over "tp"
         cfg, dt = self.cfg, self.cfg.compute_dtype
         x = taco_jax.pvary(x, TP, codec=cfg.codec_bwd, **cfg.comm)  # Megatron f
+        y = taco_jax.psum(self.partial(x), TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
+        return y + self.bias(dt)
+
+    def bias(self, dt):
+        return self.out_bias[...].astype(dt)
+
+    def partial(self, x):
+        """x (B, T, d) varying over "tp" -> this device's partial sum of the output."""
+        cfg, dt = self.cfg, self.cfg.compute_dtype
         qkv = jnp.einsum("btd,dkhe->btkhe", x, self.qkv_kernel[...].astype(dt))
         qkv = qkv + self.qkv_bias[...].astype(dt)  # (B, T, 3, H/tp, hd)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                          implementation=cfg.attention_impl(dt))
-        y = jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt))  # partial sum
-        y = taco_jax.psum(y, TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
-        return y + self.out_bias[...].astype(dt)
+        return jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt))  # partial sum
 
 
 class MLP(nnx.Module):
@@ -185,23 +212,74 @@ class MLP(nnx.Module):
     def __call__(self, x):  # x: (B, T, d), invariant over "tp"
         cfg, dt = self.cfg, self.cfg.compute_dtype
         x = taco_jax.pvary(x, TP, codec=cfg.codec_bwd, **cfg.comm)  # Megatron f
+        y = taco_jax.psum(self.partial(x), TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
+        return y + self.bias(dt)
+
+    def bias(self, dt):
+        return self.down_bias[...].astype(dt)
+
+    def partial(self, x):
+        """x (B, T, d) varying over "tp" -> this device's partial sum of the output."""
+        dt = self.cfg.compute_dtype
         h = x @ self.up_kernel[...].astype(dt) + self.up_bias[...].astype(dt)  # (B, T, ff/tp)
         h = jax.nn.gelu(h, approximate=True)
-        y = h @ self.down_kernel[...].astype(dt)  # partial sum over the hidden shards
-        y = taco_jax.psum(y, TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
-        return y + self.down_bias[...].astype(dt)
+        return h @ self.down_kernel[...].astype(dt)  # partial sum over the hidden shards
+
+
+def f_site(x, ln, cfg: GPTConfig, state):
+    """LayerNorm + Megatron f with error feedback -> (ln(x) varying over "tp", state).
+    Identity forward; backward, the all-reduce of the cotangent (codec_bwd) subtracts the
+    error the later backward site left and leaves its own. The site sits *before* `ln`, on
+    the stream itself, so its error lands directly in the stream's cotangent, where the next
+    backward site cancels it. An exact codec_bwd: plain pvary after `ln` (as without
+    feedback), and the state passes through."""
+    if not cfg.compresses("codec_bwd"):
+        return taco_jax.pvary(ln(x), TP, codec=cfg.codec_bwd, **cfg.comm), state
+    u, state = taco_jax.feedback.pvary_with_feedback(x, TP, state, codec=cfg.codec_bwd,
+                                                      **cfg.comm)
+    return ln(u), state
+
+
+def g_site(y, cfg: GPTConfig, state):
+    """Megatron g with error feedback: all-reduce (codec_fwd) of y minus this device's share
+    of the previous site's error -> (sum, state holding this site's error share)."""
+    if not cfg.compresses("codec_fwd"):
+        return taco_jax.psum(y, TP, codec=cfg.codec_fwd, **cfg.comm), state
+    return taco_jax.feedback.psum_with_feedback(y, TP, state, codec=cfg.codec_fwd, **cfg.comm)
+
+
+def feedback_zeros(x) -> taco_jax.feedback.FeedbackState:
+    """A fresh FeedbackState for the stream x, varying over "tp" and over every axis x
+    varies over ("data": each data shard has its own stream, and a custom_vjp needs the
+    state's cotangent to vary like the state)."""
+    state = taco_jax.feedback.zeros(x.shape, TP)
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside check_vma
+    other = tuple(sorted(set(mat.varying) - {TP})) if mat is not None else ()
+    if other:
+        state = taco_jax.feedback.FeedbackState(lax.pcast(state.residual, other, to="varying"))
+    return state
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
         self.ln1 = LayerNorm(cfg)
         self.attn = Attention(cfg, rngs)
         self.ln2 = LayerNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x):  # x: (B, T, d) fp32 residual stream; branches add in compute dtype
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def __call__(self, x, state=None):
+        """x: (B, T, d) fp32 residual stream; branches add in compute dtype. With a
+        FeedbackState (model.feedback): -> (x, state), the state threaded through the
+        block's four sites in forward order."""
+        if state is None:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        for ln, branch in ((self.ln1, self.attn), (self.ln2, self.mlp)):
+            h, state = f_site(x, ln, self.cfg, state)
+            y, state = g_site(branch.partial(h), self.cfg, state)
+            x = x + (y + branch.bias(self.cfg.compute_dtype))
+        return x, state
 
 
 class GPT(nnx.Module):
@@ -223,9 +301,15 @@ class GPT(nnx.Module):
         if t > cfg.seq_len:
             raise ValueError(f"sequence length {t} > model.seq_len={cfg.seq_len}")
         x = self.wte[...][tokens] + self.wpe[...][:t]  # (B, T, d) fp32, as in AMP
-        for block in self.blocks:
-            x = block(x)
-        x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.codec_bwd, **cfg.comm)  # f of the LM head
+        if cfg.feedback:  # per-pass state: zeros here, dropped at the end (docs/training.md)
+            state = feedback_zeros(x)
+            for block in self.blocks:
+                x, state = block(x, state)
+            x, _ = f_site(x, self.ln_f, cfg, state)  # f of the LM head: first backward site
+        else:
+            for block in self.blocks:
+                x = block(x)
+            x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.codec_bwd, **cfg.comm)  # f, LM head
         return jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(dt),
                           preferred_element_type=jnp.float32)
 
