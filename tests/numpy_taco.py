@@ -171,6 +171,7 @@ def encode(x: np.ndarray, name: str, b: int) -> NpEncoded:
         if spec.transform == "ash":
             sigma = np.sqrt(np.mean(g * g, axis=1) + EPS)                 # eq. 6
             alpha = np.clip(TAU / sigma, ALPHA_MIN, ALPHA_MAX)             # eq. 7
+            alpha = np.where(bad, np.nan, alpha)       # spec: poisoned blocks carry α = NaN
             g = g * alpha[:, None]
         z = g if spec.transform == "none" else hadamard(g)                 # eq. 8
         absmax = np.max(np.abs(z), axis=1)

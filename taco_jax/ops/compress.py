@@ -23,7 +23,7 @@ def _encode_tile(x, h1, h2, codec, cfg, exact_input):
     bad = quant.nonfinite_rows(x)
     gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
     if codec.transform == "ash":
-        a = quant.alpha(x)                                         # eqs. 6–7
+        a = quant.alpha(x, bad)                                    # eqs. 6–7
         gain = a
     if codec.transform == "none":
         z = x * gain
@@ -93,7 +93,7 @@ def compress_reference(x, codec):
     bad = quant.nonfinite_rows(x)
     scales = []
     if codec.transform == "ash":
-        a = quant.alpha(x)                                         # eqs. 6–7
+        a = quant.alpha(x, bad)                                    # eqs. 6–7
         x = x * a
     z = x if codec.transform == "none" else hadamard.forward(x)    # eq. 8
     absmax = jnp.max(jnp.abs(z), axis=1, keepdims=True)

@@ -20,11 +20,13 @@ ALPHA_MIN, ALPHA_MAX = 1e-3, 1e3
 SCALE_MIN = 2.0 ** -100
 
 
-def alpha(x):
+def alpha(x, bad):
     """(rows, B) f32 → (rows, 1) α = clip(τ / sqrt(mean(x²) + ε)) (eqs. 6–7).
-    An overflowing mean gives σ = inf, α = α_min: the block still encodes."""
+    An overflowing mean gives σ = inf, α = α_min: the block still encodes. Blocks with
+    non-finite input get α = NaN explicitly: clip's NaN handling differs between XLA
+    (NaN) and Triton (a bound), and such a block decodes to NaN either way."""
     sigma = jnp.sqrt(jnp.mean(x * x, axis=1, keepdims=True) + EPS)
-    return jnp.clip(TAU / sigma, ALPHA_MIN, ALPHA_MAX)
+    return jnp.where(bad, jnp.float32(np.nan), jnp.clip(TAU / sigma, ALPHA_MIN, ALPHA_MAX))
 
 
 def nonfinite_rows(x):
