@@ -27,9 +27,10 @@ from taco_jax import codecs, dispatch, telemetry
 
 # Below this many bytes per device the compressed path does not beat one NCCL all-reduce
 # on 2×H200 NVLink with the current kernels: measured ratio taco/lax 1.09 at 16 MiB,
-# 0.99 at 64 MiB, 0.90 at 256 MiB, 0.87 at 1 GiB (bench/results/collectives.json).
-# Slower links (PCIe, inter-node) break even far lower: pass min_bytes explicitly there.
-DEFAULT_MIN_BYTES = 64 << 20
+# 0.99–1.02 at 64 MiB (a wash, three runs), 0.90–0.91 at 256 MiB, 0.87 at 1 GiB
+# (bench/results/collectives*.json). Slower links (PCIe, inter-node) break even far lower:
+# pass min_bytes explicitly there.
+DEFAULT_MIN_BYTES = 128 << 20
 # Chunking (paper: 64 MB chunks) only pays if one chunk's kernels overlap another chunk's
 # collectives. XLA does schedule them asynchronously (all-to-all-start … compress of the
 # next chunk … all-to-all-done), but measured on 2×H200 chunks were slower (64 MiB chunks:
