@@ -209,6 +209,7 @@ def test_echo4_with_feedback_trains(full_run, cache, tmp_path):
     # measured: 6.2295 -> 6.1820 (taco 6.1793, none 6.1792, echo4 without feedback 6.1861)
     taco = [r["loss"] for r in read_jsonl(Path(full_run["run_dir"]) / "metrics.jsonl")]
     assert abs(losses[-1] - taco[-1]) < 0.02, (losses, taco)
+    assert summary["feedback"] is True and summary["codec_fwd"] == "echo4"
     assert np.isfinite(summary["final_val_loss"]) and (run_dir / "ckpt" / "6").is_dir()
     assert train.build(cfg, train.loop.build_mesh(cfg)).abstract_state()["codec_state"] == {}
 

@@ -129,7 +129,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
         return {"step": jax.device_put(np.zeros((), np.int32), replicated),
                 "params": params, "opt_state": init_opt(params),
                 "rng": jax.device_put(rng, replicated),
-                "codec_state": {}}  # slot for codec/feedback state (Echo); empty for TACO
+                "codec_state": {}}  # slot for codec state across steps; empty: TACO has none,
+        # and Echo's feedback state lives one forward pass (docs/training.md "Error feedback")
 
     def step(state: State, tokens, targets) -> tuple[State, dict]:
         loss, grads = loss_and_grad(state["params"], tokens, targets)
@@ -253,7 +254,8 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     if lead:
         print(f"[train] {cfg.name}: {n_params / 1e6:.2f}M params, mesh data={mesh.shape['data']}"
               f" x tp={mesh.shape['tp']} on {jax.devices()[0].platform}, codec fwd="
-              f"{cfg.model.codec_fwd} bwd={cfg.model.codec_bwd}, run dir {run_dir}"
+              f"{cfg.model.codec_fwd} bwd={cfg.model.codec_bwd}"
+              + (", error feedback" if cfg.model.feedback else "") + f", run dir {run_dir}"
               + (f", resumed at step {start}" if latest is not None else ""), flush=True)
 
     def save(step: int) -> None:
@@ -331,6 +333,7 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
         "mesh": {"data": mesh.shape["data"], "tp": mesh.shape["tp"]},
         "platform": jax.devices()[0].platform, "devices": jax.device_count(),
         "codec_fwd": cfg.model.codec_fwd, "codec_bwd": cfg.model.codec_bwd,
+        "feedback": cfg.model.feedback,
     }
     if lead:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
