@@ -84,6 +84,10 @@ class _Call:
                      DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes),
                      _check_vma())
 
+    def taps(self, v) -> bool:
+        """Does telemetry.capture see this leaf? Every float all-reduce over > 1 device."""
+        return self.p > 1 and jnp.issubdtype(v.dtype, jnp.floating)
+
     def compresses(self, v) -> bool:
         return (self.p > 1 and _compressible(v, self.codec)
                 and v.size * v.dtype.itemsize >= self.min_bytes)
@@ -173,9 +177,16 @@ def psum(x, axis_name, *, codec="taco", min_bytes: int | None = None,
 
     def leaf(v):
         v = jnp.asarray(v)
+        tap = telemetry.capturing() and op.taps(v) and not (op.vma and not _varying(v, op.axis))
+        if tap:     # fidelity study: the tensor this all-reduce sums, whatever the route
+            telemetry.capture_value("fwd", "psum", v, op.axis)
         if not op.compresses(v) or (op.vma and not _varying(v, op.axis)):
-            return lax.psum(v, op.axis)
-        return _psum(v, op.axis, op.codec, op.p, op.vma, op.chunk)
+            y = lax.psum(v, op.axis)
+        else:
+            y = _psum(v, op.axis, op.codec, op.p, op.vma, op.chunk)
+        if tap and not op.vma:   # psum's transpose all-reduces the cotangent of y
+            y = telemetry.capture_cotangent(y, "psum", op.axis)
+        return y
     return jax.tree.map(leaf, x)
 
 
@@ -215,6 +226,10 @@ def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None,
         if not op.vma:
             return v
         if not op.compresses(v):
-            return lax.pcast(v, op.axis, to="varying")
-        return _pvary(v, op.axis, op.codec, op.p, op.vma, op.chunk)
+            y = lax.pcast(v, op.axis, to="varying")
+        else:
+            y = _pvary(v, op.axis, op.codec, op.p, op.vma, op.chunk)
+        if telemetry.capturing() and op.taps(v):   # backward all-reduces y's cotangent
+            y = telemetry.capture_cotangent(y, "pvary", op.axis)
+        return y
     return jax.tree.map(leaf, x)

@@ -6,15 +6,20 @@ is read when a function is traced, so nothing is added to programs traced while 
     log.records  # [{"op", "axis", "codec", "rel_error", "wire_bytes", "bf16_bytes", "nonfinite"}]
 
 Each record costs one exact lax.psum in f32 (to measure the error) and a host callback.
+
+`capture()` (below) hands the tensors at the all-reduce sites themselves to the host, for
+the fidelity study (bench/fidelity.py); same rule: off by default, free when off.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _state = threading.local()
@@ -53,3 +58,94 @@ def report(op: str, x, y, axis, codec, wire_bytes: int) -> None:
         if int(idx) == 0:       # one record per call, from the first device of the axis
             log.records.append({**meta, "rel_error": float(rel), "nonfinite": int(nonfinite)})
     jax.debug.callback(sink, rel, nonfinite, lax.axis_index(axis))
+
+
+# -- tensor capture -------------------------------------------------------------------------
+# Hands the real tensors at the all-reduce sites to the host, for the fidelity study
+# (bench/fidelity.py). Off by default and free when off: like `collect`, the flag is read at
+# trace time, so programs traced outside the block contain no callback.
+#
+#     with taco_jax.telemetry.capture() as cap:
+#         jax.jit(loss_and_grad)(params, x, y)    # traced inside the block
+#     jax.effects_barrier()
+#     cap.records  # [{"kind": "fwd"|"bwd", "site", "call", "op", "axis", "device", "value"}]
+#
+# Trace a fresh function inside the block (a new jax.jit / shard_map closure): JAX caches
+# traces by function identity, and a cached trace from outside the block has no callbacks.
+# Sites: "fwd" is the input of every taco_jax.psum (this device's partial sum, before any
+# quantization); "bwd" is the cotangent whose all-reduce is psum's or pvary's backward
+# (check_vma=True: the cotangent reaching pvary; check_vma=False: the one reaching psum).
+# Captured whatever the route (compressed two-shot or lax.psum below min_bytes, any codec):
+# the tensor is the one the all-reduce sums, so any codec can be evaluated on it offline.
+
+
+@dataclasses.dataclass
+class Capture:
+    all_devices: bool = False
+    records: list = dataclasses.field(default_factory=list)
+    _sites: dict = dataclasses.field(default_factory=dict)    # kind -> sites traced so far
+    _calls: dict = dataclasses.field(default_factory=dict)    # (kind, site, device) -> runs
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def by_kind(self, kind: str) -> list:
+        return [r for r in self.records if r["kind"] == kind]
+
+
+_capture_state = threading.local()
+
+
+def capturing() -> bool:
+    return getattr(_capture_state, "cap", None) is not None
+
+
+@contextlib.contextmanager
+def capture(all_devices: bool = False):
+    """Capture the per-device tensors at the all-reduce sites of functions traced inside the
+    block. all_devices=False keeps the first device of the axis only (like `report`);
+    True keeps every device's tensor (record["device"] = index along the axis). With other
+    mesh axes (data parallelism) each replica along them sends its own record."""
+    old = getattr(_capture_state, "cap", None)
+    _capture_state.cap = Capture(all_devices=all_devices)
+    try:
+        yield _capture_state.cap
+    finally:
+        _capture_state.cap = old
+
+
+def capture_value(kind: str, op: str, x, axis) -> None:
+    """Trace-time: add a host callback handing `x` (this device's tensor) to the capture."""
+    cap = _capture_state.cap
+    with cap._lock:
+        site = cap._sites.get(kind, 0)
+        cap._sites[kind] = site + 1
+    meta = {"kind": kind, "site": site, "op": op, "axis": str(axis)}
+
+    def sink(value, idx):
+        idx = int(idx)
+        if idx != 0 and not cap.all_devices:
+            return
+        with cap._lock:
+            key = (kind, site, idx)
+            call = cap._calls.get(key, 0)
+            cap._calls[key] = call + 1
+            cap.records.append({**meta, "call": call, "device": idx,
+                                "value": np.array(value, copy=True)})
+    jax.debug.callback(sink, x, lax.axis_index(axis))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def capture_cotangent(x, op: str, axis):
+    """Identity; its backward captures the cotangent (kind "bwd") and passes it on."""
+    return x
+
+
+def _cc_fwd(x, op, axis):
+    return x, None
+
+
+def _cc_bwd(op, axis, _, g):
+    capture_value("bwd", op, g, axis)
+    return (g,)
+
+
+capture_cotangent.defvjp(_cc_fwd, _cc_bwd)
