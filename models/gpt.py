@@ -249,15 +249,8 @@ def g_site(y, cfg: GPTConfig, state):
 
 
 def feedback_zeros(x) -> taco_jax.feedback.FeedbackState:
-    """A fresh FeedbackState for the stream x, varying over "tp" and over every axis x
-    varies over ("data": each data shard has its own stream, and a custom_vjp needs the
-    state's cotangent to vary like the state)."""
-    state = taco_jax.feedback.zeros(x.shape, TP)
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside check_vma
-    other = tuple(sorted(set(mat.varying) - {TP})) if mat is not None else ()
-    if other:
-        state = taco_jax.feedback.FeedbackState(lax.pcast(state.residual, other, to="varying"))
-    return state
+    """A fresh FeedbackState for the stream x (varying over "tp" and over "data")."""
+    return taco_jax.feedback.zeros_like(x, TP)
 
 
 class Block(nnx.Module):

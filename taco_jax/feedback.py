@@ -47,6 +47,17 @@ def zeros(shape, axis_name) -> FeedbackState:
     return FeedbackState(r)
 
 
+def zeros_like(x, axis_name) -> FeedbackState:
+    """Initial state for the stream x: varying over `axis_name` and over every axis x varies
+    over (e.g. "data"), as a custom_vjp needs the state's cotangent to vary like the state."""
+    state = zeros(x.shape, axis_name)
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)       # None outside check_vma
+    other = tuple(sorted(set(mat.varying) - {axis_name})) if mat is not None else ()
+    if other:
+        state = FeedbackState(lax.pcast(state.residual, other, to="varying"))
+    return state
+
+
 # -- the all-reduce that also returns this device's share of its error ----------------------
 def _two_shot_err(z, axis, codec, p: int, out_dtype):
     """collectives._two_shot (unchunked, reference ops) on f32 z, plus e with Σ_devices e =
