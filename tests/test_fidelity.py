@@ -1,6 +1,7 @@
 """Fidelity tooling: telemetry.capture hands the real all-reduce tensors to the host (and
 costs nothing when off); bench/fidelity.py's metrics; train.ablation's driver (tiny smoke)."""
 import json
+import math
 import sysconfig
 from pathlib import Path
 
@@ -113,3 +114,66 @@ def test_capture_off_adds_nothing():
         on = str(jax.make_jaxpr(_f_vma("taco", None))(*args))
     assert "debug_callback" in on
     assert str(jax.make_jaxpr(_f_vma("taco", None))(*args)) == off   # scoped to the block
+
+
+# ---------------------------------------------------------------------------------------------
+# train.ablation: 2 variants x 3 steps of a very small GPT, resumable, JSON + plot
+
+def _small(cache):
+    return ["model.vocab_size=512", "model.seq_len=32", "model.n_layer=1", "model.n_head=4",
+            "model.d_model=32", f"data.paths=[{CORPUS}]", f"data.cache_dir={cache}",
+            "train.batch_size=4", "train.eval_every=0", "train.ckpt_every=0",
+            "train.eval_batches=1", "optim.warmup_steps=1", "train.async_ckpt=false"]
+
+
+def test_ablation_smoke(tmp_path, capsys):
+    from train import ablation
+    args = ["--steps", "3", "--variants", "none", "taco+feedback", "--out-dir",
+            str(tmp_path / "runs"), "--json", str(tmp_path / "a.json"), "--plot",
+            str(tmp_path / "a.png"), "--set", *_small(tmp_path / "cache")]
+    out = ablation.main(args)
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert set(rows) == {"none", "taco+feedback"}
+    assert rows["none"]["degradation_pct"] == 0.0 and not rows["none"]["diverged"]
+    fb = rows["taco+feedback"]
+    assert fb["feedback"] and fb["codec"] == "taco" and math.isfinite(fb["final_val_loss"])
+    assert abs(fb["degradation_pct"]) < 5 and len(fb["curve"]["step"]) == 3
+    saved = json.loads((tmp_path / "a.json").read_text())
+    assert {"device", "commit", "preset", "steps", "rows"} <= set(saved)
+    assert saved["steps"] == 3 and saved["device"] == "cpu"
+    assert (tmp_path / "a.png").stat().st_size > 0
+    cfg = (tmp_path / "runs" / "taco+feedback" / "config.yaml").read_text()
+    assert "min_bytes: 0" in cfg and "feedback: true" in cfg and "tp: 2" in cfg
+    # resumable: a second call reads the finished runs back instead of training again
+    capsys.readouterr()
+    again = ablation.main(args)
+    assert "training in" not in capsys.readouterr().out
+    assert [r["final_val_loss"] for r in again["rows"]] == [r["final_val_loss"]
+                                                            for r in out["rows"]]
+
+
+def test_ablation_variant_parsing():
+    from train.ablation import VARIANTS, parse_variant
+    assert parse_variant("echo4+feedback", 0) == {"name": "echo4+feedback", "codec": "echo4",
+                                                  "feedback": True, "seed": 0}
+    assert parse_variant("none@seed1", 0)["seed"] == 1
+    with pytest.raises(ValueError):
+        parse_variant("taco+ef", 0)
+    assert len(VARIANTS) == 12 and VARIANTS.count("none") == 1
+
+
+def test_fidelity_metrics_on_known_tensors():
+    """codec_rows: rel_l2 and SNR agree, none is exact, underflow counts zeros."""
+    import bench.fidelity as fid
+    rng = np.random.default_rng(0)
+    recs = [{"kind": "fwd", "site": 0, "value": rng.standard_normal((64, 256), np.float32)},
+            {"kind": "bwd", "site": 0, "value": np.where(rng.random((64, 256)) < 0.5, 1e-6,
+                                                         1.0).astype(np.float32)}]
+    rows = {(r["codec"], r["site"]): r for r in fid.codec_rows(recs, ["none", "taco", "fp8"], 5)}
+    assert rows["none", "fwd"]["rel_l2"] == 0 and rows["none", "fwd"]["snr_db"] is None
+    t = rows["taco", "fwd"]
+    assert 0.01 < t["rel_l2"] < 0.05 and t["step"] == 5
+    assert abs(t["snr_db"] + 20 * np.log10(t["rel_l2"])) < 1e-3
+    # per-tensor fp8: 1e-6 next to 1.0 is below E4M3's range (2^-9 · 1/448) and flushes to 0
+    assert rows["fp8", "bwd"]["underflow_frac"] > 0.4
+    assert rows["taco", "fwd"]["underflow_frac"] == 0

@@ -1,0 +1,289 @@
+"""python -m train.ablation: the convergence ablation of issue 7 (TACO paper Table 4 idea).
+
+    python -m train.ablation [--config small] [--steps 2000] [--tp 2] [--seed 0]
+        [--variants none fp8 ... taco+feedback none@seed1] [--set k=v ...]
+        [--out-dir runs/ablation-<preset>] [--json bench/results/ablation.json]
+        [--plot docs/ablation_loss.png] [--budget-s 540]
+
+Every variant trains the same preset, seed, data order and number of steps via `train.run`,
+with every all-reduce compressed (model.min_bytes=0), forward and backward, at TP=2. A
+variant is `codec`, `codec+feedback` (model.feedback=true, Echo error feedback) or
+`none@seedN` (the baseline with another seed: the noise floor every degradation is read
+against). Each run has its own run dir `<out-dir>/<variant>`; the driver is resumable:
+finished runs are read back, not re-run; interrupted ones resume from their checkpoint;
+diverged ones (NaN loss) are recorded once and not retried.
+
+`--budget-s S` stops cleanly after S seconds (SIGTERM to itself: the current step
+finishes, a checkpoint is written): for machines that cap a command's time. Re-run the
+same command to continue. Rows already in the JSON for variants without a local run dir
+are kept (runs split over several machines).
+
+Output: a table of final validation loss and degradation vs `none` (the seed-0 baseline),
+`diverged` = NaN or final val loss > 2x none's; the JSON
+{"device", "commit", "preset", "steps", "tp", "noise_floor_pct", "rows": [{"codec",
+"feedback", "seed", "final_val_loss", "degradation_pct", "diverged", ...}]}; one loss-curve
+plot of all runs (train.metrics.plot_runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import train
+from train import config as config_lib
+from train.metrics import plot_runs, read_jsonl
+
+VARIANTS = ("none", "fp8", "block-fp8", "hadamard-fp8", "taco", "taco-1scale", "taco-e5m2",
+            "taco-int8", "echo4", "echo4+feedback", "taco+feedback", "none@seed1")
+
+
+def parse_variant(v: str, seed: int) -> dict:
+    """"taco+feedback" / "none@seed1" / "fp8" -> {"name", "codec", "feedback", "seed"}."""
+    body, _, seed_part = v.partition("@")
+    codec, _, fb = body.partition("+")
+    if fb not in ("", "feedback"):
+        raise ValueError(f"variant {v!r}: only '+feedback' may follow the codec")
+    if seed_part and not seed_part.startswith("seed"):
+        raise ValueError(f"variant {v!r}: '@' must be followed by seedN")
+    return {"name": v, "codec": codec, "feedback": fb == "feedback",
+            "seed": int(seed_part[4:]) if seed_part else seed}
+
+
+def has_feedback_field() -> bool:
+    from models.gpt import GPTConfig
+    return "feedback" in GPTConfig.__dataclass_fields__
+
+
+def _device() -> str:
+    import jax
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform)
+
+
+def _commit() -> str | None:
+    import subprocess
+    c = os.environ.get("GIT_COMMIT")
+    if c:
+        return c
+    try:
+        return subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        return None
+
+
+class _Budget:
+    """SIGTERM to this process after `seconds` (train.run then checkpoints and returns)."""
+
+    def __init__(self, seconds: float):
+        self.t_end = time.monotonic() + seconds if seconds else None
+        self.fired = False
+        self._timer = None
+
+    def arm(self):
+        if self.t_end is None:
+            return
+        left = self.t_end - time.monotonic()
+        if left <= 0:
+            self.fired = True
+            return
+
+        def fire():
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        self._timer = threading.Timer(left, fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def disarm(self):
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def expired(self) -> bool:
+        return self.fired or (self.t_end is not None and time.monotonic() >= self.t_end)
+
+
+def run_variant(var: dict, args, budget: _Budget) -> dict | None:
+    """Train one variant (or read it back). -> record, or None if not finished."""
+    run_dir = Path(args.out_dir) / var["name"]
+    summary_f, diverged_f = run_dir / "summary.json", run_dir / "diverged.json"
+    if diverged_f.exists():
+        return json.loads(diverged_f.read_text())
+    if summary_f.exists():
+        s = json.loads(summary_f.read_text())
+        if not s["interrupted"] and s["step"] >= args.steps:
+            return _record(var, s, run_dir)
+    overrides = [f"codec={var['codec']}", "model.min_bytes=0", f"parallel.tp={args.tp}",
+                 f"train.steps={args.steps}", f"train.seed={var['seed']}",
+                 f"train.run_dir={run_dir}", f"train.progress={str(args.progress).lower()}",
+                 *args.set]
+    if var["feedback"]:
+        overrides.append("model.feedback=true")
+    cfg = config_lib.load_config(args.config, overrides)
+    resume = (run_dir / "ckpt").exists()
+    print(f"[ablation] {var['name']}: {'resuming' if resume else 'training'} in {run_dir}",
+          flush=True)
+    budget.arm()
+    try:
+        s = train.run(cfg, resume=resume)
+    except FloatingPointError as e:   # NaN/inf loss: record once, never retried
+        rec = {**_base(var, run_dir), "final_val_loss": float("nan"), "diverged": True,
+               "error": str(e), "curve": _curve(run_dir)}
+        diverged_f.write_text(json.dumps(rec, indent=1))
+        return rec
+    finally:
+        budget.disarm()
+    if s["interrupted"]:
+        return None
+    return _record(var, s, run_dir)
+
+
+def _base(var: dict, run_dir: Path) -> dict:
+    return {"variant": var["name"], "codec": var["codec"], "feedback": var["feedback"],
+            "seed": var["seed"], "run_dir": str(run_dir)}
+
+
+def _curve(run_dir: Path) -> dict:
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if math.isfinite(r["loss"])]
+    return {"step": [r["step"] for r in rows],
+            "loss": [round(r["loss"], 5) for r in rows],
+            "val_step": [r["step"] for r in rows if "val_loss" in r],
+            "val_loss": [round(r["val_loss"], 5) for r in rows if "val_loss" in r]}
+
+
+def _record(var: dict, s: dict, run_dir: Path) -> dict:
+    return {**_base(var, run_dir), "final_val_loss": s["final_val_loss"],
+            "final_train_loss": s["final_train_loss"], "steps": s["step"],
+            "step_time_s": s["step_time_s"], "platform": s["platform"],
+            "curve": _curve(run_dir)}
+
+
+def finish(records: dict, args, order: list[str]) -> dict:
+    """Degradation vs none, diverged flags, table, JSON, plot."""
+    base = records.get("none")
+    b = base["final_val_loss"] if base else None
+    rows = []
+    for name in order:
+        r = records.get(name)
+        if r is None:
+            continue
+        v = r["final_val_loss"]
+        bad = v is None or not math.isfinite(v)
+        r = {**r, "degradation_pct": None if (bad or b is None) else 100 * (v - b) / b,
+             "diverged": bool(r.get("diverged") or bad or (b is not None and v > 2 * b))}
+        rows.append(r)
+    noise = next((r["degradation_pct"] for r in rows
+                  if r["codec"] == "none" and r["seed"] != args.seed), None)
+    print(f"\n{'variant':<18}{'val loss':>10}{'vs none %':>11}  diverged")
+    for r in rows:
+        v = r["final_val_loss"]
+        d = r["degradation_pct"]
+        print(f"{r['variant']:<18}{v if v is not None else float('nan'):>10.4f}"
+              f"{'' if d is None else f'{d:+.2f}':>11}  {'yes' if r['diverged'] else ''}")
+    if noise is not None:
+        print(f"noise floor (none, another seed): {noise:+.2f}%")
+    out = {"device": _device(), "commit": _commit(), "preset": args.preset_name,
+           "steps": args.steps, "tp": args.tp, "min_bytes": 0, "seed": args.seed,
+           "noise_floor_pct": noise, "rows": rows}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot and rows:
+        print(f"wrote {plot_curves(rows, args)}")
+    return out
+
+
+def plot_curves(rows: list[dict], args) -> Path:
+    """All runs on one figure with train.metrics.plot_runs, from the curves in the rows (so
+    the plot can be redrawn from the JSON alone, when run dirs live on other machines)."""
+    rows = [r for r in rows if r.get("curve") and r["curve"]["step"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = []
+        for i, r in enumerate(rows):
+            d = Path(tmp) / f"{i:02d}"
+            d.mkdir()
+            c = r["curve"]
+            val = dict(zip(c["val_step"], c["val_loss"]))
+            d.joinpath("metrics.jsonl").write_text("".join(
+                json.dumps({"step": s, "loss": l, **({"val_loss": val[s]} if s in val else {})})
+                + "\n" for s, l in zip(c["step"], c["loss"])))
+            dirs.append(d)
+        return plot_runs(dirs, args.plot, labels=[r["variant"] for r in rows],
+                         title=f"ablation: {args.preset_name}, TP={args.tp}, {args.steps} steps,"
+                               f" every all-reduce compressed")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m train.ablation", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", help="preset name or YAML (default tiny)")
+    p.add_argument("--steps", type=int, default=None, help="default: the preset's train.steps")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--set", nargs="*", default=[], help="extra config overrides (k=v)")
+    p.add_argument("--out-dir", default=None, help="default runs/ablation-<preset>")
+    p.add_argument("--json", default="bench/results/ablation.json")
+    p.add_argument("--plot", default="docs/ablation_loss.png")
+    p.add_argument("--budget-s", type=float, default=0, help="stop cleanly after S seconds")
+    p.add_argument("--progress", action="store_true", help="tqdm bar per run")
+    args = p.parse_args(argv)
+
+    cfg0 = config_lib.load_config(args.config, args.set)
+    args.preset_name = cfg0.name
+    args.steps = args.steps or cfg0.train.steps
+    args.out_dir = args.out_dir or f"runs/ablation-{cfg0.name}"
+    variants = [parse_variant(v, args.seed) for v in args.variants]
+    if any(v["feedback"] for v in variants) and not has_feedback_field():
+        print("[ablation] model.feedback is not in this checkout's GPTConfig: skipping "
+              + ", ".join(v["name"] for v in variants if v["feedback"]), flush=True)
+        variants = [v for v in variants if not v["feedback"]]
+    if "none" not in [v["name"] for v in variants]:
+        print("[ablation] no 'none' variant: degradations need the baseline", flush=True)
+
+    records = {}
+    if args.json and Path(args.json).exists():   # rows of runs finished on other machines
+        old = json.loads(Path(args.json).read_text())
+        if (old.get("preset"), old.get("steps"), old.get("tp")) == \
+                (args.preset_name, args.steps, args.tp):
+            for r in old["rows"]:
+                if not (Path(args.out_dir) / r["variant"]).exists():
+                    records[r["variant"]] = {k: v for k, v in r.items()
+                                             if k not in ("degradation_pct",)}
+    order = [v["name"] for v in variants]
+    order += [k for k in records if k not in order]
+    budget = _Budget(args.budget_s)
+    stopped = False
+    for var in variants:
+        if var["name"] in records and not (Path(args.out_dir) / var["name"]).exists():
+            continue
+        if budget.expired():
+            stopped = True
+            break
+        rec = run_variant(var, args, budget)
+        if rec is None:
+            stopped = True
+            break
+        records[var["name"]] = rec
+        finish(records, args, order)   # after every finished run: partial results survive
+    out = finish(records, args, order)
+    if stopped:
+        left = [v["name"] for v in variants if v["name"] not in records]
+        print(f"[ablation] stopped (time budget); not finished: {left}. Re-run the same "
+              f"command to continue.", flush=True)
+        out["unfinished"] = left
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
