@@ -22,7 +22,7 @@ Output: a table of final validation loss and degradation vs `none` (the seed-0 b
 `diverged` = NaN or final val loss > 2x none's; the JSON
 {"device", "commit", "preset", "steps", "tp", "noise_floor_pct", "rows": [{"codec",
 "feedback", "seed", "final_val_loss", "degradation_pct", "diverged", ...}]}; one loss-curve
-plot of all runs (train.metrics.plot_runs).
+figure of all runs (train loss, and val loss vs none in %).
 """
 from __future__ import annotations
 
@@ -32,14 +32,14 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import train
 from train import config as config_lib
-from train.metrics import plot_runs, read_jsonl
+from train.loop import setup_backend
+from train.metrics import read_jsonl
 
 VARIANTS = ("none", "fp8", "block-fp8", "hadamard-fp8", "taco", "taco-1scale", "taco-e5m2",
             "taco-int8", "echo4", "echo4+feedback", "taco+feedback", "none@seed1")
@@ -204,23 +204,51 @@ def finish(records: dict, args, order: list[str]) -> dict:
 
 
 def plot_curves(rows: list[dict], args) -> Path:
-    """All runs on one figure with train.metrics.plot_runs, from the curves in the rows (so
-    the plot can be redrawn from the JSON alone, when run dirs live on other machines)."""
+    """One figure for all runs, drawn from the curves in the rows (so it can be redrawn from
+    the JSON alone when run dirs live on other machines): (a) train loss (EMA) with val
+    points, (b) val loss vs `none` in %. train.metrics.plot_runs draws the same curves but
+    its legend does not fit 12 runs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
     rows = [r for r in rows if r.get("curve") and r["curve"]["step"]]
-    with tempfile.TemporaryDirectory() as tmp:
-        dirs = []
-        for i, r in enumerate(rows):
-            d = Path(tmp) / f"{i:02d}"
-            d.mkdir()
-            c = r["curve"]
-            val = dict(zip(c["val_step"], c["val_loss"]))
-            d.joinpath("metrics.jsonl").write_text("".join(
-                json.dumps({"step": s, "loss": l, **({"val_loss": val[s]} if s in val else {})})
-                + "\n" for s, l in zip(c["step"], c["loss"])))
-            dirs.append(d)
-        return plot_runs(dirs, args.plot, labels=[r["variant"] for r in rows],
-                         title=f"ablation: {args.preset_name}, TP={args.tp}, {args.steps} steps,"
-                               f" every all-reduce compressed")
+    base = next((r["curve"] for r in rows if r["variant"] == "none"), None)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5))
+    colors = plt.get_cmap("tab20")(np.linspace(0, 1, 20))
+    for i, r in enumerate(rows):
+        c, col = r["curve"], colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
+        loss = np.asarray(c["loss"], float)
+        ema = np.copy(loss)
+        k = 2.0 / (1 + max(len(loss) // 50, 1))
+        for j in range(1, len(ema)):
+            ema[j] = (1 - k) * ema[j - 1] + k * loss[j]
+        ls = "--" if r["feedback"] else ("-." if r["seed"] != args.seed else "-")
+        ax.plot(c["step"], ema, ls, color=col, lw=1.2, label=r["variant"])
+        ax.plot(c["val_step"], c["val_loss"], "o", color=col, ms=3)
+        if base and base["val_step"]:
+            ref = dict(zip(base["val_step"], base["val_loss"]))
+            pts = [(s, 100 * (v - ref[s]) / ref[s]) for s, v in zip(c["val_step"],
+                                                                   c["val_loss"]) if s in ref]
+            if pts:
+                bx.plot(*zip(*pts), "o" + ls, color=col, ms=3, lw=1, label=r["variant"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (EMA), val loss (dots)")
+    bx.set_xlabel("step")
+    bx.set_ylabel("val loss vs none (%)")
+    bx.axhline(0, color="k", lw=0.6)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+    bx.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(f"ablation: {args.preset_name}, TP={args.tp}, {args.steps} steps, every "
+                 f"all-reduce compressed")
+    fig.tight_layout()
+    out = Path(args.plot)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -240,6 +268,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     cfg0 = config_lib.load_config(args.config, args.set)
+    setup_backend(cfg0)   # before anything starts JAX (the table asks for the device name)
     args.preset_name = cfg0.name
     args.steps = args.steps or cfg0.train.steps
     args.out_dir = args.out_dir or f"runs/ablation-{cfg0.name}"
