@@ -163,7 +163,18 @@ class LayerNorm(nnx.Module):
         return y.astype(self.cfg.compute_dtype)
 
 
-class Attention(nnx.Module):
+class _TPSublayer:
+    """Megatron sub-layer: f (pvary) → this device's partial sum → g (psum) → + bias.
+    Subclasses give `partial(x)` and `bias(dtype)`."""
+
+    def __call__(self, x):  # x: (B, T, d), invariant over "tp"
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        x = taco_jax.pvary(x, TP, codec=cfg.codec_bwd, **cfg.comm)  # Megatron f
+        y = taco_jax.psum(self.partial(x), TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
+        return y + self.bias(dt)
+
+
+class Attention(_TPSublayer, nnx.Module):
     """Causal self-attention; heads split over "tp" (QKV column-, output row-parallel)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
@@ -176,12 +187,6 @@ class Attention(nnx.Module):
         self.out_kernel = nnx.Param(_normal(rngs, (h, hd, d), 0.02 / math.sqrt(2 * cfg.n_layer)),
                                     pspec=(TP, None, None))
         self.out_bias = nnx.Param(np.zeros((d,), np.float32))
-
-    def __call__(self, x):  # x: (B, T, d), invariant over "tp"
-        cfg, dt = self.cfg, self.cfg.compute_dtype
-        x = taco_jax.pvary(x, TP, codec=cfg.codec_bwd, **cfg.comm)  # Megatron f
-        y = taco_jax.psum(self.partial(x), TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
-        return y + self.bias(dt)
 
     def bias(self, dt):
         return self.out_bias[...].astype(dt)
@@ -197,7 +202,7 @@ class Attention(nnx.Module):
         return jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt))  # partial sum
 
 
-class MLP(nnx.Module):
+class MLP(_TPSublayer, nnx.Module):
     """GELU MLP; hidden units split over "tp" (up column-, down row-parallel)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
@@ -208,12 +213,6 @@ class MLP(nnx.Module):
         self.down_kernel = nnx.Param(_normal(rngs, (ff, d), 0.02 / math.sqrt(2 * cfg.n_layer)),
                                      pspec=(TP, None))
         self.down_bias = nnx.Param(np.zeros((d,), np.float32))
-
-    def __call__(self, x):  # x: (B, T, d), invariant over "tp"
-        cfg, dt = self.cfg, self.cfg.compute_dtype
-        x = taco_jax.pvary(x, TP, codec=cfg.codec_bwd, **cfg.comm)  # Megatron f
-        y = taco_jax.psum(self.partial(x), TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
-        return y + self.bias(dt)
 
     def bias(self, dt):
         return self.down_bias[...].astype(dt)
