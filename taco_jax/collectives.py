@@ -233,3 +233,108 @@ def pvary(x, axis_name, *, codec="taco", min_bytes: int | None = None,
             y = telemetry.capture_cotangent(y, "pvary", op.axis)
         return y
     return jax.tree.map(leaf, x)
+
+
+# -- all_gather and psum_scatter (sequence parallelism): each the other's transpose -------------
+def _stack_or_concat(parts, axis: int, tiled: bool):
+    """parts (P, *shape) → lax.all_gather's layout for `axis` / `tiled`."""
+    if not tiled:
+        return jnp.moveaxis(parts, 0, axis)
+    return jnp.concatenate(list(parts), axis=axis)
+
+
+def _gather(x, axis_name, codec, p, axis: int, tiled: bool):
+    blocks = codecs.to_blocks(x, codec.block_size)                   # (nb, B)
+    wire = dispatch.compress(blocks, codec)
+    everyone = lax.all_gather(wire, axis_name)                       # (P, nb, row)
+    dec = dispatch.decompress(everyone.reshape(-1, codec.row_bytes), codec, x.dtype)
+    parts = jax.vmap(lambda b: codecs.from_blocks(b, x.shape))(
+        dec.reshape(p, blocks.shape[0], codec.block_size))
+    return _stack_or_concat(parts, axis, tiled)
+
+
+def _scatter(x, axis_name, codec, p, dim: int, tiled: bool):
+    """Reduce-scatter: compressed all-to-all, owner sums in fp32 with its own part exact."""
+    xs = jnp.moveaxis(x, dim, 0)
+    seg_shape = (xs.shape[0] // p, *xs.shape[1:]) if tiled else xs.shape[1:]
+    segs = xs.reshape(p, -1)                                         # (P, m)
+    m = segs.shape[1]
+    nb = max(1, -(-m // codec.block_size))
+    blocks = jnp.pad(segs, ((0, 0), (0, nb * codec.block_size - m))).reshape(p * nb, -1)
+    me = lax.axis_index(axis_name)
+    wire = dispatch.compress(blocks, codec).reshape(p, nb, codec.row_bytes)
+    recv = lax.all_to_all(wire, axis_name, 0, 0)                     # recv[j]: from device j
+    dec = dispatch.decompress(recv.reshape(p * nb, -1), codec, jnp.float32).reshape(p, nb, -1)
+    own = lax.dynamic_index_in_dim(blocks.reshape(p, nb, -1), me, 0, keepdims=False)
+    peers = jnp.where((jnp.arange(p) == me)[:, None, None], 0.0, dec).sum(0)
+    total = (own.astype(jnp.float32) + peers).reshape(-1)[:m].astype(x.dtype)
+    out = total.reshape(seg_shape)                                   # (k, *rest) or rest
+    return jnp.moveaxis(out, 0, dim) if tiled else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _all_gather(x, axis_name, codec, p, axis, tiled):
+    return _gather(x, axis_name, codec, p, axis, tiled)
+
+
+def _all_gather_fwd(x, axis_name, codec, p, axis, tiled):
+    return _all_gather(x, axis_name, codec, p, axis, tiled), None
+
+
+def _all_gather_bwd(axis_name, codec, p, axis, tiled, _, g):
+    return (_psum_scatter(g, axis_name, codec, p, axis, tiled),)
+
+
+_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _psum_scatter(x, axis_name, codec, p, dim, tiled):
+    return _scatter(x, axis_name, codec, p, dim, tiled)
+
+
+def _psum_scatter_fwd(x, axis_name, codec, p, dim, tiled):
+    return _psum_scatter(x, axis_name, codec, p, dim, tiled), None
+
+
+def _psum_scatter_bwd(axis_name, codec, p, dim, tiled, _, g):
+    return (_all_gather(g, axis_name, codec, p, dim, tiled),)
+
+
+_psum_scatter.defvjp(_psum_scatter_fwd, _psum_scatter_bwd)
+
+
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, codec="taco",
+               min_bytes: int | None = None):
+    """`lax.all_gather` with compressed payloads (signature and layout as lax's, default
+    `to="varying"`). Every device decodes the same bytes, its own part included, so all
+    copies agree. Gradient: the compressed `psum_scatter`."""
+    op = _Call.make("all_gather", axis_name, codec, min_bytes, 0)
+
+    def leaf(v):
+        v = jnp.asarray(v)
+        ax = axis if axis >= 0 else axis + v.ndim + (0 if tiled else 1)
+        if not op.compresses(v):
+            return lax.all_gather(v, op.axis, axis=ax, tiled=tiled)
+        return _all_gather(v, op.axis, op.codec, op.p, ax, tiled)
+    return jax.tree.map(leaf, x)
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
+                 codec="taco", min_bytes: int | None = None):
+    """`lax.psum_scatter` with compressed payloads: a compressed all-to-all, then each
+    device sums its part in fp32 with its own contribution exact (one quantization per
+    element). Gradient: the compressed `all_gather`."""
+    op = _Call.make("psum_scatter", axis_name, codec, min_bytes, 0)
+
+    def leaf(v):
+        v = jnp.asarray(v)
+        dim = scatter_dimension % max(v.ndim, 1)
+        size = v.shape[dim] if v.ndim else 0
+        if (not tiled and size != op.p) or (tiled and size % op.p):
+            raise ValueError(f"taco_jax.psum_scatter: dimension {dim} of shape {v.shape} must "
+                             f"{'be divisible by' if tiled else 'equal'} the axis size {op.p}")
+        if not op.compresses(v):
+            return lax.psum_scatter(v, op.axis, scatter_dimension=dim, tiled=tiled)
+        return _psum_scatter(v, op.axis, op.codec, op.p, dim, tiled)
+    return jax.tree.map(leaf, x)
