@@ -272,36 +272,22 @@ def _scatter(x, axis_name, codec, p, dim: int, tiled: bool):
     return jnp.moveaxis(out, 0, dim) if tiled else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _all_gather(x, axis_name, codec, p, axis, tiled):
-    return _gather(x, axis_name, codec, p, axis, tiled)
+def _transpose_pair(forward_a, forward_b):
+    """Two custom_vjp ops, each the other's transpose (all_gather ↔ psum_scatter). Static
+    args after x: (axis_name, codec, p, dim, tiled); the fwd rules call the ops themselves so
+    higher-order AD keeps using these rules."""
+    ops = []
+    for fwd in (forward_a, forward_b):
+        op = jax.custom_vjp(fwd, nondiff_argnums=(1, 2, 3, 4, 5))
+        ops.append(op)
+    for k, op in enumerate(ops):
+        other = ops[1 - k]
+        op.defvjp(lambda x, *a, op=op: (op(x, *a), None),
+                  lambda *a, other=other: (other(a[-1], *a[:5]),))
+    return ops
 
 
-def _all_gather_fwd(x, axis_name, codec, p, axis, tiled):
-    return _all_gather(x, axis_name, codec, p, axis, tiled), None
-
-
-def _all_gather_bwd(axis_name, codec, p, axis, tiled, _, g):
-    return (_psum_scatter(g, axis_name, codec, p, axis, tiled),)
-
-
-_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _psum_scatter(x, axis_name, codec, p, dim, tiled):
-    return _scatter(x, axis_name, codec, p, dim, tiled)
-
-
-def _psum_scatter_fwd(x, axis_name, codec, p, dim, tiled):
-    return _psum_scatter(x, axis_name, codec, p, dim, tiled), None
-
-
-def _psum_scatter_bwd(axis_name, codec, p, dim, tiled, _, g):
-    return (_all_gather(g, axis_name, codec, p, dim, tiled),)
-
-
-_psum_scatter.defvjp(_psum_scatter_fwd, _psum_scatter_bwd)
+_all_gather, _psum_scatter = _transpose_pair(_gather, _scatter)
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, codec="taco",
