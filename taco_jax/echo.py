@@ -112,7 +112,7 @@ class Echo:
         s, z = (sym_params if self.symmetric else asym_params)(x, bad)
         q = quantize4(jnp.where(bad, 0.0, x), s, z)
         scales = [s] if self.symmetric else [s, z]
-        return jnp.concatenate([pack_nibbles(q), quant.pack_scales(scales)], axis=1)
+        return quant.seal(jnp.concatenate([pack_nibbles(q), quant.pack_scales(scales)], axis=1))
 
     def decompress_reference(self, w, out_dtype=jnp.float32):
         """(rows, row_bytes) uint8 → (rows, B) out_dtype."""

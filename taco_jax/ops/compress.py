@@ -103,4 +103,4 @@ def compress_reference(x, codec):
     s = quant.scale(absmax, codec.qmax, bad)                       # eq. 9
     codes = quant.quantize(z, s, codec.qmax, codec.code_dtype)     # eq. 10
     scales = [s, a] if codec.transform == "ash" else [s]
-    return jnp.concatenate([codes, quant.pack_scales(scales)], axis=1)
+    return quant.seal(jnp.concatenate([codes, quant.pack_scales(scales)], axis=1))

@@ -52,6 +52,20 @@ def quantize(z, s, qmax, code_dtype):
     return lax.bitcast_convert_type(q, jnp.uint8)
 
 
+def seal(wire):
+    """The finished wire buffer of a plain-XLA compress, behind an optimization barrier.
+
+    On GPU, XLA folds bitcast pairs and slice(concat), and its simplify-fp-conversions
+    pass (on while xla_allow_excess_precision is true, the default) then rewrites the
+    convert chain f32 → f8 → f32 as the identity. So decode(encode(x)) compiled into one
+    program would skip the quantization: measured on the H200, `fp8` roundtrip error 0 (SNR
+    148 dB) instead of 0.026. The barrier keeps the codes opaque to those rewrites; the
+    wire is materialized anyway, so it costs nothing. Pallas kernels are custom calls and
+    need no barrier.
+    """
+    return lax.optimization_barrier(wire)
+
+
 def dequant_codes(codes, code_dtype, dtype=jnp.float32):
     """uint8 bytes → code values (exact in bf16 for all three formats)."""
     return lax.bitcast_convert_type(codes, code_dtype).astype(dtype)
