@@ -27,11 +27,10 @@ def env_facts() -> dict:
             "commit": commit, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:
-    """Median µs per call of fn(x), timed inside one jitted fori_loop so dispatch overhead
-    (~100 µs per call) does not hide small kernels. An optimization barrier ties the input
-    to the loop index, so XLA cannot hoist the loop-invariant call out of the loop, without
-    touching the data."""
+def jit_loop(fn, x, iters: int):
+    """jit(x -> fn applied `iters` times in one fori_loop). An optimization barrier ties
+    the input to the loop index, so XLA cannot hoist the loop-invariant call out of the
+    loop, without touching the data."""
     @jax.jit
     def loop(x):
         def body(i, carry):
@@ -40,7 +39,13 @@ def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:
         out0 = jax.eval_shape(fn, x)
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
         return lax.fori_loop(0, iters, body, (0, init))
+    return loop
 
+
+def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:
+    """Median µs per call of fn(x), timed inside one jitted loop (`jit_loop`) so dispatch
+    overhead (~100 µs per call) does not hide small kernels."""
+    loop = jit_loop(fn, x, iters)
     jax.block_until_ready(loop(x))                      # compile + warm up
     times = []
     for _ in range(repeats):

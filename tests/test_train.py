@@ -234,3 +234,17 @@ def test_cli_resume_uses_the_runs_config(full_run):
     assert cfg.train.steps == 8 and cfg.model == saved.model and cfg.data == saved.data
     with pytest.raises(SystemExit):
         parse_args(["--resume", str(Path(run_dir) / "ckpt")])  # no config.yaml there
+
+
+def test_named_python_corpora():
+    """data.paths may name this interpreter's sources: python:stdlib (the default corpus)
+    and python:site-packages (a larger one, for runs longer than one stdlib epoch)."""
+    assert data_lib.resolve_paths([]) == data_lib.resolve_paths(["python:stdlib"])
+    sp = data_lib.resolve_paths(["python:site-packages"])
+    assert sp and all(p.is_dir() and "site-packages" in str(p) for p in sp)
+    files = data_lib.collect_files(["python:site-packages"])
+    assert any(f.name == "__init__.py" and f.parent.name == "jax" for f in files)
+    with pytest.raises(ValueError, match="python:nope"):
+        data_lib.collect_files(["python:nope"])
+    cfg = config_lib.load_config("tiny", ["data.paths=[python:stdlib, python:site-packages]"])
+    assert list(cfg.data.paths) == ["python:stdlib", "python:site-packages"]

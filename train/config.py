@@ -28,7 +28,7 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    paths: tuple = ()  # files or folders of text; empty = this interpreter's stdlib sources
+    paths: tuple = ()  # files or folders of text; empty = this interpreter's stdlib sources; also python:stdlib, python:site-packages
     glob: str = "*.py"  # file pattern searched for inside folders
     tokenizer: str = "bpe"  # bpe (trained locally with HF tokenizers) | bytes
     cache_dir: str = ".cache/taco_jax"  # tokenizer + token memmap cache (gitignored)

@@ -30,11 +30,35 @@ def default_paths() -> tuple[str, ...]:
     return (sysconfig.get_paths()["stdlib"],)
 
 
+# Named corpora of the running interpreter, usable in data.paths (offline on every machine).
+def _named_paths() -> dict[str, tuple[str, ...]]:
+    sp = sysconfig.get_paths()
+    return {"python:stdlib": (sp["stdlib"],),
+            "python:site-packages": tuple(dict.fromkeys((sp["purelib"], sp["platlib"])))}
+
+
+def resolve_paths(paths) -> list[Path]:
+    """data.paths → folders/files: empty = the stdlib; `python:stdlib` and
+    `python:site-packages` name this interpreter's sources (the latter: every installed
+    package, ~100 MB of Python on the dev venv, more where PyTorch is installed)."""
+    named = _named_paths()
+    out: list[Path] = []
+    for p in paths or default_paths():
+        p = str(p)
+        if p.startswith("python:"):
+            if p not in named:
+                raise ValueError(f"data path {p!r}: unknown name; known: {', '.join(named)}")
+            out += map(Path, named[p])
+        else:
+            out.append(Path(p))
+    return out
+
+
 def collect_files(paths, glob: str = "*.py") -> list[Path]:
     """Files given, plus files matching `glob` under folders given; sorted, deterministic.
     Inside folders, third-party packages (site-packages) and caches are skipped."""
     files: list[Path] = []
-    for p in map(Path, paths or default_paths()):
+    for p in resolve_paths(paths):
         if p.is_file():
             files.append(p)
         elif p.is_dir():
