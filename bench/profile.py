@@ -153,7 +153,11 @@ def profiled(run, iters: int, device: int, keep: str | None, tag: str) -> dict:
     log_dir = os.path.join(keep, tag) if keep else tempfile.mkdtemp(prefix="taco_prof_")
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         run()
-    return breakdown(device_kernels(load_trace(log_dir), device), iters)
+    try:
+        return breakdown(device_kernels(load_trace(log_dir), device), iters)
+    except (ValueError, FileNotFoundError) as e:   # keep going; --keep-trace has the raw data
+        print(f"[profile] {tag}: {e}", flush=True)
+        return {"error": str(e)[:2000], "trace_dir": log_dir}
 
 
 # -- workloads ---------------------------------------------------------------------------
@@ -228,6 +232,7 @@ COLS = ["workload", "codec", "wall_us", "compute_us", "compression_us", "comm_us
 
 
 def plot(rows: list[dict], path: str) -> str:
+    rows = [r for r in rows if "error" not in r]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
