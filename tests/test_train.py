@@ -248,3 +248,19 @@ def test_named_python_corpora():
         data_lib.collect_files(["python:nope"])
     cfg = config_lib.load_config("tiny", ["data.paths=[python:stdlib, python:site-packages]"])
     assert list(cfg.data.paths) == ["python:stdlib", "python:site-packages"]
+
+
+def test_select_files_cap_and_shuffle(tmp_path):
+    files = []
+    for i in range(10):
+        f = tmp_path / f"f{i}.py"
+        f.write_text("x" * 1000)
+        files.append(f)
+    assert data_lib.select_files(files) == files
+    capped = data_lib.select_files(files, max_mb=0.0035)          # 3.5 kB of 10 kB: every 3rd
+    assert capped == files[::3]
+    mixed = data_lib.select_files(files, shuffle=True)
+    assert sorted(mixed) == sorted(files) and mixed != files
+    assert mixed == data_lib.select_files(list(reversed(files)), shuffle=True)  # deterministic
+    with pytest.raises(ValueError, match="max_mb"):
+        config_lib.load_config("tiny", ["data.max_mb=-1"])

@@ -33,6 +33,8 @@ class DataConfig:
     tokenizer: str = "bpe"  # bpe (trained locally with HF tokenizers) | bytes
     cache_dir: str = ".cache/taco_jax"  # tokenizer + token memmap cache (gitignored)
     val_fraction: float = 0.02  # tail of the token stream held out for validation
+    max_mb: float = 0  # cap on the corpus (every k-th file, sorted); 0 = every file
+    shuffle_files: bool = False  # file order by hash of the path: the val tail is a mix of files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +100,8 @@ class Config:
                              f"data.tokenizer='bytes' (256 bytes + end-of-text)")
         if not 0.0 < d.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+        if d.max_mb < 0:
+            raise ValueError(f"data.max_mb={d.max_mb} must be >= 0 (0 = no cap)")
         return self
 
     def to_dict(self) -> dict:

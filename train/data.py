@@ -71,6 +71,27 @@ def collect_files(paths, glob: str = "*.py") -> list[Path]:
     return files
 
 
+BPE_TRAIN_MB = 64   # the BPE vocabulary is learnt on at most this much text (every k-th file)
+
+
+def _stride(files: list, sizes: list[int], cap_bytes: float) -> list:
+    """Every k-th item, k the smallest stride that brings the total under cap_bytes."""
+    total = sum(sizes)
+    if not cap_bytes or total <= cap_bytes:
+        return list(files)
+    k = -(-total // int(cap_bytes))
+    return list(files[::k])
+
+
+def select_files(files: list[Path], max_mb: float = 0, shuffle: bool = False) -> list[Path]:
+    """The corpus actually used: capped at max_mb (every k-th file), optionally reordered by
+    a hash of each path (deterministic; spreads the validation tail over many files)."""
+    files = _stride(files, [f.stat().st_size for f in files], max_mb * 1e6)
+    if shuffle:
+        files = sorted(files, key=lambda f: hashlib.sha256(str(f).encode()).hexdigest())
+    return files
+
+
 def _read(f: Path) -> str:
     return f.read_text(encoding="utf-8", errors="replace")
 
@@ -101,7 +122,7 @@ def _tokenize(texts: list[str], tokenizer: str, vocab_size: int, out: Path) -> t
         parts = [np.append(np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint32), eot)
                  for t in texts]
         return np.concatenate(parts), 257
-    tok = _train_bpe(texts, vocab_size)
+    tok = _train_bpe(_stride(texts, [len(t) for t in texts], BPE_TRAIN_MB * 1e6), vocab_size)
     tok.save(str(out / "tokenizer.json"))
     eot = tok.token_to_id(EOT)
     parts = [np.append(np.asarray(e.ids, np.uint32), eot) for e in tok.encode_batch_fast(texts)]
@@ -123,7 +144,8 @@ class Corpus:
 
 def load_corpus(data_cfg, vocab_size: int, *, verbose: bool = True) -> Corpus:
     """Build (once) and open the token cache for `data_cfg` (train.config.DataConfig)."""
-    files = collect_files(data_cfg.paths, data_cfg.glob)
+    files = select_files(collect_files(data_cfg.paths, data_cfg.glob), data_cfg.max_mb,
+                         data_cfg.shuffle_files)
     key = _fingerprint(files, f"{data_cfg.tokenizer}:{vocab_size}:v1")
     entry = Path(data_cfg.cache_dir) / key
     meta_file = entry / "meta.json"
