@@ -50,8 +50,8 @@ def n_rows_for(b: int) -> int:
 
 def kernel_rows(n: int, b: int, dt: str, seed: int = 0) -> np.ndarray:
     """(n, B) rows: Student-t (4 dof) × e^{2·N} row scales, plus a zero row, a constant row,
-    a NaN row, an Inf row, and rows at the edges of the dtype's range (10^±30 for f32/bf16,
-    10^±3 for f16)."""
+    a NaN row, an Inf row, a -Inf row, rows at the edges of the dtype's range (10^±30 for
+    f32/bf16, 10^±3 for f16) and, for f32/bf16, a row of ±(0.5–1)e37."""
     rng = np.random.default_rng(seed)
     x = rng.standard_t(4, (n, b)) * np.exp(2 * rng.standard_normal((n, 1)))
     big = 1e30 if dt != "f16" else 1e3
@@ -63,6 +63,10 @@ def kernel_rows(n: int, b: int, dt: str, seed: int = 0) -> np.ndarray:
     x[4, 0] = np.inf
     x[5] = rng.standard_normal(b) / big
     x[6] = rng.standard_normal(b) * big
+    if dt != "f16" and n > 8:   # near the fp32 limit (a transform without α grows it ≤ 22.6×)
+        x[7] = np.sign(rng.standard_normal(b)) * 1e37 * rng.uniform(0.5, 1.0, b)  # ·sqrt(B) < max
+    if n > 8:
+        x[8, b // 2] = -np.inf
     return x.astype(np.float32)
 
 
@@ -215,7 +219,7 @@ def test_reduce_kernel_vs_reference(name, b):
 # -- windows (row0 / n_rows / into / total_rows), as the chunked psum uses them ------------------
 def test_windowed_kernels_match_reference_dispatch():
     c = codecs.get("taco", block_size=128)
-    x = jnp.asarray(kernel_rows(60, 128, "f32")[8:])          # finite rows only
+    x = jnp.asarray(kernel_rows(60, 128, "f32")[9:])          # finite rows only
     outs = {}
     for backend in ("interpret" if INTERPRET else "pallas", "reference"):
         with dispatch.use_backend(backend):

@@ -19,22 +19,31 @@ from taco_jax.ops import common, quant
 
 
 def _encode_tile(x, h1, h2, codec, cfg, exact_input):
-    """(tm, B) f32 → ((tm, B) uint8 codes, (tm, 4·n_scales) uint8 scales). Kernel math."""
-    bad = quant.nonfinite_rows(x)
-    gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
-    if codec.transform == "ash":
-        a = quant.alpha(x, bad)                                    # eqs. 6–7
-        gain = a
+    """(tm, B) f32 → ((tm, B) uint8 codes, (tm, 4·n_scales) uint8 scales). Kernel math.
+
+    Two row reductions: Σx² (for α) and one max over the transformed tile that also finds
+    the non-finite blocks. z0 = H(x/B) is finite for finite x (|z0| ≤ max|x|), while NaN or
+    ±Inf in x leaves NaN or ±Inf in z0; NaN is mapped to +inf before the max because
+    Triton's max drops NaN. With z = z0·g (g = α·sqrt(B) > 0), max|z| = g·max|z0| exactly
+    (rounding is monotonic), so eq. 9's absmax needs no second pass.
+    """
+    b = codec.block_size
     if codec.transform == "none":
-        z = x * gain
+        z0 = x
     else:
         # Scaling by 1/B (a power of two: exact) keeps the unnormalised ±1 sums from
         # overflowing for inputs near the fp32 limit; sqrt(B)·α restores eq. 8's scale.
-        b = codec.block_size
-        z = common.hadamard_tile(x * np.float32(1 / b), h1, h2, block_size=b, inverse=False,
-                                 exact_input=exact_input, precise=cfg.precise)
-        z = z * (gain * np.float32(np.sqrt(b)))                    # eq. 8
-    s = quant.scale(jnp.max(jnp.abs(z), axis=1, keepdims=True), codec.qmax, bad)  # eq. 9
+        z0 = common.hadamard_tile(x * np.float32(1 / b), h1, h2, block_size=b, inverse=False,
+                                  exact_input=exact_input, precise=cfg.precise)
+    m0 = jnp.max(jnp.where(jnp.isnan(z0), jnp.float32(np.inf), jnp.abs(z0)), axis=1,
+                 keepdims=True)
+    bad = m0 == np.inf
+    gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
+    if codec.transform == "ash":
+        gain = quant.alpha(x, bad)                                 # eqs. 6–7
+    g = gain if codec.transform == "none" else gain * np.float32(np.sqrt(b))
+    z = z0 * g                                                     # eq. 8
+    s = quant.scale(m0 * g, codec.qmax, bad)                       # eq. 9
     codes = quant.quantize(z, s, codec.qmax, codec.code_dtype)     # eq. 10
     scales = [s, gain] if codec.transform == "ash" else [s]
     return codes, quant.pack_scales(scales)
