@@ -177,3 +177,27 @@ def test_fidelity_metrics_on_known_tensors():
     # per-tensor fp8: 1e-6 next to 1.0 is below E4M3's range (2^-9 · 1/448) and flushes to 0
     assert rows["fp8", "bwd"]["underflow_frac"] > 0.4
     assert rows["taco", "fwd"]["underflow_frac"] == 0
+
+
+def test_grad_error_tool(tmp_path):
+    """bench/grad_error.py on a 3-step run: exact has zero error, echo4 a real one, and the
+    direction forms leave the other direction exact."""
+    from bench import grad_error
+    from train import ablation
+    ablation.main(["--steps", "3", "--variants", "none", "--out-dir", str(tmp_path / "runs"),
+                   "--json", "", "--plot", "", "--set", *_small(tmp_path / "cache")])
+    out = grad_error.main(["--load", str(tmp_path / "runs" / "none"), "--batches", "1",
+                           "--variants", "echo4", "fwd:echo4+feedback", "bwd:taco",
+                           "--out", str(tmp_path / "g.json")])
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert list(rows) == ["exact", "echo4", "fwd:echo4+feedback", "bwd:taco"]
+    assert rows["exact"]["grad_rel_err"] == 0 and rows["exact"]["abs_dloss"] == 0
+    assert 0.01 < rows["echo4"]["grad_rel_err"] < 1 and rows["echo4"]["abs_dloss"] > 0
+    assert rows["bwd:taco"]["abs_dloss"] == 0        # forward exact: same loss
+    assert 0 < rows["bwd:taco"]["grad_rel_err"] < rows["echo4"]["grad_rel_err"]
+    assert out["step"] == 3 and (tmp_path / "g.json").exists()
+    assert grad_error.overrides("bwd:echo4+feedback") == [
+        "model.codec_fwd=none", "model.codec_bwd=echo4", "model.feedback=true",
+        "model.min_bytes=0"]
+    with pytest.raises(ValueError, match="direction"):
+        grad_error.overrides("up:echo4")

@@ -1,0 +1,109 @@
+"""Loss and gradient error of compressed TP all-reduces against the exact ones, at the
+parameters of a trained run (one forward + backward per batch, no update).
+
+    python bench/grad_error.py --load RUN_DIR [--variants exact echo4 echo4+feedback ...]
+        [--batches 4] [--set k=v ...] [--out bench/results/grad_error.json]
+
+A variant is `exact` (codec none), `CODEC`, `CODEC+feedback`, or a one-direction form
+`fwd:CODEC` / `bwd:CODEC` (the other direction exact), also with `+feedback`. Every variant
+runs on the same parameters (the run's latest Orbax checkpoint) and the same training
+batches. Reported per variant, averaged over the batches: |loss − exact loss|, the relative
+L2 error of the whole gradient (pooled over batches) and its cosine with the exact one.
+This is what one training step sees; comparing it with how runs *train* separates a wrong
+gradient from an effect that only builds up over steps.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+from bench.common import env_facts, print_table, write_json  # noqa: E402
+from train import config as config_lib  # noqa: E402
+from train.checkpoint import Checkpointer  # noqa: E402
+from train.data import Batches, load_corpus  # noqa: E402
+from train.loop import build, build_mesh, setup_backend  # noqa: E402
+
+DEFAULT = ["exact", "echo4", "echo4+feedback", "fwd:echo4", "fwd:echo4+feedback",
+           "bwd:echo4", "bwd:echo4+feedback", "taco", "taco+feedback"]
+
+
+def overrides(variant: str) -> list[str]:
+    """'bwd:echo4+feedback' -> config overrides."""
+    if variant == "exact":
+        return ["codec=none", "model.feedback=false"]
+    body, _, fb = variant.partition("+")
+    if fb not in ("", "feedback"):
+        raise ValueError(f"variant {variant!r}: only '+feedback' may follow the codec")
+    way, _, codec = body.rpartition(":")
+    if way not in ("", "fwd", "bwd"):
+        raise ValueError(f"variant {variant!r}: direction must be fwd: or bwd:")
+    fwd = codec if way in ("", "fwd") else "none"
+    bwd = codec if way in ("", "bwd") else "none"
+    return [f"model.codec_fwd={fwd}", f"model.codec_bwd={bwd}",
+            f"model.feedback={str(bool(fb)).lower()}", "model.min_bytes=0"]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--load", required=True, help="run dir with config.yaml and ckpt/")
+    ap.add_argument("--variants", nargs="+", default=DEFAULT)
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--set", nargs="*", default=[], help="extra config overrides")
+    ap.add_argument("--out", default="bench/results/grad_error.json")
+    args = ap.parse_args(argv)
+    run = Path(args.load)
+    if "exact" not in args.variants:
+        args.variants = ["exact", *args.variants]
+    base = config_lib.load_config(run / "config.yaml", args.set)
+    setup_backend(base)
+    mesh = build_mesh(base)
+    corpus = load_corpus(base.data, base.model.vocab_size)
+    batches = Batches(corpus.train, base.train.batch_size, base.model.seq_len, 12345, stream=0)
+    params, step, results = None, None, {}
+    for v in args.variants:
+        cfg = config_lib.load_config(run / "config.yaml", [*args.set, *overrides(v)])
+        prog = build(cfg, mesh)
+        if params is None:
+            ck = Checkpointer(run / "ckpt")
+            step = ck.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint under {run / 'ckpt'}")
+            state, _ = ck.restore(step, prog.init(cfg.train.seed))
+            ck.close()
+            params = state["params"]
+        fn = jax.jit(prog.model.loss_and_grad_fn())
+        outs = []
+        for b in range(args.batches):
+            x, y = batches[b]
+            loss, g = fn(params, prog.put_batch(x), prog.put_batch(y))
+            outs.append((float(loss), [np.asarray(a, np.float64) for a in jax.tree.leaves(g)]))
+        results[v] = outs
+    ex = results["exact"]
+    rows = []
+    for v, outs in results.items():
+        num = sum(np.sum((a - b) ** 2) for o, e in zip(outs, ex) for a, b in zip(o[1], e[1]))
+        den = sum(np.sum(b ** 2) for e in ex for b in e[1])
+        cos = np.mean([sum(np.sum(a * b) for a, b in zip(o[1], e[1])) / np.sqrt(
+            sum(np.sum(a * a) for a in o[1]) * sum(np.sum(b * b) for b in e[1]))
+            for o, e in zip(outs, ex)])
+        rows.append({"variant": v, "loss": round(float(np.mean([o[0] for o in outs])), 5),
+                     "abs_dloss": float(f"{np.mean([abs(o[0] - e[0]) for o, e in zip(outs, ex)]):.3e}"),
+                     "grad_rel_err": round(float(np.sqrt(num / den)), 5),
+                     "grad_cos": round(float(cos), 6)})
+    print(f"run {run} at step {step}, {args.batches} batches")
+    print_table(rows, list(rows[0]))
+    payload = {**env_facts(), "run": str(run), "preset": base.name, "step": step,
+               "tp": int(mesh.shape["tp"]), "dtype": base.model.dtype, "rows": rows}
+    if args.out:
+        write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
