@@ -191,7 +191,9 @@ def finish(records: dict, args, order: list[str]) -> dict:
               f"{'' if d is None else f'{d:+.2f}':>11}  {'yes' if r['diverged'] else ''}")
     if noise is not None:
         print(f"noise floor (none, another seed): {noise:+.2f}%")
-    out = {"device": _device(), "commit": _commit(), "preset": args.preset_name,
+    import jax
+    out = {"device": _device(), "jax": jax.__version__, "commit": _commit(),
+           "preset": args.preset_name,
            "steps": args.steps, "tp": args.tp, "min_bytes": 0, "seed": args.seed,
            "noise_floor_pct": noise, "rows": rows}
     if args.json:
