@@ -32,6 +32,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections import defaultdict
@@ -157,7 +158,10 @@ def profiled(run, iters: int, device: int, keep: str | None, tag: str) -> dict:
         return breakdown(device_kernels(load_trace(log_dir), device), iters)
     except (ValueError, FileNotFoundError) as e:   # keep going; --keep-trace has the raw data
         print(f"[profile] {tag}: {e}", flush=True)
-        return {"error": str(e)[:2000], "trace_dir": log_dir}
+        return {"error": str(e)[:2000], "trace_dir": log_dir if keep else None}
+    finally:
+        if not keep:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 # -- workloads ---------------------------------------------------------------------------

@@ -26,10 +26,6 @@ EOT = "<|endoftext|>"
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def default_paths() -> tuple[str, ...]:
-    return (sysconfig.get_paths()["stdlib"],)
-
-
 # Named corpora of the running interpreter, usable in data.paths (offline on every machine).
 def _named_paths() -> dict[str, tuple[str, ...]]:
     sp = sysconfig.get_paths()
@@ -43,7 +39,7 @@ def resolve_paths(paths) -> list[Path]:
     package, ~100 MB of Python on the dev venv, more where PyTorch is installed)."""
     named = _named_paths()
     out: list[Path] = []
-    for p in paths or default_paths():
+    for p in paths or ["python:stdlib"]:
         p = str(p)
         if p.startswith("python:"):
             if p not in named:
@@ -75,7 +71,7 @@ BPE_TRAIN_MB = 64   # the BPE vocabulary is learnt on at most this much text (ev
 
 
 def _stride(files: list, sizes: list[int], cap_bytes: float) -> list:
-    """Every k-th item, k the smallest stride that brings the total under cap_bytes."""
+    """Every k-th item, k = ceil(total / cap_bytes): about cap_bytes in all (sizes vary)."""
     total = sum(sizes)
     if not cap_bytes or total <= cap_bytes:
         return list(files)
