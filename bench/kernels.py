@@ -1,11 +1,15 @@
 """Kernel benchmark: fused compress / decompress / reduce vs the HBM roofline.
 
-    python bench/kernels.py [--sizes-mib 16 64 256 1024] [--sweep] [--check] [--out PATH]
+    python bench/kernels.py [--sizes-mib 16 64 256 1024] [--sweep] [--stages] [--check]
+                            [--out PATH]
 
 roofline_gbs is a plain XLA f32 `x + 1` (bytes read + written) measured in the same run;
 effective bytes of a kernel = bytes it reads + bytes it writes. Writes
 bench/results/kernels.json. --check compares every kernel with its jnp reference on this
-device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice).
+device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice);
+--stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
+copy with the same tiling and wire layout (the plumbing's ceiling), no transform
+(block-fp8), Hadamard without α (taco-1scale), full taco, and the dense-Hadamard variant.
 """
 from __future__ import annotations
 
@@ -52,6 +56,72 @@ def bench_kernel(kind, codec, n, cfg=None, dtype=jnp.bfloat16, peers=2):
         arg, nbytes = recv, peers * nb * row + n * isz + nb * row
     us = time_loop(fn, arg)
     return us, nbytes / us / 1e3
+
+
+def _copy_kernel(x_ref, o_ref, *, cfg, n_rows, b):
+    """compress's plumbing only: load a bf16 tile, cast to fp8, store codes + zero scales."""
+    def tile(t):
+        x = common.load_rows(x_ref, t, cfg.blocks_per_program, 0, b, n_rows)
+        codes = jax.lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8)
+        common.store_rows(o_ref, t, codes, cfg.blocks_per_program, 0, n_rows)
+        pad = o_ref.shape[1] - b
+        if pad:
+            common.store_rows(o_ref, t, jnp.zeros((cfg.blocks_per_program, pad), jnp.uint8),
+                              cfg.blocks_per_program, b, n_rows)
+    common.for_each_tile(cfg, tile)
+
+
+def copy_kernel(x, row_bytes, cfg):
+    import functools
+    n_rows, b = x.shape
+    kernel = functools.partial(_copy_kernel, cfg=cfg, n_rows=n_rows, b=b)
+    out = jax.ShapeDtypeStruct((n_rows, row_bytes), jnp.uint8)
+    return common.launch(kernel, out, n_rows, cfg, INTERP, "copy", x)
+
+
+def stage_rows(n: int, roof: float) -> list[dict]:
+    """Compress with parts of its work taken away, same input (n bf16 elements)."""
+    taco = codecs.get("taco")
+    b, nb = taco.block_size, n // taco.block_size
+    x = (jax.random.normal(jax.random.key(0), (nb, b), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    default = common.KernelConfig.default(b)
+    runs = []
+    for tm in (16, 32):
+        cfg = common.KernelConfig(tm)
+        for rb in (taco.row_bytes, b):
+            runs.append((f"copy tm={tm} row={rb}B", lambda v, rb=rb, cfg=cfg:
+                         copy_kernel(v, rb, cfg), rb))
+    for name in ("block-fp8", "taco-1scale", "taco"):
+        c = codecs.get(name)
+        runs.append((f"compress {name}", lambda v, c=c: compress.compress(v, c, default,
+                                                                           INTERP), c.row_bytes))
+    for tm, warps in ((16, 4), (32, 4), (32, 8), (64, 8)):
+        cfg = common.KernelConfig(tm, warps, dense=True)
+        runs.append((f"compress taco dense tm={tm} w={warps}", lambda v, cfg=cfg:
+                     compress.compress(v, taco, cfg, INTERP), taco.row_bytes))
+    rows = []
+    for label, fn, rb in runs:
+        try:
+            us = time_loop(fn, x)
+            gbs = (n * 2 + nb * rb) / us / 1e3
+            rows.append({"stage": label, "us": round(us, 1), "effective_gbs": round(gbs, 1),
+                         "fraction_of_roofline": round(gbs / roof, 3)})
+        except Exception as e:  # a variant that does not compile is a finding
+            rows.append({"stage": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(rows[-1], flush=True)
+    for tm, warps in ((16, 4), (32, 8)):
+        cfg = common.KernelConfig(tm, warps, dense=True)
+        w = compress.compress(x, taco, None, INTERP)
+        try:
+            us = time_loop(lambda v: decompress.decompress(v, taco, jnp.bfloat16, cfg, INTERP), w)
+            gbs = (n * 2 + nb * taco.row_bytes) / us / 1e3
+            rows.append({"stage": f"decompress taco dense tm={tm} w={warps}", "us": round(us, 1),
+                         "effective_gbs": round(gbs, 1),
+                         "fraction_of_roofline": round(gbs / roof, 3)})
+        except Exception as e:
+            rows.append({"stage": f"decompress dense tm={tm}", "error": str(e)[:300]})
+        print(rows[-1], flush=True)
+    return rows
 
 
 def check(out_rows):
@@ -104,6 +174,7 @@ def main():
     ap.add_argument("--codecs", nargs="+", default=["taco"])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--stages", action="store_true")
     ap.add_argument("--out", default="bench/results/kernels.json")
     args = ap.parse_args()
     facts = env_facts()
@@ -131,6 +202,10 @@ def main():
                                         "stages": stages, "tiles": tiles, "us": us,
                                         "fraction_of_roofline": gbs and gbs / result["roofline_gbs"]})
         print_table(result["sweep"], list(result["sweep"][0]))
+    if args.stages:
+        result["stages"] = stage_rows(256 * MIB // 2 if not INTERP else 1 << 16,
+                                  result["roofline_gbs"])
+        print_table(result["stages"], ["stage", "us", "effective_gbs", "fraction_of_roofline"])
     rows = []
     for name in args.codecs:
         c = codecs.get(name)

@@ -25,6 +25,9 @@ class KernelConfig:
     # the FP8 error of ~2.6% and costs ~15% of compress time (measured, docs/design.md).
     precise: bool | None = None
     tiles_per_program: int = 1      # >1: a loop over tiles per program (lets Triton pipeline)
+    # Hadamard as one dense (B×B) dot instead of the Kronecker pair of small dots with a
+    # per-block transpose between them (same wire order; more FLOPs, no transpose).
+    dense: bool = False
 
     @staticmethod
     def default(block_size: int) -> "KernelConfig":
@@ -42,9 +45,13 @@ def kron_ok(block_size: int) -> bool:
     return min(hadamard.factors(block_size)) >= 16
 
 
-def hadamard_operands(block_size: int) -> tuple[jax.Array, jax.Array]:
+def use_kron(block_size: int, cfg: KernelConfig) -> bool:
+    return kron_ok(block_size) and not cfg.dense
+
+
+def hadamard_operands(block_size: int, cfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
     """The ±1 matrices a kernel needs (kernels cannot capture array constants)."""
-    if kron_ok(block_size):
+    if use_kron(block_size, cfg):
         r, c = hadamard.factors(block_size)
         return (jnp.asarray(hadamard.sylvester(r), jnp.bfloat16),
                 jnp.asarray(hadamard.sylvester(c), jnp.bfloat16))
@@ -64,13 +71,13 @@ def _dot(v, h, exact_input: bool, precise: bool):
 
 
 def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: bool,
-                  precise: bool):
+                  cfg: KernelConfig):
     """Unnormalised wire-order Hadamard of a (tm, B) f32 tile (times sqrt(B) vs `hadamard`).
 
     Kronecker path: view (tm, a, b), multiply by H_b on the right, transpose each block,
     multiply by H_a: 2·(a + b) FLOP/element instead of 2·B for the dense matrix."""
-    tm = v.shape[0]
-    if not kron_ok(block_size):
+    tm, precise = v.shape[0], cfg.precise
+    if not use_kron(block_size, cfg):
         m = h2 if inverse else h1
         return _dot(v, m, exact_input, precise)
     r, c = hadamard.factors(block_size)

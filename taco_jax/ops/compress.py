@@ -34,7 +34,7 @@ def _encode_tile(x, h1, h2, codec, cfg, exact_input):
         # Scaling by 1/B (a power of two: exact) keeps the unnormalised ±1 sums from
         # overflowing for inputs near the fp32 limit; sqrt(B)·α restores eq. 8's scale.
         z0 = common.hadamard_tile(x * np.float32(1 / b), h1, h2, block_size=b, inverse=False,
-                                  exact_input=exact_input, precise=cfg.precise)
+                                  exact_input=exact_input, cfg=cfg)
     m0 = jnp.max(jnp.where(jnp.isnan(z0), jnp.float32(np.inf), jnp.abs(z0)), axis=1,
                  keepdims=True)
     bad = m0 == np.inf
@@ -87,7 +87,7 @@ def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None, skip_star
     if row0 < 0 or n_rows < 0 or row0 + n_rows > x.shape[0]:
         raise ValueError(f"compress: window {row0=} {n_rows=} outside {x.shape[0]} rows")
     cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=x.dtype != jnp.bfloat16)
-    h1, h2 = common.hadamard_operands(b)
+    h1, h2 = common.hadamard_operands(b, cfg)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                row0=row0, skip_rows=skip_rows)
     skip = jnp.asarray(skip_start, jnp.int32).reshape(1)

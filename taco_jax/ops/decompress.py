@@ -24,7 +24,7 @@ def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
     if codec.transform == "none":
         return q * gain
     g = common.hadamard_tile(q, h1, h2, block_size=codec.block_size, inverse=True,
-                             exact_input=True, precise=cfg.precise)  # eq. 12
+                             exact_input=True, cfg=cfg)  # eq. 12
     return g * (gain * np.float32(1 / np.sqrt(codec.block_size)))
 
 
@@ -56,7 +56,7 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False, into=
         raise ValueError(f"decompress kernel: got {w.shape=} for {codec}")
     b = codec.block_size
     cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=out_dtype != jnp.bfloat16)
-    h1, h2 = common.hadamard_operands(b)
+    h1, h2 = common.hadamard_operands(b, cfg)
     rows_out = into.shape[0] if into is not None else (total_rows or row0 + n_rows)
     if row0 < 0 or row0 + n_rows > rows_out:
         raise ValueError(f"decompress: window {row0=} + {n_rows} rows outside {rows_out} rows")

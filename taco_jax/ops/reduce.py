@@ -46,7 +46,7 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
         raise ValueError(f"reduce kernel: got {recv.shape=}, {own.shape=} for {codec}")
     cfg = (cfg or common.KernelConfig.default(codec.block_size)).resolve(
         wide=own.dtype != jnp.bfloat16)
-    h1, h2 = common.hadamard_operands(codec.block_size)
+    h1, h2 = common.hadamard_operands(codec.block_size, cfg)
     idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
     kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                n_peers=n_peers)

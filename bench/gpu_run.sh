@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU-machine batches of the benchmarks, by name, so a device call is one short line:
+#
+#   GIT_COMMIT=<sha> bash bench/gpu_run.sh kernels psum collectives     # on the GPU machine
+#
+# Each step runs under its own timeout and logs to $OUT/<step>.log; whatever finished is
+# packed into $OUT/results.tgz (bench/results/, docs/*.png) at the end, so a step that
+# times out costs only itself. Steps:
+#   kernels      bench/kernels.py --check --stages (issue 2; sizes 16–1024 MiB)
+#   psum         bench/profile.py psum (overlap of the two-shot all-reduce; traces kept)
+#   collectives  bench/collectives.py, all sizes, 64 MiB chunks, HLO schedule dumped
+#   train        bench/profile.py train (step breakdown) + bench/train_step.py (issue 6)
+#   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/jaxcache
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+: "${GIT_COMMIT:?set GIT_COMMIT (the device machine has no git)}"
+export GIT_COMMIT
+
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 t=$2; shift 2
+  echo "=== $name: $* ($(date +%T))"
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name: rc=$? ($(date +%T))"
+  tail -n 40 "$OUT/$name.log"
+}
+
+for s in "$@"; do
+  case $s in
+    kernels) step kernels 300 python bench/kernels.py --check --stages ;;
+    psum) step psum 200 python bench/profile.py psum --mib 256 --chunks-mib 0 64 16 \
+            --keep-trace /tmp/traces
+          tar czf "$OUT/psum_traces.tgz" -C /tmp traces 2>/dev/null
+          [ "$(stat -c %s "$OUT/psum_traces.tgz")" -lt 15000000 ] || rm -f "$OUT/psum_traces.tgz" ;;
+    collectives) step collectives 300 python bench/collectives.py --chunks-mib 64 \
+                   --dump-hlo /tmp/psum_hlo.txt
+                 gzip -c /tmp/psum_hlo.txt > "$OUT/psum_hlo.txt.gz" 2>/dev/null ;;
+    train) step train_profile 330 python bench/profile.py train \
+             --presets comm_heavy small 350m --variants none taco
+           step train_step 240 python bench/train_step.py --presets comm_heavy small 350m \
+             --variants none taco ;;
+    fidelity) step fidelity 300 python bench/fidelity.py --config small --steps 1000 \
+                --capture-at 100 1000 --set train.progress=false ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done
+tar czf "$OUT/results.tgz" bench/results docs/*.png
+ls -la "$OUT"
