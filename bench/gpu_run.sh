@@ -11,6 +11,7 @@
 #   collectives  bench/collectives.py, all sizes, 64 MiB chunks, HLO schedule dumped
 #   train        bench/profile.py train (step breakdown) + bench/train_step.py (issue 6)
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
+#   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/jaxcache
@@ -31,18 +32,26 @@ for s in "$@"; do
   case $s in
     kernels) step kernels 300 python bench/kernels.py --check --stages ;;
     psum) step psum 200 python bench/profile.py psum --mib 256 --chunks-mib 0 64 16 \
-            --keep-trace /tmp/traces
+            --keep-trace /tmp/traces --out bench/results/profile_psum.json
           tar czf "$OUT/psum_traces.tgz" -C /tmp traces 2>/dev/null
           [ "$(stat -c %s "$OUT/psum_traces.tgz")" -lt 15000000 ] || rm -f "$OUT/psum_traces.tgz" ;;
     collectives) step collectives 300 python bench/collectives.py --chunks-mib 64 \
                    --dump-hlo /tmp/psum_hlo.txt
                  gzip -c /tmp/psum_hlo.txt > "$OUT/psum_hlo.txt.gz" 2>/dev/null ;;
     train) step train_profile 330 python bench/profile.py train \
-             --presets comm_heavy small 350m --variants none taco
+             --presets comm_heavy small 350m --variants none taco \
+             --out bench/results/profile_train.json
            step train_step 240 python bench/train_step.py --presets comm_heavy small 350m \
              --variants none taco ;;
     fidelity) step fidelity 300 python bench/fidelity.py --config small --steps 1000 \
                 --capture-at 100 1000 --set train.progress=false ;;
+    ncu) for k in "compress taco" "compress block-fp8" "decompress taco"; do
+           set -- $k
+           step "ncu_$1_$2" 120 ncu -k "regex:taco_$1" -c 1 --section SpeedOfLight \
+             --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+             --section LaunchStats --section ComputeWorkloadAnalysis \
+             python bench/one_kernel.py "$1" "$2"
+         done ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
