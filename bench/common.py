@@ -27,6 +27,17 @@ def env_facts() -> dict:
             "commit": commit, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
+def _zeros_like(s):
+    """Zeros for a ShapeDtypeStruct, with its sharding type (explicit-sharding meshes)."""
+    sharding = getattr(s, "sharding", None)
+    if sharding is not None and getattr(jax.typeof(s), "sharding", None) is not None:
+        try:
+            return jnp.zeros(s.shape, s.dtype, out_sharding=jax.typeof(s).sharding)
+        except (TypeError, ValueError):
+            pass
+    return jnp.zeros(s.shape, s.dtype)
+
+
 def jit_loop(fn, x, iters: int):
     """jit(x -> fn applied `iters` times in one fori_loop). An optimization barrier ties
     the input to the loop index, so XLA cannot hoist the loop-invariant call out of the
@@ -37,7 +48,7 @@ def jit_loop(fn, x, iters: int):
             xi, _ = lax.optimization_barrier((x, i))
             return carry[0] + 1, fn(xi)
         out0 = jax.eval_shape(fn, x)
-        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
+        init = jax.tree.map(_zeros_like, out0)
         return lax.fori_loop(0, iters, body, (0, init))
     return loop
 

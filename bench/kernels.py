@@ -9,11 +9,13 @@ bench/results/kernels.json. --check compares every kernel with its jnp reference
 device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice);
 --stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
 copy with the same tiling and wire layout (the plumbing's ceiling), no transform
-(block-fp8), Hadamard without α (taco-1scale), full taco, and the dense-Hadamard variant.
+(block-fp8), Hadamard without α (taco-1scale), full taco; the previous kernel
+(KernelConfig(lean=False)) and other tilings beside the default.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
@@ -91,13 +93,16 @@ def stage_rows(n: int, roof: float) -> list[dict]:
         for rb in (taco.row_bytes, b):
             runs.append((f"copy tm={tm} row={rb}B", lambda v, rb=rb, cfg=cfg:
                          copy_kernel(v, rb, cfg), rb))
+    old = dataclasses.replace(default, lean=False)
     for name in ("block-fp8", "taco-1scale", "taco"):
         c = codecs.get(name)
-        runs.append((f"compress {name}", lambda v, c=c: compress.compress(v, c, default,
-                                                                           INTERP), c.row_bytes))
-    for tm, warps in ((16, 4), (32, 4), (32, 8), (64, 8)):
-        cfg = common.KernelConfig(tm, warps, dense=True)
-        runs.append((f"compress taco dense tm={tm} w={warps}", lambda v, cfg=cfg:
+        for cfg, tag in ((old, " (lean=False)"), (default, "")):
+            if name != "block-fp8" or not tag:
+                runs.append((f"compress {name}{tag}", lambda v, c=c, cfg=cfg:
+                             compress.compress(v, c, cfg, INTERP), c.row_bytes))
+    for tm, warps in ((32, 4), (32, 8), (8, 4)):
+        cfg = common.KernelConfig(tm, warps)
+        runs.append((f"compress taco tm={tm} w={warps}", lambda v, cfg=cfg:
                      compress.compress(v, taco, cfg, INTERP), taco.row_bytes))
     rows = []
     for label, fn, rb in runs:
@@ -108,18 +113,6 @@ def stage_rows(n: int, roof: float) -> list[dict]:
                          "fraction_of_roofline": round(gbs / roof, 3)})
         except Exception as e:  # a variant that does not compile is a finding
             rows.append({"stage": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        print(rows[-1], flush=True)
-    for tm, warps in ((16, 4), (32, 8)):
-        cfg = common.KernelConfig(tm, warps, dense=True)
-        w = compress.compress(x, taco, None, INTERP)
-        try:
-            us = time_loop(lambda v: decompress.decompress(v, taco, jnp.bfloat16, cfg, INTERP), w)
-            gbs = (n * 2 + nb * taco.row_bytes) / us / 1e3
-            rows.append({"stage": f"decompress taco dense tm={tm} w={warps}", "us": round(us, 1),
-                         "effective_gbs": round(gbs, 1),
-                         "fraction_of_roofline": round(gbs / roof, 3)})
-        except Exception as e:
-            rows.append({"stage": f"decompress dense tm={tm}", "error": str(e)[:300]})
         print(rows[-1], flush=True)
     return rows
 

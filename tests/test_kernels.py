@@ -152,29 +152,6 @@ def test_tiles_per_program_is_bit_identical():
     np.testing.assert_array_equal(np.asarray(w1), np.asarray(w3))
 
 
-def test_dense_hadamard_config_matches_kronecker():
-    """KernelConfig(dense=True): one B×B dot instead of the Kronecker pair; same wire order,
-    so compress matches the reference and decompress/reduce agree with the default path."""
-    c = codecs.get("taco", block_size=256)
-    dense = common.KernelConfig(blocks_per_program=16, dense=True)
-    x = jnp.asarray(kernel_rows(n_rows_for(256), 256, "bf16")).astype(jnp.bfloat16)
-    w_ref = compress.compress_reference(x, c)
-    w_dense = np.asarray(compress.compress(x, c, cfg=dense, interpret=INTERPRET))
-    compare_wires("taco", 256, w_dense, np.asarray(w_ref), f64(x), coarse("bf16", 256))
-    got = f64(decompress.decompress(w_ref, c, jnp.float32, cfg=dense, interpret=INTERPRET))
-    want = f64(decompress.decompress_reference(w_ref, c))
-    ok = ~np.isnan(want).any(axis=1)
-    assert nt.block_rel_max(got[ok], want[ok]) <= 1e-5
-    recv = jnp.stack([w_ref, w_ref])
-    r_dense = reduce.reduce(recv, x, jnp.int32(1), c, cfg=dense, interpret=INTERPRET)
-    r_kron = reduce.reduce(recv, x, jnp.int32(1), c, interpret=INTERPRET)
-    a = f64(decompress.decompress_reference(r_dense, c))
-    b = f64(decompress.decompress_reference(r_kron, c))
-    ok = ~np.isnan(b).any(axis=1)
-    assert np.array_equal(np.isnan(a), np.isnan(b))
-    assert nt.block_rel_max(a[ok], b[ok]) <= 0.07     # a few codes one step apart (ties)
-
-
 def test_compress_kernel_large_finite_inputs():
     c = codecs.get("taco", block_size=256)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 256)) * 1e37, jnp.float32)
@@ -373,11 +350,11 @@ def test_lowers_to_triton(h200, kernel, name, b):
 @pytest.mark.parametrize("b", [64, 256], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_lowers_to_triton_configs(h200, kernel, b):
-    """Non-default configs: forced precise / imprecise, the pipelined tile loop, the dense
-    Hadamard."""
+    """Non-default configs: forced precise / imprecise, the pipelined tile loop, the
+    previous (non-lean) compress."""
     c = codecs.get("taco", block_size=b)
     for dt, cfg in [(jnp.bfloat16, common.KernelConfig(precise=True)),
-                    (jnp.bfloat16, common.KernelConfig(dense=True)),
+                    (jnp.bfloat16, common.KernelConfig(lean=False)),
                     (jnp.float32, common.KernelConfig(precise=False)),
                     (jnp.bfloat16, common.KernelConfig(blocks_per_program=16,
                                                        tiles_per_program=4))]:

@@ -25,9 +25,10 @@ class KernelConfig:
     # the FP8 error of ~2.6% and costs ~15% of compress time (measured, docs/design.md).
     precise: bool | None = None
     tiles_per_program: int = 1      # >1: a loop over tiles per program (lets Triton pipeline)
-    # Hadamard as one dense (B×B) dot instead of the Kronecker pair of small dots with a
-    # per-block transpose between them (same wire order; more FLOPs, no transpose).
-    dense: bool = False
+    # Compress: ±1/r, ±1/c Hadamard factors (no 1/B pre-scaling pass, bf16 input straight
+    # into the dot), α and the NaN check from one Σx², one multiplier per row for
+    # eq. 8–10. False: the previous kernel (kept to measure the difference).
+    lean: bool = True
 
     @staticmethod
     def default(block_size: int) -> "KernelConfig":
@@ -45,18 +46,19 @@ def kron_ok(block_size: int) -> bool:
     return min(hadamard.factors(block_size)) >= 16
 
 
-def use_kron(block_size: int, cfg: KernelConfig) -> bool:
-    return kron_ok(block_size) and not cfg.dense
-
-
-def hadamard_operands(block_size: int, cfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
-    """The ±1 matrices a kernel needs (kernels cannot capture array constants)."""
-    if use_kron(block_size, cfg):
+def hadamard_operands(block_size: int, scaled: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The ±1 matrices a kernel needs (kernels cannot capture array constants). scaled:
+    each factor divided by its size (±1/r, ±1/c; powers of two, exact in bf16), so the
+    forward transform yields H·x/B, whose partial sums cannot overflow for finite x."""
+    if kron_ok(block_size):
         r, c = hadamard.factors(block_size)
-        return (jnp.asarray(hadamard.sylvester(r), jnp.bfloat16),
-                jnp.asarray(hadamard.sylvester(c), jnp.bfloat16))
-    m = hadamard.wire_matrix(block_size)
-    return jnp.asarray(m, jnp.bfloat16), jnp.asarray(m.T.copy(), jnp.bfloat16)
+        h1, h2 = hadamard.sylvester(r), hadamard.sylvester(c)
+        if scaled:
+            h1, h2 = h1 / r, h2 / c
+    else:
+        m = hadamard.wire_matrix(block_size)
+        h1, h2 = (m / block_size, m.T / block_size) if scaled else (m, m.T.copy())
+    return jnp.asarray(h1, jnp.bfloat16), jnp.asarray(h2, jnp.bfloat16)
 
 
 def _dot(v, h, exact_input: bool, precise: bool):
@@ -77,7 +79,7 @@ def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: boo
     Kronecker path: view (tm, a, b), multiply by H_b on the right, transpose each block,
     multiply by H_a: 2·(a + b) FLOP/element instead of 2·B for the dense matrix."""
     tm, precise = v.shape[0], cfg.precise
-    if not use_kron(block_size, cfg):
+    if not kron_ok(block_size):
         m = h2 if inverse else h1
         return _dot(v, m, exact_input, precise)
     r, c = hadamard.factors(block_size)

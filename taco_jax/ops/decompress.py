@@ -56,7 +56,7 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False, into=
         raise ValueError(f"decompress kernel: got {w.shape=} for {codec}")
     b = codec.block_size
     cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=out_dtype != jnp.bfloat16)
-    h1, h2 = common.hadamard_operands(b, cfg)
+    h1, h2 = common.hadamard_operands(b)
     rows_out = into.shape[0] if into is not None else (total_rows or row0 + n_rows)
     if row0 < 0 or row0 + n_rows > rows_out:
         raise ValueError(f"decompress: window {row0=} + {n_rows} rows outside {rows_out} rows")

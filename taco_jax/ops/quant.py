@@ -25,7 +25,12 @@ def alpha(x, bad):
     An overflowing mean gives σ = inf, α = α_min: the block still encodes. Blocks with
     non-finite input get α = NaN explicitly: clip's NaN handling differs between XLA
     (NaN) and Triton (a bound), and such a block decodes to NaN either way."""
-    sigma = jnp.sqrt(jnp.mean(x * x, axis=1, keepdims=True) + EPS)
+    return alpha_from_meansq(jnp.mean(x * x, axis=1, keepdims=True), bad)
+
+
+def alpha_from_meansq(ms, bad):
+    """`alpha` from the (rows, 1) mean of squares."""
+    sigma = jnp.sqrt(ms + EPS)
     return jnp.where(bad, jnp.float32(np.nan), jnp.clip(TAU / sigma, ALPHA_MIN, ALPHA_MAX))
 
 
@@ -44,7 +49,12 @@ def scale(absmax, qmax, bad):
 
 def quantize(z, s, qmax, code_dtype):
     """eq. 10: codes = cast(clip(z / s, ±Qmax)) as uint8 bytes."""
-    y = jnp.clip(z * (1.0 / s), -qmax, qmax)
+    return quantize_mult(z, 1.0 / s, qmax, code_dtype)
+
+
+def quantize_mult(z, mult, qmax, code_dtype):
+    """`quantize` with the per-row multiplier given (kernels fold eq. 8's gain into it)."""
+    y = jnp.clip(z * mult, -qmax, qmax)
     if code_dtype == jnp.int8:
         q = jnp.floor(y + 0.5).astype(jnp.int8)    # round half up: Triton lowers no `round`
     else:

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 from taco_jax.ops import common, compress, decompress
 
 
-def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows,
-                  n_peers):
+def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref, *, codec,
+                  cfg, n_rows, n_peers):
     tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
     h1, h2 = h1_ref[...], h2_ref[...]
+    h1s, h2s = h1s_ref[...], h2s_ref[...]      # the factors / their sizes (compress, lean)
     me, own_row0 = idx_ref[0], idx_ref[1]
 
     def tile(t):
@@ -30,7 +31,8 @@ def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n
             # The own copy is skipped (never read: the sender may not have written it);
             # the exact input stands in for it.
             acc = jax.lax.cond(me == p, lambda a: a, add, acc)
-        codes, scales = compress._encode_tile(acc, h1, h2, codec, cfg, exact_input=False)
+        codes, scales = compress._encode_tile(acc, h1, h2, codec, cfg, exact_input=False,
+                                              h1s=h1s, h2s=h2s)
         common.store_rows(o_ref, t, codes, tm, 0, n_rows)
         common.store_rows(o_ref, t, scales, tm, b, n_rows)
     common.for_each_tile(cfg, tile)
@@ -46,13 +48,14 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
         raise ValueError(f"reduce kernel: got {recv.shape=}, {own.shape=} for {codec}")
     cfg = (cfg or common.KernelConfig.default(codec.block_size)).resolve(
         wide=own.dtype != jnp.bfloat16)
-    h1, h2 = common.hadamard_operands(codec.block_size, cfg)
+    h1, h2 = common.hadamard_operands(codec.block_size)
+    h1s, h2s = common.hadamard_operands(codec.block_size, scaled=True)
     idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
     kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                n_peers=n_peers)
     out = common.out_struct((n_rows, row), jnp.uint8, own)
     return common.launch(kernel, out, n_rows, cfg, interpret, "taco_reduce",
-                         recv, own, idx, h1, h2)
+                         recv, own, idx, h1, h2, h1s, h2s)
 
 
 def reduce_reference(recv, own, me, codec, own_row0=0):
