@@ -2,6 +2,7 @@
 and the compute / communication / compression breakdown of a TP training step (issue 6).
 
     python bench/profile.py psum  [--mib 256] [--chunks-mib 0 64] [--codecs none taco]
+                                  [--programs 0 66]
     python bench/profile.py train [--presets comm_heavy small] [--variants none taco]
     common: [--iters 5] [--device 0] [--out bench/results/profile.json]
             [--plot docs/breakdown_{workload}.png] [--keep-trace DIR]
@@ -175,9 +176,11 @@ def psum_rows(args) -> list[dict]:
         cols = 4096
         x = jax.random.normal(jax.random.key(0), (n_dev * (n // cols), cols), jax.numpy.bfloat16)
         x = jax.device_put(x, NamedSharding(mesh, P("tp")))
-        configs = [("none", 0)] + [(c, ch) for c in args.codecs if c != "none"
-                                   for ch in args.chunks_mib]
-        for codec, chunk in configs:
+        configs = [("none", 0, 0)] + [(c, ch, pr) for c in args.codecs if c != "none"
+                                      for ch in args.chunks_mib
+                                      for pr in (args.programs if ch else [0])]
+        for codec, chunk, programs in configs:
+            taco_jax.collectives.OVERLAP_PROGRAMS = programs
             if codec == "none":
                 def body(v):
                     return jax.lax.psum(v, "tp")
@@ -189,9 +192,9 @@ def psum_rows(args) -> list[dict]:
             loop = jit_loop(fn, x, args.iters)
             jax.block_until_ready(loop(x))                          # compile + warm up
             row = profiled(lambda: jax.block_until_ready(loop(x)), args.iters, args.device,
-                           args.keep_trace, f"psum-{mib}-{codec}-{chunk}")
+                           args.keep_trace, f"psum-{mib}-{codec}-{chunk}-{programs}")
             rows.append({"workload": "psum", "mib_per_device": mib, "codec": codec,
-                         "chunk_mib": chunk, **row})
+                         "chunk_mib": chunk, "max_programs": programs, **row})
             print_table(rows[-1:], COLS)
     return rows
 
@@ -231,7 +234,7 @@ def train_rows(args) -> list[dict]:
     return rows
 
 
-COLS = ["workload", "codec", "wall_us", "compute_us", "compression_us", "comm_us",
+COLS = ["workload", "codec", "chunk_mib", "max_programs", "wall_us", "compute_us", "compression_us", "comm_us",
         "comm_overlap_us", "comm_exposed_us", "idle_us"]
 
 
@@ -242,7 +245,8 @@ def plot(rows: list[dict], path: str) -> str:
     import matplotlib.pyplot as plt
     labels = [(f"{r['preset']} {r['codec']}" if r["workload"] == "train" else
                f"{r['mib_per_device']} MiB {r['codec']}"
-               + (f" /{r['chunk_mib']}" if r.get("chunk_mib") else "")) for r in rows]
+               + (f" /{r['chunk_mib']}" if r.get("chunk_mib") else "")
+               + (f" p{r['max_programs']}" if r.get("max_programs") else "")) for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
     bottom = np.zeros(len(rows))
     for key, col, lab in (("compute_us", "tab:blue", "compute"),
@@ -273,6 +277,8 @@ def main(argv=None):
     ap.add_argument("--mib", type=int, nargs="+", default=[256])
     ap.add_argument("--chunks-mib", type=int, nargs="+", default=[0, 64])
     ap.add_argument("--codecs", nargs="+", default=["taco"])
+    ap.add_argument("--programs", type=int, nargs="+", default=[0],
+                    help="chunked rows: cap the kernels' grid (collectives.OVERLAP_PROGRAMS)")
     ap.add_argument("--presets", nargs="+", default=["comm_heavy", "small"])
     ap.add_argument("--variants", nargs="+", default=["none", "taco"])
     ap.add_argument("--set", nargs="*", default=[], help="config overrides (train)")

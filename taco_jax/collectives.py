@@ -24,6 +24,7 @@ from jax import lax
 from jax._src import config as _jax_config
 
 from taco_jax import codecs, dispatch, telemetry
+from taco_jax.ops.common import KernelConfig
 
 # Below this many bytes per device the compressed path does not beat one NCCL all-reduce
 # on 2×H200 NVLink with the current kernels: measured ratio taco/lax 1.09 at 16 MiB,
@@ -36,6 +37,11 @@ DEFAULT_MIN_BYTES = 128 << 20
 # next chunk … all-to-all-done), but measured on 2×H200 chunks were slower (64 MiB chunks:
 # 0.93 vs 0.90 unchunked at 256 MiB; 16–32 MiB: 1.1–1.6), so it is off by default.
 DEFAULT_CHUNK_BYTES = 0
+# Chunked only: cap the kernels' grid at this many programs (0 = one program per tile), so
+# that NCCL's kernels find free SMs while a chunk's compression overlaps another's transfer
+# (profile of 64 MiB chunks at 256 MiB: overlapped, yet NCCL time 556 → 817 µs and kernel
+# time 354 → 489 µs from contention; bench/results/profile_psum.json).
+OVERLAP_PROGRAMS = 0
 
 
 # -- argument handling ----------------------------------------------------------
@@ -125,16 +131,19 @@ def _two_shot(x, axis, codec, p: int, chunk_bytes: int | None):
     blocks = flat.reshape(total, b)                                  # (rows, B)
     me = lax.axis_index(axis)
     to = "invarying" if _check_vma() else "varying"
+    cfg = None
+    if k > 1 and OVERLAP_PROGRAMS:
+        cfg = dataclasses.replace(KernelConfig.default(b), max_programs=OVERLAP_PROGRAMS)
     out = None
     for c in range(k):
         base = c * p * nb
         wire = dispatch.compress(blocks, codec, row0=base, n_rows=p * nb,
-                                 skip_start=me * nb, skip_rows=nb)   # own segment: unused
+                                 skip_start=me * nb, skip_rows=nb, cfg=cfg)  # own: unused
         recv = lax.all_to_all(wire.reshape(p, nb, row), axis, 0, 0)  # recv[j]: from device j
-        mine = dispatch.reduce(recv, blocks, me, codec, own_row0=base + me * nb)
+        mine = dispatch.reduce(recv, blocks, me, codec, own_row0=base + me * nb, cfg=cfg)
         everyone = lax.all_gather(mine, axis, to=to)                 # (P, nb, row)
         out = dispatch.decompress(everyone.reshape(p * nb, row), codec, x.dtype, into=out,
-                                  row0=base, total_rows=total)
+                                  row0=base, total_rows=total, cfg=cfg)
     y = codecs.from_blocks(out, x.shape)
     if telemetry.enabled():
         telemetry.report("psum", x, y, axis, codec, wire_bytes=2 * total * row)

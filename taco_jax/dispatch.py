@@ -60,20 +60,22 @@ def _decompress_ref(w, codec, out_dtype=jnp.float32):
 
 
 def compress(x, codec, row0: int = 0, n_rows: int | None = None, skip_start=0,
-             skip_rows: int = 0):
+             skip_rows: int = 0, cfg=None):
     """Compress rows [row0, row0 + n_rows) of the (rows, B) array x; output rows
-    [skip_start, skip_start + skip_rows) may be left unwritten (kernels skip them)."""
+    [skip_start, skip_start + skip_rows) may be left unwritten (kernels skip them).
+    cfg: the kernels' KernelConfig (None: default; references ignore it)."""
     mode = backend_for(codec)
     if mode == "reference":
         n = x.shape[0] - row0 if n_rows is None else n_rows
         if row0 < 0 or n < 0 or row0 + n > x.shape[0]:
             raise ValueError(f"compress: window {row0=} n_rows={n} outside {x.shape[0]} rows")
         return _compress_ref(x[row0:row0 + n], codec)
-    return _c.compress(x, codec, interpret=mode == "interpret", row0=row0, n_rows=n_rows,
-                       skip_start=skip_start, skip_rows=skip_rows)
+    return _c.compress(x, codec, cfg=cfg, interpret=mode == "interpret", row0=row0,
+                       n_rows=n_rows, skip_start=skip_start, skip_rows=skip_rows)
 
 
-def decompress(w, codec, out_dtype, into=None, row0: int = 0, total_rows: int | None = None):
+def decompress(w, codec, out_dtype, into=None, row0: int = 0, total_rows: int | None = None,
+               cfg=None):
     """Decode w; windowed into rows [row0, …) of a (total_rows, B) buffer (see ops)."""
     mode = backend_for(codec)
     if mode == "reference":
@@ -85,11 +87,11 @@ def decompress(w, codec, out_dtype, into=None, row0: int = 0, total_rows: int | 
         if into is None and (row0 or total_rows not in (None, w.shape[0])):
             into = jnp.zeros((total_rows or row0 + w.shape[0], y.shape[1]), out_dtype)
         return y if into is None else jax.lax.dynamic_update_slice_in_dim(into, y, row0, 0)
-    return _d.decompress(w, codec, out_dtype=out_dtype, interpret=mode == "interpret",
+    return _d.decompress(w, codec, out_dtype=out_dtype, cfg=cfg, interpret=mode == "interpret",
                          into=into, row0=row0, total_rows=total_rows)
 
 
-def reduce(recv, own, me, codec, own_row0=0):
+def reduce(recv, own, me, codec, own_row0=0, cfg=None):
     mode = backend_for(codec)
     if mode == "reference":
         if hasattr(codec, "compress_reference"):
@@ -98,4 +100,5 @@ def reduce(recv, own, me, codec, own_row0=0):
                 acc = acc + jnp.where(me == p, 0.0, _decompress_ref(recv[p], codec))
             return _compress_ref(acc, codec)
         return _r.reduce_reference(recv, own, me, codec, own_row0)
-    return _r.reduce(recv, own, me, codec, interpret=mode == "interpret", own_row0=own_row0)
+    return _r.reduce(recv, own, me, codec, cfg=cfg, interpret=mode == "interpret",
+                     own_row0=own_row0)

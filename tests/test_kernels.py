@@ -152,6 +152,25 @@ def test_tiles_per_program_is_bit_identical():
     np.testing.assert_array_equal(np.asarray(w1), np.asarray(w3))
 
 
+def test_max_programs_is_bit_identical():
+    """A capped grid (each program loops over every n-th tile, the last trip partly past
+    the end) computes exactly what one tile per program does, for all three kernels."""
+    c = codecs.get("taco", block_size=128)
+    x = jnp.asarray(kernel_rows(45, 128, "bf16")).astype(jnp.bfloat16)   # 6 tiles of 8
+    one = common.KernelConfig(blocks_per_program=8)
+    capped = common.KernelConfig(blocks_per_program=8, max_programs=4)  # trips: 2, 2, 1, 1
+    w1 = compress.compress(x, c, cfg=one, interpret=INTERPRET)
+    w2 = compress.compress(x, c, cfg=capped, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(w1), np.asarray(w2))
+    d1 = decompress.decompress(w1, c, jnp.float32, cfg=one, interpret=INTERPRET)
+    d2 = decompress.decompress(w1, c, jnp.float32, cfg=capped, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(d1), np.asarray(d2))
+    recv = jnp.stack([w1, w1])
+    r1 = reduce.reduce(recv, x, jnp.int32(0), c, cfg=one, interpret=INTERPRET)
+    r2 = reduce.reduce(recv, x, jnp.int32(0), c, cfg=capped, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(r1), np.asarray(r2))
+
+
 def test_compress_kernel_large_finite_inputs():
     c = codecs.get("taco", block_size=256)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 256)) * 1e37, jnp.float32)
@@ -355,6 +374,7 @@ def test_lowers_to_triton_configs(h200, kernel, b):
     c = codecs.get("taco", block_size=b)
     for dt, cfg in [(jnp.bfloat16, common.KernelConfig(precise=True)),
                     (jnp.bfloat16, common.KernelConfig(lean=False)),
+                    (jnp.bfloat16, common.KernelConfig(max_programs=132)),
                     (jnp.float32, common.KernelConfig(precise=False)),
                     (jnp.bfloat16, common.KernelConfig(blocks_per_program=16,
                                                        tiles_per_program=4))]:

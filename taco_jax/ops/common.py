@@ -25,6 +25,9 @@ class KernelConfig:
     # the FP8 error of ~2.6% and costs ~15% of compress time (measured, docs/design.md).
     precise: bool | None = None
     tiles_per_program: int = 1      # >1: a loop over tiles per program (lets Triton pipeline)
+    # >0: at most this many programs, each looping over every max_programs-th tile. Leaves
+    # SMs free for NCCL's kernels when compression overlaps communication (chunked psum).
+    max_programs: int = 0
     # Compress: ±1/r, ±1/c Hadamard factors (no 1/B pre-scaling pass, bf16 input straight
     # into the dot), α and the NaN check from one Σx², one multiplier per row for
     # eq. 8–10. False: the previous kernel (kept to measure the difference).
@@ -110,13 +113,31 @@ def store_rows(ref, tile, value, tm, col0, n_rows, row0=0):
     plgpu.store(view, value, mask=mask)
 
 
-def for_each_tile(cfg: KernelConfig, body) -> None:
-    """Run body(tile) for this program's tiles: one, or a loop Triton can pipeline."""
+def n_programs(cfg: KernelConfig, n_rows: int) -> int:
+    tiles = pl.cdiv(n_rows, cfg.blocks_per_program)
+    if cfg.max_programs:
+        return max(1, min(tiles, cfg.max_programs))
+    return pl.cdiv(tiles, cfg.tiles_per_program)
+
+
+def for_each_tile(cfg: KernelConfig, n_rows: int, body) -> None:
+    """Run body(tile) for this program's tiles: one; a contiguous run of tiles_per_program
+    (a loop Triton can pipeline); or, with max_programs, every n_programs-th tile."""
+    pid = pl.program_id(0)
+    if cfg.max_programs:
+        grid = n_programs(cfg, n_rows)
+        trips = pl.cdiv(pl.cdiv(n_rows, cfg.blocks_per_program), grid)
+        # tiles past the end are fully masked (rows ≥ n_rows): loads give 0, stores skip
+
+        def strided(k, carry):
+            body(pid + k * grid)
+            return carry
+        jax.lax.fori_loop(0, trips, strided, 0)
+        return
     t = cfg.tiles_per_program
     if t == 1:
-        body(pl.program_id(0))
+        body(pid)
         return
-    pid = pl.program_id(0)
 
     def step(k, carry):
         body(pid * t + k)
@@ -131,7 +152,7 @@ def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, n
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(pl.cdiv(pl.cdiv(n_rows, cfg.blocks_per_program), cfg.tiles_per_program),),
+        grid=(n_programs(cfg, n_rows),),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages),
         interpret=interpret,

@@ -104,7 +104,7 @@ def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_row
         # Tiles wholly inside the skipped window are left unwritten (see `compress`).
         inside = (t * tm >= skip0) & (t * tm + tm <= skip0 + skip_rows)
         pl.when(jnp.logical_not(inside))(lambda: work(t))
-    common.for_each_tile(cfg, tile)
+    common.for_each_tile(cfg, n_rows, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "row0", "n_rows",

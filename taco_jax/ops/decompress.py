@@ -38,7 +38,7 @@ def decompress_kernel(w_ref, h1_ref, h2_ref, *refs, codec, cfg, n_rows, row0):
         scale_bytes = common.load_rows(w_ref, t, tm, b, 4 * codec.n_scales, n_rows)
         x = _decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
         common.store_rows(o_ref, t, x.astype(o_ref.dtype), tm, 0, n_rows, row0=row0)
-    common.for_each_tile(cfg, tile)
+    common.for_each_tile(cfg, n_rows, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret", "row0",

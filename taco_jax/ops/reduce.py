@@ -35,7 +35,7 @@ def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref
                                               h1s=h1s, h2s=h2s)
         common.store_rows(o_ref, t, codes, tm, 0, n_rows)
         common.store_rows(o_ref, t, scales, tm, b, n_rows)
-    common.for_each_tile(cfg, tile)
+    common.for_each_tile(cfg, n_rows, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
