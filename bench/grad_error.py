@@ -5,7 +5,8 @@ parameters of a trained run (one forward + backward per batch, no update).
         [--batches 4] [--set k=v ...] [--out bench/results/grad_error.json]
 
 A variant is `exact` (codec none), `CODEC`, `CODEC+feedback`, or a one-direction form
-`fwd:CODEC` / `bwd:CODEC` (the other direction exact), also with `+feedback`. Every variant
+`fwd:CODEC` / `bwd:CODEC` (the other direction exact), also with `+feedback` (error
+feedback at every compressing site, backward ones included: model.feedback_bwd). Every variant
 runs on the same parameters (the run's latest Orbax checkpoint) and the same training
 batches. Reported per variant, averaged over the batches: |loss − exact loss|, the relative
 L2 error of the whole gradient (pooled over batches) and its cosine with the exact one.
@@ -44,8 +45,10 @@ def overrides(variant: str) -> list[str]:
         raise ValueError(f"variant {variant!r}: direction must be fwd: or bwd:")
     fwd = codec if way in ("", "fwd") else "none"
     bwd = codec if way in ("", "bwd") else "none"
-    return [f"model.codec_fwd={fwd}", f"model.codec_bwd={bwd}",
-            f"model.feedback={str(bool(fb)).lower()}", "model.min_bytes=0"]
+    on = str(bool(fb)).lower()    # +feedback: at every compressing site, both directions
+    return [f"model.codec_fwd={fwd}", f"model.codec_bwd={bwd}", f"model.feedback={on}",
+            f"model.feedback_bwd={'true' if fb and bwd != 'none' else 'false'}",
+            "model.min_bytes=0"]
 
 
 def main(argv=None) -> dict:

@@ -12,11 +12,12 @@ Megatron's conjugate pair (paper Fig. 2, DESIGN_NOTES §3), per block:
       (compressed) all-reduce forward, identity backward.
 So each block has two compressed all-reduces forward and two backward.
 
-Error feedback (`feedback=True`, Echo, docs/echo.md): the same sites go through
-`taco_jax.feedback.pvary_with_feedback` / `psum_with_feedback`, and one `FeedbackState`
+Error feedback (`feedback=True`, Echo, docs/echo.md): the forward sites (and with
+`feedback_bwd=True` the backward ones) go through
+`taco_jax.feedback.psum_with_feedback` / `pvary_with_feedback`, and one `FeedbackState`
 (zeros at the start of each forward pass, created inside the shard_map) is threaded through
 them in forward order, so the error each compressed all-reduce injects into the residual
-stream is subtracted at the next one. With feedback a compressing `f` site sits *before*
+stream is subtracted at the next one. With backward feedback a compressing `f` site sits *before*
 the LayerNorm (on the stream itself, not on LN's output), so a backward site's error lands
 directly in the stream's cotangent and the next backward site cancels it, as the forward
 sites do; the math is unchanged (LN is replicated: applying it before or after an
@@ -62,7 +63,9 @@ class GPTConfig:
     codec_bwd: str = "taco"  # codec of the backward all-reduces (column-parallel inputs)
     attention: str = "auto"  # jax.nn.dot_product_attention implementation: auto | xla | cudnn
     min_bytes: int = -1  # all-reduces smaller than this stay lax.psum; -1 = taco_jax's default
-    feedback: bool = False  # Echo error feedback at every compressed all-reduce site (docs/echo.md)
+    feedback: bool = False  # Echo error feedback at the compressed forward sites (docs/echo.md)
+    # also at the backward sites: more accurate per step, yet worse training (docs/echo.md)
+    feedback_bwd: bool = False
 
     @property
     def comm(self) -> dict:
@@ -125,12 +128,22 @@ class GPTConfig:
                 taco_jax.codecs.get(getattr(self, name))
             except ValueError as e:
                 raise ValueError(f"model.{name}={getattr(self, name)!r}: {e}") from None
-        if self.feedback and not (self.compresses("codec_fwd") or self.compresses("codec_bwd")):
+        if self.feedback_bwd and not self.feedback:
+            raise ValueError("model.feedback_bwd=True needs model.feedback=True")
+        if self.feedback and not (self.compresses("codec_fwd") or self.bwd_feedback):
             raise ValueError(f"model.feedback=True needs a compressing codec, but "
-                             f"model.codec_fwd={self.codec_fwd!r} and model.codec_bwd="
-                             f"{self.codec_bwd!r} are exact: there is no error to feed back "
-                             f"(set model.feedback=false)")
+                             f"model.codec_fwd={self.codec_fwd!r} is exact and backward "
+                             f"feedback is {'on' if self.feedback_bwd else 'off'} "
+                             f"(model.feedback_bwd={self.feedback_bwd}, model.codec_bwd="
+                             f"{self.codec_bwd!r}): there is no error to feed back (set "
+                             f"model.feedback=false, or model.feedback_bwd=true with a "
+                             f"compressing codec_bwd)")
         return self
+
+    @property
+    def bwd_feedback(self) -> bool:
+        """Do the backward (f) sites feed their error back?"""
+        return self.feedback and self.feedback_bwd and self.compresses("codec_bwd")
 
     def num_params(self) -> int:
         d, ff, v, n = self.d_model, self.ff, self.vocab_size, self.n_layer
@@ -230,9 +243,10 @@ def f_site(x, ln, cfg: GPTConfig, state):
     Identity forward; backward, the all-reduce of the cotangent (codec_bwd) subtracts the
     error the later backward site left and leaves its own. The site sits *before* `ln`, on
     the stream itself, so its error lands directly in the stream's cotangent, where the next
-    backward site cancels it. An exact codec_bwd: plain pvary after `ln` (as without
-    feedback), and the state passes through."""
-    if not cfg.compresses("codec_bwd"):
+    backward site cancels it. Without backward feedback (model.feedback_bwd=false, the
+    default, or an exact codec_bwd): plain pvary after `ln` (as without feedback), and the
+    state passes through."""
+    if not cfg.bwd_feedback:
         return taco_jax.pvary(ln(x), TP, codec=cfg.codec_bwd, **cfg.comm), state
     u, state = taco_jax.feedback.pvary_with_feedback(x, TP, state, codec=cfg.codec_bwd,
                                                       **cfg.comm)

@@ -37,10 +37,12 @@ DEFAULT_MIN_BYTES = 128 << 20
 # next chunk … all-to-all-done), but measured on 2×H200 chunks were slower (64 MiB chunks:
 # 0.93 vs 0.90 unchunked at 256 MiB; 16–32 MiB: 1.1–1.6), so it is off by default.
 DEFAULT_CHUNK_BYTES = 0
-# Chunked only: cap the kernels' grid at this many programs (0 = one program per tile), so
-# that NCCL's kernels find free SMs while a chunk's compression overlaps another's transfer
-# (profile of 64 MiB chunks at 256 MiB: overlapped, yet NCCL time 556 → 817 µs and kernel
-# time 354 → 489 µs from contention; bench/results/profile_psum.json).
+# Chunked only: cap the kernels' grid at this many programs (0 = one program per tile), to
+# leave SMs to NCCL while a chunk's compression overlaps another's transfer. Off: measured
+# on 2×H200 at 256 MiB in 64 MiB chunks (bench/results/profile_overlap.json), overlapped
+# chunks inflate NCCL time 554 → 822 µs and kernel time 352 → 479 µs, and a cap of 100 or
+# 66 programs leaves NCCL at 812–816 µs while the kernels slow to 969–1397 µs: the
+# contention is not for SMs.
 OVERLAP_PROGRAMS = 0
 
 

@@ -198,6 +198,7 @@ def test_grad_error_tool(tmp_path):
     assert out["step"] == 3 and (tmp_path / "g.json").exists()
     assert grad_error.overrides("bwd:echo4+feedback") == [
         "model.codec_fwd=none", "model.codec_bwd=echo4", "model.feedback=true",
-        "model.min_bytes=0"]
+        "model.feedback_bwd=true", "model.min_bytes=0"]
+    assert "model.feedback_bwd=false" in grad_error.overrides("fwd:echo4+feedback")
     with pytest.raises(ValueError, match="direction"):
         grad_error.overrides("up:echo4")

@@ -132,9 +132,11 @@ ECHO4 = dataclasses.replace(CFG, codec_fwd="echo4", codec_bwd="echo4", min_bytes
 
 @pytest.fixture(scope="module")
 def echo4_runs():
-    """(loss, grads) at TP=4 with echo4 on every all-reduce, without and with feedback."""
-    return {fb: _loss_and_grads(dataclasses.replace(ECHO4, feedback=fb), 1, 4)[:2]
-            for fb in (False, True)}
+    """(loss, grads) at TP=4 with echo4 on every all-reduce: without feedback (False), with
+    feedback both ways (True), forward only ("fwd", the default of model.feedback)."""
+    cfgs = {False: ECHO4, True: dataclasses.replace(ECHO4, feedback=True, feedback_bwd=True),
+            "fwd": dataclasses.replace(ECHO4, feedback=True)}
+    return {k: _loss_and_grads(c, 1, 4)[:2] for k, c in cfgs.items()}
 
 
 def test_feedback_off_is_bit_identical_to_before(reference, echo4_runs):
@@ -166,12 +168,24 @@ def test_feedback_brings_echo4_closer_to_exact(reference, echo4_runs):
     assert jax.tree.structure(grads_fb) == jax.tree.structure(grads0)
 
 
+def test_backward_feedback_is_opt_in(reference, echo4_runs):
+    """model.feedback alone feeds back the forward sites only: the forward pass (and so the
+    loss) is the one with feedback both ways, bit for bit; the gradients differ (the
+    backward sites then are plain compressed pvary, as without feedback)."""
+    loss0, grads0, _ = reference
+    (loss_fb, grads_fb), (loss_fwd, grads_fwd) = echo4_runs[True], echo4_runs["fwd"]
+    assert loss_fwd == loss_fb
+    assert _rel(grads_fwd, grads_fb) > 1e-4
+    assert _cosine(grads_fwd, grads0) > 0.95
+
+
 @pytest.mark.parametrize("fwd,bwd", [("echo4", "none"), ("none", "echo4"), ("taco", "echo4"),
                                      ("fp8", "taco")])
 def test_feedback_traces_with_any_codec_pair(fwd, bwd):
     """Feedback at the compressing sites only; exact ones pass the state through. Data x TP
     = 2 x 2 (the state varies over both axes). Abstract evaluation: nothing compiles."""
-    cfg = dataclasses.replace(CFG, codec_fwd=fwd, codec_bwd=bwd, min_bytes=0, feedback=True)
+    cfg = dataclasses.replace(CFG, codec_fwd=fwd, codec_bwd=bwd, min_bytes=0, feedback=True,
+                              feedback_bwd=True)
     mesh = parallel.make_mesh(2, 2)
     model = parallel.shard_gpt(cfg, mesh)
     params = model.abstract_params()
@@ -187,4 +201,10 @@ def test_feedback_needs_a_compressing_codec():
     bad = dataclasses.replace(CFG, feedback=True)  # CFG: codec none both ways
     with pytest.raises(ValueError, match="model.feedback=True needs a compressing codec"):
         bad.validate()
-    dataclasses.replace(bad, codec_bwd="echo4").validate()  # one direction suffices
+    bwd_only = dataclasses.replace(bad, codec_bwd="echo4")
+    with pytest.raises(ValueError, match="backward feedback is off"):
+        bwd_only.validate()        # backward feedback is opt-in: nothing would be fed back
+    dataclasses.replace(bwd_only, feedback_bwd=True).validate()  # one direction suffices
+    dataclasses.replace(bad, codec_fwd="echo4").validate()
+    with pytest.raises(ValueError, match="feedback_bwd=True needs model.feedback=True"):
+        dataclasses.replace(CFG, feedback_bwd=True).validate()
