@@ -27,11 +27,13 @@ from taco_jax import codecs, dispatch, telemetry
 from taco_jax.ops.common import KernelConfig
 
 # Below this many bytes per device the compressed path does not beat one NCCL all-reduce
-# on 2×H200 NVLink with the current kernels: measured ratio taco/lax 1.09 at 16 MiB,
-# 0.99–1.02 at 64 MiB (a wash, three runs), 0.90–0.91 at 256 MiB, 0.87 at 1 GiB
-# (bench/results/collectives*.json). Slower links (PCIe, inter-node) break even far lower:
-# pass min_bytes explicitly there.
-DEFAULT_MIN_BYTES = 128 << 20
+# on 2×H200 NVLink with the current kernels. Measured on a freshly computed input (no copy
+# before lax.psum's in-place all-reduce; bench/collectives.py `fresh_ratio`, commit 66cd092):
+# taco/lax 1.21 at 16 MiB, 1.11 at 64 MiB, 1.02 at 256 MiB, 0.99 at 1 GiB, so only the
+# largest tensors break even. (The older 128 MiB value came from a loop that charged
+# lax.psum a 127 µs input copy at 256 MiB.) Slower links (PCIe, inter-node) break even far
+# lower: pass min_bytes explicitly there.
+DEFAULT_MIN_BYTES = 512 << 20
 # Chunking (paper: 64 MB chunks) only pays if one chunk's kernels overlap another chunk's
 # collectives. XLA does schedule them asynchronously (all-to-all-start … compress of the
 # next chunk … all-to-all-done), but measured on 2×H200 chunks were slower (64 MiB chunks:

@@ -2,7 +2,7 @@
 
 conftest.py gives 8 CPU devices. Every test builds a 1-D mesh ("tp",) or a 2-D mesh
 ("data", "tp") from the first devices. Tensors are small; compression is forced with
-min_bytes=0 (the default threshold, 128 MiB, would route everything through lax.psum).
+min_bytes=0 (the default threshold, 512 MiB, would route everything through lax.psum).
 """
 import numpy as np
 import pytest
@@ -93,7 +93,7 @@ def test_below_min_bytes_equals_lax_psum_exactly():
     nbytes = 7 * 333 * 4
     y = run(x, 4, lambda v: taco_jax.psum(v, "tp", min_bytes=nbytes + 1))
     assert bits_equal(y, run(x, 4, lpsum))
-    # default threshold (128 MiB) also falls back for small tensors
+    # default threshold (512 MiB) also falls back for small tensors
     assert bits_equal(run(x, 4, lambda v: taco_jax.psum(v, "tp")), run(x, 4, lpsum))
     # at the threshold it compresses
     assert rel(run(x, 4, lambda v: taco_jax.psum(v, "tp", min_bytes=nbytes)),
