@@ -9,7 +9,9 @@ A variant is `exact` (codec none), `CODEC`, `CODEC+feedback`, or a one-direction
 feedback at every compressing site, backward ones included: model.feedback_bwd). Every variant
 runs on the same parameters (the run's latest Orbax checkpoint) and the same training
 batches. Reported per variant, averaged over the batches: |loss − exact loss|, the relative
-L2 error of the whole gradient (pooled over batches) and its cosine with the exact one.
+L2 error of the whole gradient (pooled over batches) and its cosine with the exact one; the
+same error per parameter group; and whether the error repeats across batches (err_cos,
+err_mean_ratio: independent errors average out over steps, a repeated one is a bias).
 This is what one training step sees; comparing it with how runs *train* separates a wrong
 gradient from an effect that only builds up over steps.
 """
@@ -51,6 +53,45 @@ def overrides(variant: str) -> list[str]:
             "model.min_bytes=0"]
 
 
+def param_group(path: str) -> str:
+    """A parameter's group from its pytree path: embeddings, layernorm, attention, mlp, head."""
+    p = path.lower()
+    for key, name in (("wte", "embed"), ("wpe", "embed"), ("lm_head", "head"), ("ln", "norm"),
+                      ("attn", "attention"), ("mlp", "mlp")):
+        if key in p:
+            return name
+    return "other"
+
+
+def _flat_err(o, e):
+    return np.concatenate([(a - b).ravel() for a, b in zip(o[1], e[1])])
+
+
+def error_persistence(outs, ex) -> dict:
+    """Does the gradient error repeat from batch to batch (a bias the optimizer accumulates)
+    or average out? err_cos: mean cosine between the errors of two different batches (≈ 0
+    for independent errors); err_mean_ratio: ‖mean error‖ / mean ‖error‖ (1/sqrt(batches)
+    for independent errors of equal size, 1 for a constant bias)."""
+    errs = [_flat_err(o, e) for o, e in zip(outs, ex)]
+    norms = [np.linalg.norm(v) for v in errs]
+    if len(errs) < 2 or min(norms) == 0:
+        return {"err_cos": 0.0, "err_mean_ratio": 0.0}
+    cos = [errs[i] @ errs[j] / (norms[i] * norms[j])
+           for i in range(len(errs)) for j in range(i + 1, len(errs))]
+    ratio = np.linalg.norm(np.mean(errs, axis=0)) / np.mean(norms)
+    return {"err_cos": round(float(np.mean(cos)), 4), "err_mean_ratio": round(float(ratio), 4)}
+
+
+def group_errors(outs, ex, groups) -> dict:
+    """Relative L2 gradient error per parameter group, pooled over batches."""
+    num, den = {}, {}
+    for o, e in zip(outs, ex):
+        for grp, a, b in zip(groups, o[1], e[1]):
+            num[grp] = num.get(grp, 0.0) + float(np.sum((a - b) ** 2))
+            den[grp] = den.get(grp, 0.0) + float(np.sum(b ** 2))
+    return {g: round(float(np.sqrt(num[g] / den[g])), 5) if den[g] else 0.0 for g in num}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,7 +126,9 @@ def main(argv=None) -> dict:
         for b in range(args.batches):
             x, y = batches[b]
             loss, g = fn(params, prog.put_batch(x), prog.put_batch(y))
-            outs.append((float(loss), [np.asarray(a, np.float64) for a in jax.tree.leaves(g)]))
+            leaves = jax.tree_util.tree_leaves_with_path(g)
+            groups = [param_group(jax.tree_util.keystr(k)) for k, _ in leaves]
+            outs.append((float(loss), [np.asarray(a, np.float64) for _, a in leaves]))
         results[v] = outs
     ex = results["exact"]
     rows = []
@@ -98,9 +141,14 @@ def main(argv=None) -> dict:
         rows.append({"variant": v, "loss": round(float(np.mean([o[0] for o in outs])), 5),
                      "abs_dloss": float(f"{np.mean([abs(o[0] - e[0]) for o, e in zip(outs, ex)]):.3e}"),
                      "grad_rel_err": round(float(np.sqrt(num / den)), 5),
-                     "grad_cos": round(float(cos), 6)})
+                     "grad_cos": round(float(cos), 6),
+                     **error_persistence(outs, ex),
+                     "group_rel_err": group_errors(outs, ex, groups)})
     print(f"run {run} at step {step}, {args.batches} batches")
-    print_table(rows, list(rows[0]))
+    print_table(rows, [c for c in rows[0] if c != "group_rel_err"])
+    for r in rows:
+        print(f"  {r['variant']:>24}: " + "  ".join(f"{g} {e}" for g, e in
+                                                     r["group_rel_err"].items()))
     payload = {**env_facts(), "run": str(run), "preset": base.name, "step": step,
                "tp": int(mesh.shape["tp"]), "dtype": base.model.dtype, "rows": rows}
     if args.out:

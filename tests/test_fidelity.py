@@ -194,6 +194,9 @@ def test_grad_error_tool(tmp_path):
     assert rows["exact"]["grad_rel_err"] == 0 and rows["exact"]["abs_dloss"] == 0
     assert 0.01 < rows["echo4"]["grad_rel_err"] < 1 and rows["echo4"]["abs_dloss"] > 0
     assert rows["bwd:taco"]["abs_dloss"] == 0        # forward exact: same loss
+    assert set(rows["echo4"]["group_rel_err"]) == {"embed", "norm", "attention", "mlp", "head"}
+    assert all(0 < e < 1 for e in rows["echo4"]["group_rel_err"].values())
+    assert rows["exact"]["err_mean_ratio"] == 0      # one batch: persistence undefined → 0
     assert 0 < rows["bwd:taco"]["grad_rel_err"] < rows["echo4"]["grad_rel_err"]
     assert out["step"] == 3 and (tmp_path / "g.json").exists()
     assert grad_error.overrides("bwd:echo4+feedback") == [
@@ -202,3 +205,22 @@ def test_grad_error_tool(tmp_path):
     assert "model.feedback_bwd=false" in grad_error.overrides("fwd:echo4+feedback")
     with pytest.raises(ValueError, match="direction"):
         grad_error.overrides("up:echo4")
+
+
+def test_error_persistence_measures():
+    """err_cos / err_mean_ratio: 1 / 1 for a repeated error, ≈ 0 / 1/sqrt(n) for independent
+    ones; group_errors pools per group."""
+    from bench import grad_error
+    rng = np.random.default_rng(0)
+    exact = [(0.0, [rng.standard_normal(50), rng.standard_normal(30)]) for _ in range(16)]
+    bias = [rng.standard_normal(50), rng.standard_normal(30)]
+    same = [(0.0, [e + d for e, d in zip(ex[1], bias)]) for ex in exact]
+    indep = [(0.0, [e + rng.standard_normal(e.shape) for e in ex[1]]) for ex in exact]
+    p = grad_error.error_persistence(same, exact)
+    assert p["err_cos"] == pytest.approx(1, abs=1e-6) and p["err_mean_ratio"] == pytest.approx(1)
+    q = grad_error.error_persistence(indep, exact)
+    assert abs(q["err_cos"]) < 0.1 and q["err_mean_ratio"] == pytest.approx(0.25, abs=0.08)
+    g = grad_error.group_errors(same, exact, ["a", "b"])
+    assert set(g) == {"a", "b"} and g["a"] > 0
+    assert grad_error.param_group("['blocks'][3]['ln1']['scale']") == "norm"
+    assert grad_error.param_group("['blocks'][0]['attn']['qkv_kernel']") == "attention"

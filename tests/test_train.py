@@ -90,9 +90,27 @@ def test_overrides_and_codec_shorthand():
     cfg = config_lib.load_config("tiny", ["model.codec_fwd=taco", "model.codec_bwd=fp8",
                                           "model.feedback=true"])
     assert (cfg.model.codec_fwd, cfg.model.codec_bwd) == ("taco", "fp8")
-    assert cfg.model.feedback is True
+    assert cfg.model.feedback is True and cfg.model.feedback_bwd is False   # preset's value
     # the dump of a config loads back to the same config
     assert config_lib.from_dict(__import__("yaml").safe_load(config_lib.dump(cfg))) == cfg
+
+
+def test_config_written_before_feedback_bwd_keeps_its_meaning(tmp_path):
+    """A saved config with `feedback: true` and no `feedback_bwd` (written when feedback ran
+    both ways) loads with feedback_bwd=true and a warning, so a resumed run is unchanged."""
+    values = __import__("yaml").safe_load(config_lib.dump(config_lib.load_config(
+        "tiny", ["codec=echo4", "model.feedback=true"])))
+    del values["model"]["feedback_bwd"]
+    old = tmp_path / "config.yaml"
+    old.write_text(__import__("yaml").safe_dump(values))
+    with pytest.warns(UserWarning, match="feedback_bwd"):
+        cfg = config_lib.load_config(old)
+    assert cfg.model.feedback_bwd is True
+    with pytest.warns(UserWarning, match="feedback_bwd"):
+        assert config_lib.from_dict(values).model.feedback_bwd is True
+    # overriding either field takes the config out of the compatibility rule
+    assert config_lib.load_config(old, ["model.feedback=false"]).model.feedback_bwd is False
+    assert config_lib.load_config(old, ["model.feedback_bwd=false"]).model.feedback_bwd is False
 
 
 @pytest.mark.parametrize("overrides,match", [

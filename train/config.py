@@ -9,6 +9,7 @@ naming them; `Config.validate` checks everything that does not need devices.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -204,12 +205,30 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (),
     p = resolve_preset(path or "tiny")
     values = yaml.safe_load(p.read_text()) or {}
     values.setdefault("name", p.stem)
-    cfg = _build(Config, _merge(values, parse_overrides(overrides)))
+    cfg = _build(Config, _compat(values, _merge(values, parse_overrides(overrides)), p))
     return cfg.validate() if validate else cfg
 
 
 def from_dict(values: dict, overrides: Iterable[str] = ()) -> Config:
-    return _build(Config, _merge(values, parse_overrides(overrides))).validate()
+    merged = _merge(values, parse_overrides(overrides))
+    return _build(Config, _compat(values, merged, "a config dict")).validate()
+
+
+def _compat(written: dict, merged: dict, source) -> dict:
+    """Configs written before backward error feedback became opt-in (model.feedback_bwd,
+    session 3) meant feedback in both directions by `model.feedback: true`: keep that
+    meaning for them (a run resumed or reloaded must not change), and say so. `written`:
+    the file's values (is feedback_bwd missing there?); `merged`: with the overrides."""
+    model, final = written.get("model"), merged.get("model")
+    if (isinstance(model, dict) and model.get("feedback") is True
+            and "feedback_bwd" not in model and isinstance(final, dict)
+            and final.get("feedback") is True and "feedback_bwd" not in final):
+        warnings.warn(f"{source}: model.feedback: true without model.feedback_bwd was written "
+                      f"when feedback ran in both directions; keeping that meaning "
+                      f"(model.feedback_bwd=true). Set model.feedback_bwd explicitly to "
+                      f"silence this; the default is now false (docs/echo.md).", stacklevel=3)
+        merged = {**merged, "model": {**final, "feedback_bwd": True}}
+    return merged
 
 
 def replace(cfg: Config, overrides: Iterable[str]) -> Config:
