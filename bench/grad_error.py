@@ -71,15 +71,21 @@ def error_persistence(outs, ex) -> dict:
     """Does the gradient error repeat from batch to batch (a bias the optimizer accumulates)
     or average out? err_cos: mean cosine between the errors of two different batches (≈ 0
     for independent errors); err_mean_ratio: ‖mean error‖ / mean ‖error‖ (1/sqrt(batches)
-    for independent errors of equal size, 1 for a constant bias)."""
+    for independent errors of equal size, 1 for a constant bias); err_gain: mean of
+    err·g / g·g, the error's share along the exact gradient g."""
     errs = [_flat_err(o, e) for o, e in zip(outs, ex)]
     norms = [np.linalg.norm(v) for v in errs]
     if len(errs) < 2 or min(norms) == 0:
-        return {"err_cos": 0.0, "err_mean_ratio": 0.0}
+        return {"err_cos": 0.0, "err_mean_ratio": 0.0, "err_gain": 0.0}
     cos = [errs[i] @ errs[j] / (norms[i] * norms[j])
            for i in range(len(errs)) for j in range(i + 1, len(errs))]
     ratio = np.linalg.norm(np.mean(errs, axis=0)) / np.mean(norms)
-    return {"err_cos": round(float(np.mean(cos)), 4), "err_mean_ratio": round(float(ratio), 4)}
+    # the error's component along the exact gradient, as a fraction of it: < 0 shrinks the
+    # step (a lower effective learning rate), > 0 lengthens it
+    exact = [np.concatenate([b.ravel() for b in e[1]]) for e in ex]
+    gain = np.mean([v @ g / (g @ g) for v, g in zip(errs, exact)])
+    return {"err_cos": round(float(np.mean(cos)), 4), "err_mean_ratio": round(float(ratio), 4),
+            "err_gain": round(float(gain), 5)}
 
 
 def group_errors(outs, ex, groups) -> dict:
