@@ -7,7 +7,8 @@
 
 Every variant trains the same preset, seed, data order and number of steps via `train.run`,
 with every all-reduce compressed (model.min_bytes=0), forward and backward, at TP=2. A
-variant is `codec`, `codec+feedback` (model.feedback=true, Echo error feedback) or
+variant is `codec`, `codec+feedback` (model.feedback=true: Echo error feedback at the
+forward sites; `--set model.feedback_bwd=true` adds the backward ones, as in session 2) or
 `none@seedN` (the baseline with another seed: the noise floor every degradation is read
 against). Each run has its own run dir `<out-dir>/<variant>`; the driver is resumable:
 finished runs are read back, not re-run; interrupted ones resume from their checkpoint;
