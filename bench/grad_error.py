@@ -72,11 +72,14 @@ def error_persistence(outs, ex) -> dict:
     or average out? err_cos: mean cosine between the errors of two different batches (≈ 0
     for independent errors); err_mean_ratio: ‖mean error‖ / mean ‖error‖ (1/sqrt(batches)
     for independent errors of equal size, 1 for a constant bias); err_gain: mean of
-    err·g / g·g, the error's share along the exact gradient g."""
+    err·g / g·g, the error's share along the exact gradient g; adam_rel_err /
+    adam_mean_err: the error (and its batch mean) per coordinate over that coordinate's RMS
+    gradient, as Adam's normalisation weighs it."""
     errs = [_flat_err(o, e) for o, e in zip(outs, ex)]
     norms = [np.linalg.norm(v) for v in errs]
     if len(errs) < 2 or min(norms) == 0:
-        return {"err_cos": 0.0, "err_mean_ratio": 0.0, "err_gain": 0.0}
+        return {"err_cos": 0.0, "err_mean_ratio": 0.0, "err_gain": 0.0, "adam_rel_err": 0.0,
+                "adam_mean_err": 0.0}
     cos = [errs[i] @ errs[j] / (norms[i] * norms[j])
            for i in range(len(errs)) for j in range(i + 1, len(errs))]
     ratio = np.linalg.norm(np.mean(errs, axis=0)) / np.mean(norms)
@@ -84,8 +87,16 @@ def error_persistence(outs, ex) -> dict:
     # step (a lower effective learning rate), > 0 lengthens it
     exact = [np.concatenate([b.ravel() for b in e[1]]) for e in ex]
     gain = np.mean([v @ g / (g @ g) for v, g in zip(errs, exact)])
+    # in Adam's units: each coordinate's error over that coordinate's RMS gradient (what
+    # the second-moment normalisation divides by), so small-gradient coordinates count
+    # as much as large ones; adam_mean_err: the part that repeats across batches
+    rms = np.sqrt(np.mean(np.square(exact), axis=0))
+    keep = rms > 0
+    z = np.stack(errs)[:, keep] / rms[keep]
     return {"err_cos": round(float(np.mean(cos)), 4), "err_mean_ratio": round(float(ratio), 4),
-            "err_gain": round(float(gain), 5)}
+            "err_gain": round(float(gain), 5),
+            "adam_rel_err": round(float(np.sqrt(np.mean(z ** 2))), 4),
+            "adam_mean_err": round(float(np.sqrt(np.mean(np.mean(z, axis=0) ** 2))), 4)}
 
 
 def group_errors(outs, ex, groups) -> dict:

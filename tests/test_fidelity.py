@@ -219,7 +219,9 @@ def test_error_persistence_measures():
     p = grad_error.error_persistence(same, exact)
     assert p["err_cos"] == pytest.approx(1, abs=1e-6) and p["err_mean_ratio"] == pytest.approx(1)
     shrunk = [(0.0, [0.9 * e for e in ex[1]]) for ex in exact]
-    assert grad_error.error_persistence(shrunk, exact)["err_gain"] == pytest.approx(-0.1)
+    sh = grad_error.error_persistence(shrunk, exact)
+    assert sh["err_gain"] == pytest.approx(-0.1)
+    assert sh["adam_rel_err"] == pytest.approx(0.1) and sh["adam_mean_err"] <= 0.1 + 1e-9
     q = grad_error.error_persistence(indep, exact)
     assert abs(q["err_cos"]) < 0.1 and q["err_mean_ratio"] == pytest.approx(0.25, abs=0.08)
     g = grad_error.group_errors(same, exact, ["a", "b"])
