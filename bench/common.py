@@ -29,13 +29,7 @@ def env_facts() -> dict:
 
 def _zeros_like(s):
     """Zeros for a ShapeDtypeStruct, with its sharding type (explicit-sharding meshes)."""
-    sharding = getattr(s, "sharding", None)
-    if sharding is not None and getattr(jax.typeof(s), "sharding", None) is not None:
-        try:
-            return jnp.zeros(s.shape, s.dtype, out_sharding=jax.typeof(s).sharding)
-        except (TypeError, ValueError):
-            pass
-    return jnp.zeros(s.shape, s.dtype)
+    return jnp.zeros(s.shape, s.dtype, out_sharding=jax.typeof(s).sharding)
 
 
 def jit_loop(fn, x, iters: int):

@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
     mesh = build_mesh(base)
     corpus = load_corpus(base.data, base.model.vocab_size)
     batches = Batches(corpus.train, base.train.batch_size, base.model.seq_len, 12345, stream=0)
-    params, step, results = None, None, {}
+    params, step, results, groups = None, None, {}, None
     for v in args.variants:
         cfg = config_lib.load_config(run / "config.yaml", [*args.set, *overrides(v)])
         prog = build(cfg, mesh)
@@ -144,7 +144,8 @@ def main(argv=None) -> dict:
             x, y = batches[b]
             loss, g = fn(params, prog.put_batch(x), prog.put_batch(y))
             leaves = jax.tree_util.tree_leaves_with_path(g)
-            groups = [param_group(jax.tree_util.keystr(k)) for k, _ in leaves]
+            if groups is None:      # the same pytree for every variant and batch
+                groups = [param_group(jax.tree_util.keystr(k)) for k, _ in leaves]
             outs.append((float(loss), [np.asarray(a, np.float64) for _, a in leaves]))
         results[v] = outs
     ex = results["exact"]

@@ -9,13 +9,13 @@ bench/results/kernels.json. --check compares every kernel with its jnp reference
 device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice);
 --stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
 copy with the same tiling and wire layout (the plumbing's ceiling), no transform
-(block-fp8), Hadamard without α (taco-1scale), full taco; the previous kernel
-(KernelConfig(lean=False)) and other tilings beside the default.
+(block-fp8), Hadamard without α (taco-1scale), full taco, and other tilings beside the
+default.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import itertools
 import sys
 
@@ -70,11 +70,10 @@ def _copy_kernel(x_ref, o_ref, *, cfg, n_rows, b):
         if pad:
             common.store_rows(o_ref, t, jnp.zeros((cfg.blocks_per_program, pad), jnp.uint8),
                               cfg.blocks_per_program, b, n_rows)
-    common.for_each_tile(cfg, tile)
+    common.for_each_tile(cfg, n_rows, tile)
 
 
 def copy_kernel(x, row_bytes, cfg):
-    import functools
     n_rows, b = x.shape
     kernel = functools.partial(_copy_kernel, cfg=cfg, n_rows=n_rows, b=b)
     out = jax.ShapeDtypeStruct((n_rows, row_bytes), jnp.uint8)
@@ -93,13 +92,10 @@ def stage_rows(n: int, roof: float) -> list[dict]:
         for rb in (taco.row_bytes, b):
             runs.append((f"copy tm={tm} row={rb}B", lambda v, rb=rb, cfg=cfg:
                          copy_kernel(v, rb, cfg), rb))
-    old = dataclasses.replace(default, lean=False)
     for name in ("block-fp8", "taco-1scale", "taco"):
         c = codecs.get(name)
-        for cfg, tag in ((old, " (lean=False)"), (default, "")):
-            if name != "block-fp8" or not tag:
-                runs.append((f"compress {name}{tag}", lambda v, c=c, cfg=cfg:
-                             compress.compress(v, c, cfg, INTERP), c.row_bytes))
+        runs.append((f"compress {name}", lambda v, c=c: compress.compress(v, c, default,
+                                                                           INTERP), c.row_bytes))
     for tm, warps in ((32, 4), (32, 8), (8, 4)):
         cfg = common.KernelConfig(tm, warps)
         runs.append((f"compress taco tm={tm} w={warps}", lambda v, cfg=cfg:

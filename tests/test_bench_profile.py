@@ -75,3 +75,17 @@ def test_plot_writes_png(tmp_path):
              "comm_overlap_us": 1.0} for c in ("none", "taco")]
     out = profile.plot(rows, str(tmp_path / "b.png"))
     assert Path(out).stat().st_size > 1000
+
+
+def test_kernels_stage_copy_kernel():
+    """bench/kernels.py --stages' plumbing ceiling: a Pallas copy with compress's tiling and
+    wire layout writes the fp8 cast of each row and zero scale bytes (interpret mode)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from bench import kernels
+    from taco_jax.ops import common
+    x = (jnp.arange(37 * 256, dtype=jnp.float32).reshape(37, 256) / 1000).astype(jnp.bfloat16)
+    w = np.asarray(kernels.copy_kernel(x, 264, common.KernelConfig(16)))
+    want = np.asarray(jnp.asarray(x).astype(jnp.float8_e4m3fn)).view(np.uint8)
+    np.testing.assert_array_equal(w[:, :256], want)
+    assert not w[:, 256:].any()

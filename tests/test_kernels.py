@@ -369,11 +369,10 @@ def test_lowers_to_triton(h200, kernel, name, b):
 @pytest.mark.parametrize("b", [64, 256], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_lowers_to_triton_configs(h200, kernel, b):
-    """Non-default configs: forced precise / imprecise, the pipelined tile loop, the
-    previous (non-lean) compress."""
+    """Non-default configs: forced precise / imprecise, the pipelined tile loop, the capped
+    grid."""
     c = codecs.get("taco", block_size=b)
     for dt, cfg in [(jnp.bfloat16, common.KernelConfig(precise=True)),
-                    (jnp.bfloat16, common.KernelConfig(lean=False)),
                     (jnp.bfloat16, common.KernelConfig(max_programs=132)),
                     (jnp.float32, common.KernelConfig(precise=False)),
                     (jnp.bfloat16, common.KernelConfig(blocks_per_program=16,

@@ -28,10 +28,6 @@ class KernelConfig:
     # >0: at most this many programs, each looping over every max_programs-th tile. Leaves
     # SMs free for NCCL's kernels when compression overlaps communication (chunked psum).
     max_programs: int = 0
-    # Compress: ±1/r, ±1/c Hadamard factors (no 1/B pre-scaling pass, bf16 input straight
-    # into the dot), α and the NaN check from one Σx², one multiplier per row for
-    # eq. 8–10. False: the previous kernel (kept to measure the difference).
-    lean: bool = True
 
     @staticmethod
     def default(block_size: int) -> "KernelConfig":

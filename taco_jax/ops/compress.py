@@ -18,47 +18,16 @@ from taco_jax import hadamard
 from taco_jax.ops import common, quant
 
 
-def _encode_tile(x, h1, h2, codec, cfg, exact_input, dot_in=None, h1s=None, h2s=None):
+def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
     """(tm, B) f32 → ((tm, B) uint8 codes, (tm, 4·n_scales) uint8 scales). Kernel math.
 
-    h1, h2: the ±1 Hadamard factors; h1s, h2s: the same divided by their sizes (cfg.lean);
-    dot_in: x as loaded (bf16 data goes into the tensor-core dot without a round trip)."""
-    if cfg.lean and codec.transform != "none":
-        return _encode_tile_lean(x, x if dot_in is None else dot_in, h1s, h2s, codec, cfg,
-                                 exact_input)
-    b = codec.block_size
-    # Two row reductions: Σx² (for α) and one max over the transformed tile that also finds
-    # the non-finite blocks. z0 = H(x/B) is finite for finite x (|z0| ≤ max|x|), while NaN or
-    # ±Inf in x leaves NaN or ±Inf in z0; NaN is mapped to +inf before the max because
-    # Triton's max drops NaN. With z = z0·g (g = α·sqrt(B) > 0), max|z| = g·max|z0| exactly
-    # (rounding is monotonic), so eq. 9's absmax needs no second pass.
-    if codec.transform == "none":
-        z0 = x
-    else:
-        # Scaling by 1/B (a power of two: exact) keeps the unnormalised ±1 sums from
-        # overflowing for inputs near the fp32 limit; sqrt(B)·α restores eq. 8's scale.
-        z0 = common.hadamard_tile(x * np.float32(1 / b), h1, h2, block_size=b, inverse=False,
-                                  exact_input=exact_input, cfg=cfg)
-    m0 = jnp.max(jnp.where(jnp.isnan(z0), jnp.float32(np.inf), jnp.abs(z0)), axis=1,
-                 keepdims=True)
-    bad = m0 == np.inf
-    gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
-    if codec.transform == "ash":
-        gain = quant.alpha(x, bad)                                 # eqs. 6–7
-    g = gain if codec.transform == "none" else gain * np.float32(np.sqrt(b))
-    z = z0 * g                                                     # eq. 8
-    s = quant.scale(m0 * g, codec.qmax, bad)                       # eq. 9
-    codes = quant.quantize(z, s, codec.qmax, codec.code_dtype)     # eq. 10
-    scales = [s, gain] if codec.transform == "ash" else [s]
-    return codes, quant.pack_scales(scales)
+    h1s, h2s: the Hadamard factors divided by their sizes (±1/r, ±1/c;
+    `common.hadamard_operands(B, scaled=True)`); dot_in: x as loaded (bf16 data goes into
+    the tensor-core dot without a round trip). The kernel is issue-bound, not memory-bound
+    (Nsight Compute on H200, docs/results.md), so per-element work is kept minimal:
 
-
-def _encode_tile_lean(x, dot_in, h1s, h2s, codec, cfg, exact_input):
-    """The Hadamard codecs' encode with fewer instructions per element (the kernel is
-    issue-bound, not memory-bound: Nsight Compute on H200, docs/design.md).
-
-    * z0 = H·x/B from the ±1/r, ±1/c factors: the input goes into the dot as loaded (no
-      1/B pass, no f32 → bf16 round trip), and no partial sum can overflow (|z0| ≤ max|x|).
+    * z0 = H·x/B from the scaled factors: no 1/B pass, and no partial sum can overflow
+      (|z0| ≤ max|x|).
     * One Σx² gives α (eqs. 6–7) and, with max|z0|, the non-finite check, per row instead
       of per element: a NaN in x makes Σx² NaN; an ±Inf makes every z0 ±Inf or NaN (each
       coefficient sums all B inputs), and Triton's max drops NaN (all-NaN gives −inf), so
@@ -68,8 +37,15 @@ def _encode_tile_lean(x, dot_in, h1s, h2s, codec, cfg, exact_input):
       s = g·max|z0|/Qmax (= max|z|/Qmax, as max|z0·g| = g·max|z0| exactly).
     """
     b = codec.block_size
-    z0 = common.hadamard_tile(dot_in, h1s, h2s, block_size=b, inverse=False,
-                              exact_input=exact_input, cfg=cfg)
+    if codec.transform == "none":
+        # one max that also finds non-finite blocks (NaN → +inf: Triton's max drops NaN)
+        m0 = jnp.max(jnp.where(jnp.isnan(x), jnp.float32(np.inf), jnp.abs(x)), axis=1,
+                     keepdims=True)
+        s = quant.scale(m0, codec.qmax, m0 == np.inf)                  # eq. 9
+        return (quant.quantize(x, s, codec.qmax, codec.code_dtype),   # eq. 10
+                quant.pack_scales([s]))
+    z0 = common.hadamard_tile(x if dot_in is None else dot_in, h1s, h2s, block_size=b,
+                              inverse=False, exact_input=exact_input, cfg=cfg)
     ss = jnp.sum(x * x, axis=1, keepdims=True)
     m0 = jnp.max(jnp.abs(z0), axis=1, keepdims=True)
     bad = jnp.isnan(ss) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
@@ -86,15 +62,14 @@ def _encode_tile_lean(x, dot_in, h1s, h2s, codec, cfg, exact_input):
 def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_rows, row0,
                     skip_rows):
     tm, b = cfg.blocks_per_program, codec.block_size
-    h1, h2 = h1_ref[...], h2_ref[...]      # ±1/r, ±1/c when cfg.lean
+    h1s, h2s = h1_ref[...], h2_ref[...]      # ±1/r, ±1/c
     skip0 = skip_ref[0]
 
     def work(t):
         raw = common.load_rows(x_ref, t, tm, 0, b, n_rows, row0=row0)
         x = raw.astype(jnp.float32)
-        codes, scales = _encode_tile(x, h1, h2, codec, cfg,
-                                     exact_input=x_ref.dtype == jnp.bfloat16, dot_in=raw,
-                                     h1s=h1, h2s=h2)
+        codes, scales = _encode_tile(x, h1s, h2s, codec, cfg,
+                                     exact_input=x_ref.dtype == jnp.bfloat16, dot_in=raw)
         common.store_rows(o_ref, t, codes, tm, 0, n_rows)
         common.store_rows(o_ref, t, scales, tm, b, n_rows)
 
@@ -123,7 +98,7 @@ def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None, skip_star
     if row0 < 0 or n_rows < 0 or row0 + n_rows > x.shape[0]:
         raise ValueError(f"compress: window {row0=} {n_rows=} outside {x.shape[0]} rows")
     cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=x.dtype != jnp.bfloat16)
-    h1, h2 = common.hadamard_operands(b, scaled=cfg.lean)
+    h1, h2 = common.hadamard_operands(b, scaled=True)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                row0=row0, skip_rows=skip_rows)
     skip = jnp.asarray(skip_start, jnp.int32).reshape(1)

@@ -18,7 +18,7 @@ def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref
                   cfg, n_rows, n_peers):
     tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
     h1, h2 = h1_ref[...], h2_ref[...]
-    h1s, h2s = h1s_ref[...], h2s_ref[...]      # the factors / their sizes (compress, lean)
+    h1s, h2s = h1s_ref[...], h2s_ref[...]      # the factors / their sizes, for the encode
     me, own_row0 = idx_ref[0], idx_ref[1]
 
     def tile(t):
@@ -31,8 +31,7 @@ def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref
             # The own copy is skipped (never read: the sender may not have written it);
             # the exact input stands in for it.
             acc = jax.lax.cond(me == p, lambda a: a, add, acc)
-        codes, scales = compress._encode_tile(acc, h1, h2, codec, cfg, exact_input=False,
-                                              h1s=h1s, h2s=h2s)
+        codes, scales = compress._encode_tile(acc, h1s, h2s, codec, cfg, exact_input=False)
         common.store_rows(o_ref, t, codes, tm, 0, n_rows)
         common.store_rows(o_ref, t, scales, tm, b, n_rows)
     common.for_each_tile(cfg, n_rows, tile)
