@@ -12,6 +12,10 @@
 #   train        bench/profile.py train (step breakdown) + bench/train_step.py (issue 6)
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
 #   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
+#   ablation     python -m train.ablation v2 (issue 7; docs/fidelity.md): `small`, 2000 steps,
+#                a 200 MB stdlib + site-packages corpus; ABL_VARIANTS (default below),
+#                ABL_BUDGET seconds (default 520; the driver stops cleanly, re-run resumes:
+#                finished rows come back in bench/results/ablation_v2.json)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/jaxcache
@@ -52,6 +56,15 @@ for s in "$@"; do
              --section LaunchStats --section ComputeWorkloadAnalysis \
              python bench/one_kernel.py "$1" "$2"
          done ;;
+    ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m train.ablation \
+                --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
+                --out-dir runs/ablation2 --json bench/results/ablation_v2.json \
+                --plot docs/ablation_v2.png \
+                --variants ${ABL_VARIANTS:-none taco taco+feedback echo4+feedback none@seed1 \
+                           taco@seed1 echo4 none@seed2} \
+                --set train.progress=false train.ckpt_every=0 train.eval_every=250 \
+                      train.eval_batches=32 "data.paths=[python:stdlib, python:site-packages]" \
+                      data.max_mb=200 data.shuffle_files=true ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
