@@ -155,10 +155,24 @@ def test_ablation_smoke(tmp_path, capsys):
 def test_ablation_variant_parsing():
     from train.ablation import VARIANTS, parse_variant
     assert parse_variant("echo4+feedback", 0) == {"name": "echo4+feedback", "codec": "echo4",
-                                                  "feedback": True, "seed": 0}
+                                                  "feedback": True, "seed": 0,
+                                                  "direction": "both"}
     assert parse_variant("none@seed1", 0)["seed"] == 1
+    assert parse_variant("fwd:taco@seed2", 0) == {"name": "fwd:taco@seed2", "codec": "taco",
+                                                  "feedback": False, "seed": 2,
+                                                  "direction": "fwd"}
+    assert parse_variant("bwd:taco+feedback", 0)["direction"] == "bwd"
     with pytest.raises(ValueError):
         parse_variant("taco+ef", 0)
+    with pytest.raises(ValueError, match="fwd or bwd"):
+        parse_variant("up:taco", 0)
+    from train import config as config_lib
+    from train.ablation import variant_overrides
+    for v, fwd, bwd in (("fwd:taco", "taco", "none"), ("bwd:taco", "none", "taco"),
+                        ("taco", "taco", "taco")):
+        o = variant_overrides(parse_variant(v, 0), 2, 5, "runs/x", False)
+        m = config_lib.load_config("tiny", o).model
+        assert (m.codec_fwd, m.codec_bwd, m.min_bytes) == (fwd, bwd, 0), v
     assert len(VARIANTS) == 12 and VARIANTS.count("none") == 1
 
 

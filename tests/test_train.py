@@ -159,6 +159,11 @@ def test_data_is_deterministic_and_offline(cache):
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
     np.testing.assert_array_equal(batches[7][0], data_lib.Batches(b.train, 4, 32, seed=0)[7][0])
     assert not np.array_equal(batches[7][0], batches[8][0])
+    # seeds change the training windows, never the validation ones
+    (t0, v0), (t1, v1) = (data_lib.split_batches(a, 4, 32, s) for s in (0, 1))
+    assert not np.array_equal(t0[3][0], t1[3][0])
+    np.testing.assert_array_equal(v0[3][0], v1[3][0])
+    np.testing.assert_array_equal(t0[3][0], batches[3][0])
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(a.tokenizer_file))
     text = (CORPUS / "__init__.py").read_text()[:200]

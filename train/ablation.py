@@ -7,7 +7,8 @@
 
 Every variant trains the same preset, seed, data order and number of steps via `train.run`,
 with every all-reduce compressed (model.min_bytes=0), forward and backward, at TP=2. A
-variant is `codec`, `codec+feedback` (model.feedback=true: Echo error feedback at the
+variant is `codec`, `fwd:codec` / `bwd:codec` (one direction compressed, the other exact),
+`codec+feedback` (model.feedback=true: Echo error feedback at the
 forward sites; `--set model.feedback_bwd=true` adds the backward ones, as in session 2) or
 `none@seedN` (the baseline with another seed: the noise floor every degradation is read
 against). Each run has its own run dir `<out-dir>/<variant>`; the driver is resumable:
@@ -47,15 +48,22 @@ VARIANTS = ("none", "fp8", "block-fp8", "hadamard-fp8", "taco", "taco-1scale", "
 
 
 def parse_variant(v: str, seed: int) -> dict:
-    """"taco+feedback" / "none@seed1" / "fp8" -> {"name", "codec", "feedback", "seed"}."""
+    """"taco+feedback" / "none@seed1" / "fwd:taco" / "fp8" -> {"name", "codec", "feedback",
+    "seed", "direction"}. `fwd:` compresses only the forward all-reduces (codec_bwd=none),
+    `bwd:` only the backward ones (as in bench/grad_error.py); default both."""
     body, _, seed_part = v.partition("@")
+    direction, _, body = body.rpartition(":")
     codec, _, fb = body.partition("+")
     if fb not in ("", "feedback"):
         raise ValueError(f"variant {v!r}: only '+feedback' may follow the codec")
+    if direction not in ("", "fwd", "bwd"):
+        raise ValueError(f"variant {v!r}: the direction before ':' must be fwd or bwd, "
+                         f"got {direction!r}")
     if seed_part and not seed_part.startswith("seed"):
         raise ValueError(f"variant {v!r}: '@' must be followed by seedN")
     return {"name": v, "codec": codec, "feedback": fb == "feedback",
-            "seed": int(seed_part[4:]) if seed_part else seed}
+            "seed": int(seed_part[4:]) if seed_part else seed,
+            "direction": direction or "both"}
 
 
 def has_feedback_field() -> bool:
@@ -113,6 +121,21 @@ class _Budget:
         return self.fired or (self.t_end is not None and time.monotonic() >= self.t_end)
 
 
+def variant_overrides(var: dict, tp: int, steps: int, run_dir, progress: bool,
+                      extra=()) -> list[str]:
+    """Config overrides of one variant: every all-reduce compressed (min_bytes 0)."""
+    overrides = [f"codec={var['codec']}", "model.min_bytes=0", f"parallel.tp={tp}",
+                 f"train.steps={steps}", f"train.seed={var['seed']}",
+                 f"train.run_dir={run_dir}", f"train.progress={str(progress).lower()}",
+                 *extra]
+    if var["direction"] != "both":   # after codec=: the other direction stays exact
+        other = "bwd" if var["direction"] == "fwd" else "fwd"
+        overrides.append(f"model.codec_{other}=none")
+    if var["feedback"]:
+        overrides.append("model.feedback=true")
+    return overrides
+
+
 def run_variant(var: dict, args, budget: _Budget) -> dict | None:
     """Train one variant (or read it back). -> record, or None if not finished."""
     run_dir = Path(args.out_dir) / var["name"]
@@ -123,12 +146,7 @@ def run_variant(var: dict, args, budget: _Budget) -> dict | None:
         s = json.loads(summary_f.read_text())
         if not s["interrupted"] and s["step"] >= args.steps:
             return _record(var, s, run_dir)
-    overrides = [f"codec={var['codec']}", "model.min_bytes=0", f"parallel.tp={args.tp}",
-                 f"train.steps={args.steps}", f"train.seed={var['seed']}",
-                 f"train.run_dir={run_dir}", f"train.progress={str(args.progress).lower()}",
-                 *args.set]
-    if var["feedback"]:
-        overrides.append("model.feedback=true")
+    overrides = variant_overrides(var, args.tp, args.steps, run_dir, args.progress, args.set)
     cfg = config_lib.load_config(args.config, overrides)
     resume = (run_dir / "ckpt").exists()
     print(f"[ablation] {var['name']}: {'resuming' if resume else 'training'} in {run_dir}",
@@ -150,7 +168,8 @@ def run_variant(var: dict, args, budget: _Budget) -> dict | None:
 
 def _base(var: dict, run_dir: Path) -> dict:
     return {"variant": var["name"], "codec": var["codec"], "feedback": var["feedback"],
-            "seed": var["seed"], "run_dir": str(run_dir)}
+            "seed": var["seed"], "direction": var.get("direction", "both"),
+            "run_dir": str(run_dir)}
 
 
 def _curve(run_dir: Path) -> dict:

@@ -168,6 +168,17 @@ def load_corpus(data_cfg, vocab_size: int, *, verbose: bool = True) -> Corpus:
                   meta["vocab_size"], entry)
 
 
+VAL_SEED = 0   # validation windows: the same for every train.seed
+
+
+def split_batches(corpus: "Corpus", batch_size: int, seq_len: int, seed: int):
+    """(train, val) Batches. Training windows follow `seed`; validation windows do not
+    (always VAL_SEED's), so runs with different seeds are scored on the same tokens and
+    their difference is training noise, not a different sample of the validation split."""
+    return (Batches(corpus.train, batch_size, seq_len, seed, stream=0),
+            Batches(corpus.val, batch_size, seq_len, VAL_SEED, stream=1))
+
+
 class Batches:
     """Deterministic random windows: batch i depends only on (seed, split, i).
 

@@ -28,7 +28,7 @@ from models.parallel import ShardedGPT
 from train import config as config_lib
 from train.checkpoint import Checkpointer
 from train.config import Config
-from train.data import Batches, load_corpus
+from train.data import load_corpus, split_batches
 from train.metrics import MetricsWriter, plot_runs
 
 State = dict  # {"step", "params", "opt_state", "rng", "codec_state"}: one pytree, checkpointed
@@ -207,7 +207,7 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def evaluate(prog: Program, params, batches: Batches, n: int) -> float:
+def evaluate(prog: Program, params, batches, n: int) -> float:
     losses = [prog.eval_loss(params, *map(prog.put_batch, batches[i])) for i in range(n)]
     return float(np.mean([_host(x) for x in losses]))
 
@@ -234,8 +234,7 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
         raise ValueError(f"tokenizer vocabulary {corpus.vocab_size} > model.vocab_size="
                          f"{cfg.model.vocab_size}")
     seq = cfg.model.seq_len
-    train_batches = Batches(corpus.train, t_cfg.batch_size, seq, t_cfg.seed, stream=0)
-    val_batches = Batches(corpus.val, t_cfg.batch_size, seq, t_cfg.seed, stream=1)
+    train_batches, val_batches = split_batches(corpus, t_cfg.batch_size, seq, t_cfg.seed)
 
     run_dir = _run_dir(cfg, resume)
     run_dir.mkdir(parents=True, exist_ok=True)
