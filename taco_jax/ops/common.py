@@ -28,6 +28,7 @@ class KernelConfig:
     # >0: at most this many programs, each looping over every max_programs-th tile. Leaves
     # SMs free for NCCL's kernels when compression overlaps communication (chunked psum).
     max_programs: int = 0
+    exp: str = ""   # EXPERIMENT toggles (T: bf16 transpose, A: alpha from z, C: no clip, Q: codes→bf16)
 
     @staticmethod
     def default(block_size: int) -> "KernelConfig":
@@ -84,8 +85,11 @@ def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: boo
     r, c = hadamard.factors(block_size)
     (a, ha), (b, hb) = ((c, h2), (r, h1)) if inverse else ((r, h1), (c, h2))
     y = _dot(v.reshape(tm * a, b), hb, exact_input, precise)            # (tm·a, b)
+    t16 = "T" in cfg.exp and not precise
+    if t16:
+        y = y.astype(jnp.bfloat16)
     y = jnp.transpose(y.reshape(tm, a, b), (0, 2, 1)).reshape(tm * b, a)  # (tm·b, a)
-    return _dot(y, ha, False, precise).reshape(tm, block_size)
+    return _dot(y, ha, t16, precise).reshape(tm, block_size)
 
 
 def row_tile(ref, tile, tm: int, col0: int, width: int, n_rows: int, lead=(), row0=0):
