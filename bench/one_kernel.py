@@ -21,10 +21,9 @@ ap.add_argument("codec", nargs="?", default="taco")
 ap.add_argument("--mib", type=int, default=256)
 ap.add_argument("--tm", type=int, default=None)
 ap.add_argument("--warps", type=int, default=4)
-ap.add_argument("--exp", default="")
 a = ap.parse_args()
 c = codecs.get(a.codec)
-cfg = common.KernelConfig(a.tm or 16, a.warps, exp=a.exp) if (a.tm or a.exp) else None
+cfg = common.KernelConfig(a.tm, a.warps) if a.tm else None
 n = a.mib * (1 << 20) // 2 // c.block_size
 x = (jax.random.normal(jax.random.key(0), (n, c.block_size)) * 0.02).astype(jnp.bfloat16)
 w = jax.block_until_ready(compress.compress(x, c, cfg))

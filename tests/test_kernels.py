@@ -85,8 +85,9 @@ def compare_wires(name, b, w_kernel, w_ref, x, coarse_mode, max_mismatch=None):
     np.testing.assert_array_equal(bad, ~np.isfinite(x).all(axis=1))
     np.testing.assert_allclose(sk[~bad], sr[~bad], rtol=1e-2 if coarse_mode else 2e-5,
                                err_msg="scale s")
-    if ak is not None:
-        np.testing.assert_allclose(ak, ar, rtol=1e-6, err_msg="alpha")
+    if ak is not None:   # kernels take mean(x²) from the transform (Parseval): its rounding
+        np.testing.assert_allclose(ak, ar, rtol=2e-3 if coarse_mode else 2e-5,
+                                   err_msg="alpha")
     # coarse: the bf16 intermediate carries an absolute error ~2^-9 of the block's scale,
     # so small codes may move by more than their own step (measured ≤ Qmax/300)
     diff = nt.code_mismatches(ck, cr, spec.fmt, rows=~bad,

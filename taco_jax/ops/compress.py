@@ -28,13 +28,22 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
 
     * z0 = H·x/B from the scaled factors: no 1/B pass, and no partial sum can overflow
       (|z0| ≤ max|x|).
-    * One Σx² gives α (eqs. 6–7) and, with max|z0|, the non-finite check, per row instead
-      of per element: a NaN in x makes Σx² NaN; an ±Inf makes every z0 ±Inf or NaN (each
-      coefficient sums all B inputs), and Triton's max drops NaN (all-NaN gives −inf), so
-      the block is bad unless 0 ≤ max|z0| < inf. A finite block whose Σx² overflows keeps a
-      finite max|z0| and encodes (α = α_min).
-    * eq. 8–10 as one multiplier per row: codes = clip(z0 · g/s) with g = α·sqrt(B) and
-      s = g·max|z0|/Qmax (= max|z|/Qmax, as max|z0·g| = g·max|z0| exactly).
+    * One Σz0² per row gives α (eqs. 6–7) and, with max|z0|, the non-finite check: by
+      Parseval Σz0² = Σx²/B = mean(x²) (HᵀH = B·I), so no Σx² pass over x in its own
+      register layout (measured 7% of compress time); it differs from the exact mean by
+      the bf16 rounding of the transform's intermediate (~1e-4 relative on bf16 data), and
+      α is sent on the wire, so decode stays consistent. A NaN in x makes every z0 NaN; an
+      ±Inf makes every z0 ±Inf or NaN (each coefficient sums all B inputs); Triton's max
+      drops NaN (all-NaN gives −inf), so the block is bad if Σz0² is NaN or unless
+      0 ≤ max|z0| < inf. A finite block whose Σz0² overflows keeps a finite max|z0| and
+      encodes (α = α_min).
+    * eq. 8–10 as one multiplier per row: codes = z0 · g/s with g = α·sqrt(B) and
+      s = g·max|z0|/Qmax (= max|z|/Qmax, as max|z0·g| = g·max|z0| exactly). No clip: this
+      s bounds |z0·g/s| by Qmax up to a few ulps (s ≥ SCALE_MIN only for blocks far below
+      Qmax), far from the next code's rounding threshold (measured 9% of compress time).
+    * The transform's intermediate is cast to bf16 before its transpose (half the bytes
+      through shared memory; bit-identical). With the two above: compress 13% faster
+      (bench/results/kernel_variants*.json, docs/results.md).
     """
     b = codec.block_size
     if codec.transform == "none":
@@ -45,53 +54,19 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
         return (quant.quantize(x, s, codec.qmax, codec.code_dtype),   # eq. 10
                 quant.pack_scales([s]))
     z0 = common.hadamard_tile(x if dot_in is None else dot_in, h1s, h2s, block_size=b,
-                              inverse=False, exact_input=exact_input, cfg=cfg)
-    if "A" in cfg.exp:
-        ss = jnp.sum(z0 * z0, axis=1, keepdims=True) * np.float32(b)
-    else:
-        ss = jnp.sum(x * x, axis=1, keepdims=True)
+                              inverse=False, exact_input=exact_input, cfg=cfg,
+                              bf16_transpose=True)
+    meansq = jnp.sum(z0 * z0, axis=1, keepdims=True)               # = mean(x²), Parseval
     m0 = jnp.max(jnp.abs(z0), axis=1, keepdims=True)
-    bad = jnp.isnan(ss) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
+    bad = jnp.isnan(meansq) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
     gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
     if codec.transform == "ash":
-        gain = quant.alpha_from_meansq(ss * np.float32(1 / b), bad)   # eqs. 6–7
+        gain = quant.alpha_from_meansq(meansq, bad)                 # eqs. 6–7
     g = gain * np.float32(np.sqrt(b))
     s = quant.scale(m0 * g, codec.qmax, bad)                       # eq. 9
-    codes = quant.quantize_mult(z0, g / s, codec.qmax, codec.code_dtype,
-                                clip="C" not in cfg.exp)   # eqs. 8, 10
+    codes = quant.quantize_mult(z0, g / s, codec.qmax, codec.code_dtype, clip=False)  # 8, 10
     scales = [s, gain] if codec.transform == "ash" else [s]
     return codes, quant.pack_scales(scales)
-
-
-def _work_layout(x_ref, o_ref, t, h, codec, cfg, n_rows, row0):
-    """EXPERIMENT L: tile loaded as X2[p, (t, q)] (16, tm·16), H applied on the left (one
-    2D dot over p), reshape to [(p, t), q] (no transpose), H on the right; codes stored
-    row-major per block (Y[p, q] at p·16 + q: NOT the current wire order)."""
-    from jax.experimental.pallas import triton as plgpu
-    tm, b = cfg.blocks_per_program, codec.block_size
-    r = 16
-    n = tm * r
-    col = jnp.arange(n)
-    rows = t * tm + col // r                        # (n,)
-    cols = jnp.arange(r)[:, None] * r + (col % r)[None, :]   # (16, n)
-    mask = jnp.broadcast_to((rows < n_rows)[None, :], (r, n))
-    raw = plgpu.load(x_ref.at[row0 + rows[None, :], cols], mask=mask, other=0)  # (16, n)
-    y1 = jnp.dot(h, raw, preferred_element_type=jnp.float32)       # (16, n): H·X / 16
-    y1 = y1.astype(jnp.bfloat16).reshape(r * tm, r)                # [(p', t), q]
-    z = jnp.dot(y1, h, preferred_element_type=jnp.float32)          # [(p', t), q'] / 256
-    z3 = z.reshape(r, tm, r)
-    m0 = jnp.max(jnp.max(jnp.abs(z3), axis=2), axis=0)              # (tm,)
-    ss = jnp.sum(jnp.sum(z3 * z3, axis=2), axis=0) * np.float32(b)
-    bad = jnp.isnan(ss) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
-    gain = quant.alpha_from_meansq(ss * np.float32(1 / b), bad)
-    g = gain * np.float32(np.sqrt(b))
-    s = quant.scale(m0 * g, codec.qmax, bad)
-    mult = (g / s)
-    codes = quant.quantize_mult(z3, mult[None, :, None], codec.qmax, codec.code_dtype,
-                                clip=False).reshape(r, n)
-    plgpu.store(o_ref.at[rows[None, :], cols], codes, mask=mask)
-    scales = quant.pack_scales([s[:, None], gain[:, None]])
-    common.store_rows(o_ref, t, scales, tm, b, n_rows)
 
 
 def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_rows, row0,
@@ -101,8 +76,6 @@ def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_row
     skip0 = skip_ref[0]
 
     def work(t):
-        if "L" in cfg.exp:
-            return _work_layout(x_ref, o_ref, t, h1s, codec, cfg, n_rows, row0)
         raw = common.load_rows(x_ref, t, tm, 0, b, n_rows, row0=row0)
         x = raw.astype(jnp.float32)
         codes, scales = _encode_tile(x, h1s, h2s, codec, cfg,

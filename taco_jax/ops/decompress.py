@@ -16,9 +16,7 @@ from taco_jax.ops import common, quant
 
 def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
     """(tm, B) uint8 codes + (tm, 4·n) uint8 scales → (tm, B) f32 values. Kernel math."""
-    q = quant.dequant_codes(codes, codec.code_dtype,
-                            jnp.bfloat16 if "Q" in cfg.exp and codec.transform != "none"
-                            else jnp.float32)
+    q = quant.dequant_codes(codes, codec.code_dtype, jnp.float32)
     scales = quant.unpack_scales(scale_bytes, codec.n_scales)
     gain = scales[0]                                               # eq. 11: Ẑ = q·s
     if codec.transform == "ash":
@@ -30,36 +28,12 @@ def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
     return g * (gain * np.float32(1 / np.sqrt(codec.block_size)))
 
 
-def _tile_layout(w_ref, o_ref, t, h, codec, cfg, n_rows, row0):
-    """EXPERIMENT L (see compress._work_layout): codes row-major per block."""
-    from jax.experimental.pallas import triton as plgpu
-    tm, b = cfg.blocks_per_program, codec.block_size
-    r = 16
-    n = tm * r
-    col = jnp.arange(n)
-    rows = t * tm + col // r
-    cols = jnp.arange(r)[:, None] * r + (col % r)[None, :]
-    mask = jnp.broadcast_to((rows < n_rows)[None, :], (r, n))
-    codes = plgpu.load(w_ref.at[rows[None, :], cols], mask=mask, other=0)
-    q = quant.dequant_codes(codes, codec.code_dtype, jnp.bfloat16)
-    y1 = jnp.dot(h, q, preferred_element_type=jnp.float32)
-    y1 = y1.astype(jnp.bfloat16).reshape(r * tm, r)
-    z = jnp.dot(y1, h, preferred_element_type=jnp.float32).reshape(r, tm, r)
-    scales = quant.unpack_scales(common.load_rows(w_ref, t, tm, b, 4 * codec.n_scales,
-                                                  n_rows), codec.n_scales)
-    gain = (scales[0] / scales[1])[:, 0] * np.float32(1 / np.sqrt(b))
-    out = (z * gain[None, :, None]).reshape(r, n)
-    plgpu.store(o_ref.at[row0 + rows[None, :], cols], out.astype(o_ref.dtype), mask=mask)
-
-
 def decompress_kernel(w_ref, h1_ref, h2_ref, *refs, codec, cfg, n_rows, row0):
     o_ref = refs[-1]                     # refs = (into_ref, o_ref) when writing in place
     tm, b = cfg.blocks_per_program, codec.block_size
     h1, h2 = h1_ref[...], h2_ref[...]
 
     def tile(t):
-        if "L" in cfg.exp:
-            return _tile_layout(w_ref, o_ref, t, h1, codec, cfg, n_rows, row0)
         codes = common.load_rows(w_ref, t, tm, 0, b, n_rows)
         scale_bytes = common.load_rows(w_ref, t, tm, b, 4 * codec.n_scales, n_rows)
         x = _decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
