@@ -181,7 +181,7 @@ def _curve(run_dir: Path) -> dict:
 
 
 def _record(var: dict, s: dict, run_dir: Path) -> dict:
-    return {**_base(var, run_dir), "final_val_loss": s["final_val_loss"],
+    return {**_base(var, run_dir), "commit": _commit(), "final_val_loss": s["final_val_loss"],
             "final_train_loss": s["final_train_loss"], "steps": s["step"],
             "step_time_s": s["step_time_s"], "platform": s["platform"],
             "curve": _curve(run_dir)}
