@@ -8,7 +8,8 @@ effective bytes of a kernel = bytes it reads + bytes it writes. Writes
 bench/results/kernels.json. --check compares every kernel with its jnp reference on this
 device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice);
 --stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
-copy with the same tiling and wire layout (the plumbing's ceiling), no transform
+copy with the same tiling and wire layout (the plumbing's ceiling; also with rows padded to
+16-byte alignment, and codes only, to see what the 264-byte rows cost), no transform
 (block-fp8), Hadamard without α (taco-1scale), full taco, and other tilings beside the
 default.
 """
@@ -87,11 +88,14 @@ def stage_rows(n: int, roof: float) -> list[dict]:
     x = (jax.random.normal(jax.random.key(0), (nb, b), jnp.float32) * 0.02).astype(jnp.bfloat16)
     default = common.KernelConfig.default(b)
     runs = []
-    for tm in (16, 32):
+    def copies(tm, widths, tag=""):
         cfg = common.KernelConfig(tm)
-        for rb in (taco.row_bytes, b):
-            runs.append((f"copy tm={tm} row={rb}B", lambda v, rb=rb, cfg=cfg:
+        for rb in widths:
+            runs.append((f"copy tm={tm} row={rb}B{tag}", lambda v, rb=rb, cfg=cfg:
                          copy_kernel(v, rb, cfg), rb))
+    # the wire row (264 B: 8-byte aligned), the same padded to 16-byte alignment, codes only
+    copies(16, (taco.row_bytes, -(-taco.row_bytes // 16) * 16, b))
+    copies(32, (taco.row_bytes, b))
     for name in ("block-fp8", "taco-1scale", "taco"):
         c = codecs.get(name)
         runs.append((f"compress {name}", lambda v, c=c: compress.compress(v, c, default,
@@ -100,6 +104,7 @@ def stage_rows(n: int, roof: float) -> list[dict]:
         cfg = common.KernelConfig(tm, warps)
         runs.append((f"compress taco tm={tm} w={warps}", lambda v, cfg=cfg:
                      compress.compress(v, taco, cfg, INTERP), taco.row_bytes))
+    copies(16, (taco.row_bytes, b), " again")   # drift: the copies varied between sessions
     rows = []
     for label, fn, rb in runs:
         try:

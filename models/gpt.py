@@ -61,6 +61,9 @@ class GPTConfig:
     dtype: str = "bfloat16"  # compute dtype (params are fp32); auto = fp32 on CPU, else bf16
     codec_fwd: str = "taco"  # codec of the forward all-reduces (row-parallel outputs)
     codec_bwd: str = "taco"  # codec of the backward all-reduces (column-parallel inputs)
+    # codec of the LM head's backward all-reduce (its f: the cotangent every parameter's
+    # gradient descends from); "" = codec_bwd
+    codec_head: str = ""
     attention: str = "auto"  # jax.nn.dot_product_attention implementation: auto | xla | cudnn
     min_bytes: int = -1  # all-reduces smaller than this stay lax.psum; -1 = taco_jax's default
     feedback: bool = False  # Echo error feedback at the compressed forward sites (docs/echo.md)
@@ -123,7 +126,9 @@ class GPTConfig:
             if size % tp:
                 raise ValueError(f"model.{name}={size} is not divisible by tp={tp}: "
                                  f"Megatron TP splits it evenly over the 'tp' mesh axis")
-        for name in ("codec_fwd", "codec_bwd"):  # the one place codec names are checked
+        for name in ("codec_fwd", "codec_bwd", "codec_head"):  # the one place names are checked
+            if name == "codec_head" and not self.codec_head:
+                continue
             try:
                 taco_jax.codecs.get(getattr(self, name))
             except ValueError as e:
@@ -139,6 +144,11 @@ class GPTConfig:
                              f"model.feedback=false, or model.feedback_bwd=true with a "
                              f"compressing codec_bwd)")
         return self
+
+    @property
+    def head_codec(self) -> str:
+        """The codec of the LM head's f (model.codec_head, or codec_bwd when empty)."""
+        return self.codec_head or self.codec_bwd
 
     @property
     def bwd_feedback(self) -> bool:
@@ -238,18 +248,20 @@ class MLP(_TPSublayer, nnx.Module):
         return h @ self.down_kernel[...].astype(dt)  # partial sum over the hidden shards
 
 
-def f_site(x, ln, cfg: GPTConfig, state):
+def f_site(x, ln, cfg: GPTConfig, state, codec: str | None = None):
     """LayerNorm + Megatron f with error feedback -> (ln(x) varying over "tp", state).
     Identity forward; backward, the all-reduce of the cotangent (codec_bwd) subtracts the
     error the later backward site left and leaves its own. The site sits *before* `ln`, on
     the stream itself, so its error lands directly in the stream's cotangent, where the next
     backward site cancels it. Without backward feedback (model.feedback_bwd=false, the
     default, or an exact codec_bwd): plain pvary after `ln` (as without feedback), and the
-    state passes through."""
-    if not cfg.bwd_feedback:
-        return taco_jax.pvary(ln(x), TP, codec=cfg.codec_bwd, **cfg.comm), state
-    u, state = taco_jax.feedback.pvary_with_feedback(x, TP, state, codec=cfg.codec_bwd,
-                                                      **cfg.comm)
+    state passes through. codec: this site's codec (default codec_bwd; the LM head passes
+    model.head_codec); an exact one also means plain pvary."""
+    codec = codec or cfg.codec_bwd
+    exact = getattr(taco_jax.codecs.get(codec), "is_identity", False)
+    if not cfg.bwd_feedback or exact:
+        return taco_jax.pvary(ln(x), TP, codec=codec, **cfg.comm), state
+    u, state = taco_jax.feedback.pvary_with_feedback(x, TP, state, codec=codec, **cfg.comm)
     return ln(u), state
 
 
@@ -311,11 +323,12 @@ class GPT(nnx.Module):
             state = feedback_zeros(x)
             for block in self.blocks:
                 x, state = block(x, state)
-            x, _ = f_site(x, self.ln_f, cfg, state)  # f of the LM head: first backward site
+            # f of the LM head: first backward site
+            x, _ = f_site(x, self.ln_f, cfg, state, codec=cfg.head_codec)
         else:
             for block in self.blocks:
                 x = block(x)
-            x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.codec_bwd, **cfg.comm)  # f, LM head
+            x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.head_codec, **cfg.comm)  # f, LM head
         return jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(dt),
                           preferred_element_type=jnp.float32)
 

@@ -100,12 +100,32 @@ def test_causal_and_vocab_parallel_logits():
     (dict(vocab_size=66), 4, "model.vocab_size=66 is not divisible by tp=4"),
     (dict(d_ff=42), 4, "model.d_ff=42 is not divisible by tp=4"),
     (dict(codec_fwd="tacoo"), 1, "tacoo"),
+    (dict(codec_head="tac0"), 1, "model.codec_head='tac0'"),
     (dict(dtype="fp8"), 1, "model.dtype='fp8'"),
     (dict(n_layer=0), 1, "model.n_layer=0"),
 ])
 def test_bad_model_configs_fail_clearly(change, tp, match):
     with pytest.raises((ValueError, KeyError), match=match):
         dataclasses.replace(CFG, **change).validate(tp=tp)
+
+
+def test_codec_head_compresses_only_the_head_site(reference):
+    """model.codec_head: the LM head's f alone. Forward exact (same loss), gradients off by
+    the codec's error; codec_head='none' with codec_bwd='taco' leaves the head site exact:
+    the head's own weight gradient is exact then (nothing below it is compressed yet)."""
+    loss0, grads0, _ = reference
+    assert CFG.head_codec == "none" and dataclasses.replace(CFG, codec_bwd="taco").head_codec \
+        == "taco"
+    head_only = dataclasses.replace(CFG, codec_head="taco", min_bytes=0)
+    loss, grads, _ = _loss_and_grads(head_only, 1, 2)
+    assert abs(loss - loss0) < 1e-5 * loss0
+    assert 1e-4 < _rel(grads, grads0) < 0.1
+    np.testing.assert_allclose(grads["lm_head"], grads0["lm_head"], rtol=1e-4, atol=1e-7)
+    rest = dataclasses.replace(CFG, codec_bwd="taco", codec_head="none", min_bytes=0)
+    _, g_rest, _ = _loss_and_grads(rest, 1, 2)
+    _, g_all, _ = _loss_and_grads(dataclasses.replace(rest, codec_head=""), 1, 2)
+    # the block sites still compress; the head's setting changes the gradients on top
+    assert _rel(g_rest, grads0) > 1e-4 and _rel(g_all, g_rest) > 1e-4
 
 
 def test_bad_meshes_fail_clearly():
