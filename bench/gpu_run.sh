@@ -15,7 +15,9 @@
 #   ablation     python -m train.ablation v2 (issue 7; docs/fidelity.md): `small`, 2000 steps,
 #                a 200 MB stdlib + site-packages corpus; ABL_VARIANTS (default below),
 #                ABL_BUDGET seconds (default 520; the driver stops cleanly, re-run resumes:
-#                finished rows come back in bench/results/ablation_v2.json)
+#                finished rows come back in the JSON); ABL_NAME (default ablation_v2) names
+#                the JSON bench/results/$ABL_NAME.json, the plot docs/$ABL_NAME.png and the
+#                run dirs runs/$ABL_NAME; ABL_SET: extra config overrides for every variant
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/jaxcache
@@ -58,13 +60,14 @@ for s in "$@"; do
          done ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m train.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
-                --out-dir runs/ablation2 --json bench/results/ablation_v2.json \
-                --plot docs/ablation_v2.png \
+                --out-dir "runs/${ABL_NAME:-ablation2}" \
+                --json "bench/results/${ABL_NAME:-ablation_v2}.json" \
+                --plot "docs/${ABL_NAME:-ablation_v2}.png" \
                 --variants ${ABL_VARIANTS:-none taco taco+feedback echo4+feedback none@seed1 \
                            taco@seed1 echo4 none@seed2} \
                 --set train.progress=false train.ckpt_every=0 train.eval_every=250 \
                       train.eval_batches=32 "data.paths=[python:stdlib, python:site-packages]" \
-                      data.max_mb=200 data.shuffle_files=true ;;
+                      data.max_mb=200 data.shuffle_files=true ${ABL_SET:-} ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

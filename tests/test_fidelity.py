@@ -168,11 +168,15 @@ def test_ablation_variant_parsing():
         parse_variant("up:taco", 0)
     from train import config as config_lib
     from train.ablation import variant_overrides
+    with pytest.raises(ValueError, match="pair"):
+        parse_variant("fwd:taco/taco-int8", 0)
     for v, fwd, bwd in (("fwd:taco", "taco", "none"), ("bwd:taco", "none", "taco"),
-                        ("taco", "taco", "taco")):
+                        ("taco", "taco", "taco"), ("taco/taco-int8@seed1", "taco", "taco-int8")):
         o = variant_overrides(parse_variant(v, 0), 2, 5, "runs/x", False)
         m = config_lib.load_config("tiny", o).model
         assert (m.codec_fwd, m.codec_bwd, m.min_bytes) == (fwd, bwd, 0), v
+    from train.ablation import run_dir_of
+    assert run_dir_of("runs/a", "taco/taco-int8").name == "taco__taco-int8"
     assert len(VARIANTS) == 12 and VARIANTS.count("none") == 1
 
 

@@ -8,6 +8,7 @@
 Every variant trains the same preset, seed, data order and number of steps via `train.run`,
 with every all-reduce compressed (model.min_bytes=0), forward and backward, at TP=2. A
 variant is `codec`, `fwd:codec` / `bwd:codec` (one direction compressed, the other exact),
+`fwdcodec/bwdcodec` (e.g. `taco/taco-int8`),
 `codec+feedback` (model.feedback=true: Echo error feedback at the
 forward sites; `--set model.feedback_bwd=true` adds the backward ones, as in session 2) or
 `none@seedN` (the baseline with another seed: the noise floor every degradation is read
@@ -50,12 +51,15 @@ VARIANTS = ("none", "fp8", "block-fp8", "hadamard-fp8", "taco", "taco-1scale", "
 def parse_variant(v: str, seed: int) -> dict:
     """"taco+feedback" / "none@seed1" / "fwd:taco" / "fp8" -> {"name", "codec", "feedback",
     "seed", "direction"}. `fwd:` compresses only the forward all-reduces (codec_bwd=none),
-    `bwd:` only the backward ones (as in bench/grad_error.py); default both."""
+    `bwd:` only the backward ones (as in bench/grad_error.py); default both. "taco/taco-int8"
+    names the forward and the backward codec."""
     body, _, seed_part = v.partition("@")
     direction, _, body = body.rpartition(":")
     codec, _, fb = body.partition("+")
     if fb not in ("", "feedback"):
         raise ValueError(f"variant {v!r}: only '+feedback' may follow the codec")
+    if "/" in codec and direction:
+        raise ValueError(f"variant {v!r}: a fwd/bwd codec pair takes no direction prefix")
     if direction not in ("", "fwd", "bwd"):
         raise ValueError(f"variant {v!r}: the direction before ':' must be fwd or bwd, "
                          f"got {direction!r}")
@@ -121,10 +125,17 @@ class _Budget:
         return self.fired or (self.t_end is not None and time.monotonic() >= self.t_end)
 
 
+def run_dir_of(out_dir, name: str) -> Path:
+    """A variant's run dir: its name, with the fwd/bwd pair's '/' as '__' (one level)."""
+    return Path(out_dir) / name.replace("/", "__")
+
+
 def variant_overrides(var: dict, tp: int, steps: int, run_dir, progress: bool,
                       extra=()) -> list[str]:
     """Config overrides of one variant: every all-reduce compressed (min_bytes 0)."""
-    overrides = [f"codec={var['codec']}", "model.min_bytes=0", f"parallel.tp={tp}",
+    fwd, _, bwd = var["codec"].partition("/")     # "taco/taco-int8": forward / backward
+    codec = [f"codec={fwd}"] if not bwd else [f"model.codec_fwd={fwd}", f"model.codec_bwd={bwd}"]
+    overrides = [*codec, "model.min_bytes=0", f"parallel.tp={tp}",
                  f"train.steps={steps}", f"train.seed={var['seed']}",
                  f"train.run_dir={run_dir}", f"train.progress={str(progress).lower()}",
                  *extra]
@@ -138,7 +149,7 @@ def variant_overrides(var: dict, tp: int, steps: int, run_dir, progress: bool,
 
 def run_variant(var: dict, args, budget: _Budget) -> dict | None:
     """Train one variant (or read it back). -> record, or None if not finished."""
-    run_dir = Path(args.out_dir) / var["name"]
+    run_dir = run_dir_of(args.out_dir, var["name"])
     summary_f, diverged_f = run_dir / "summary.json", run_dir / "diverged.json"
     if diverged_f.exists():
         return json.loads(diverged_f.read_text())
@@ -308,7 +319,7 @@ def main(argv=None) -> dict:
         if (old.get("preset"), old.get("steps"), old.get("tp")) == \
                 (args.preset_name, args.steps, args.tp):
             for r in old["rows"]:
-                if not (Path(args.out_dir) / r["variant"]).exists():
+                if not run_dir_of(args.out_dir, r["variant"]).exists():
                     records[r["variant"]] = {k: v for k, v in r.items()
                                              if k not in ("degradation_pct",)}
     order = [v["name"] for v in variants]
@@ -316,7 +327,7 @@ def main(argv=None) -> dict:
     budget = _Budget(args.budget_s)
     stopped = False
     for var in variants:
-        if var["name"] in records and not (Path(args.out_dir) / var["name"]).exists():
+        if var["name"] in records and not run_dir_of(args.out_dir, var["name"]).exists():
             continue
         if budget.expired():
             stopped = True
