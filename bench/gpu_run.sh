@@ -12,6 +12,9 @@
 #   train        bench/profile.py train (step breakdown) + bench/train_step.py (issue 6)
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
 #   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
+#   ncu_src      Nsight Compute --set full with source correlation on compress (taco, 256 MiB):
+#                the report and its per-SASS-line CSV come back gzipped (which instructions
+#                the issue-bound kernel spends its slots on)
 #   ablation     python -m train.ablation v2 (issue 7; docs/fidelity.md): `small`, 2000 steps,
 #                a 200 MB stdlib + site-packages corpus; ABL_VARIANTS (default below),
 #                ABL_BUDGET seconds (default 520; the driver stops cleanly, re-run resumes:
@@ -58,6 +61,12 @@ for s in "$@"; do
              --section LaunchStats --section ComputeWorkloadAnalysis \
              python bench/one_kernel.py "$1" "$2"
          done ;;
+    ncu_src) step ncu_src 200 ncu --set full --import-source yes -k regex:taco_compress -c 1 \
+               -f -o /tmp/ncu_compress python bench/one_kernel.py compress taco
+             { ncu -i /tmp/ncu_compress.ncu-rep --page source --csv --print-source sass ||
+               ncu -i /tmp/ncu_compress.ncu-rep --page source --csv; } 2>&1 \
+               | gzip > "$OUT/ncu_src_compress.csv.gz"
+             gzip -c /tmp/ncu_compress.ncu-rep > "$OUT/ncu_compress.ncu-rep.gz" ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m train.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
                 --out-dir "runs/${ABL_NAME:-ablation2}" \
