@@ -9,7 +9,8 @@ bench/results/kernels.json. --check compares every kernel with its jnp reference
 device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice);
 --stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
 copy with the same tiling and wire layout (the plumbing's ceiling; also with rows padded to
-16-byte alignment, and codes only, to see what the 264-byte rows cost), no transform
+16-byte alignment, and codes only, to see what the 264-byte rows cost; then compress and
+decompress with the padded rows, codecs' row_align=16), no transform
 (block-fp8), Hadamard without α (taco-1scale), full taco, and other tilings beside the
 default.
 """
@@ -105,10 +106,20 @@ def stage_rows(n: int, roof: float) -> list[dict]:
         runs.append((f"compress taco tm={tm} w={warps}", lambda v, cfg=cfg:
                      compress.compress(v, taco, cfg, INTERP), taco.row_bytes))
     copies(16, (taco.row_bytes, b), " again")   # drift: the copies varied between sessions
+    # 16-byte-aligned wire rows (codecs' row_align=16, 272 bytes) against the default,
+    # compress and decompress side by side
+    padded = codecs.get("taco", row_align=16)
+    for c in (taco, padded):
+        runs.append((f"compress taco row={c.row_bytes}B", lambda v, c=c: compress.compress(
+            v, c, default, INTERP), c.row_bytes))
+    for c in (taco, padded):
+        w = compress.compress(x, c, default, INTERP)
+        runs.append((f"decompress taco row={c.row_bytes}B", lambda v, c=c: decompress.decompress(
+            v, c, jnp.bfloat16, default, INTERP), c.row_bytes, w))
     rows = []
-    for label, fn, rb in runs:
+    for label, fn, rb, *arg in runs:
         try:
-            us = time_loop(fn, x)
+            us = time_loop(fn, arg[0] if arg else x)
             gbs = (n * 2 + nb * rb) / us / 1e3
             rows.append({"stage": label, "us": round(us, 1), "effective_gbs": round(gbs, 1),
                          "fraction_of_roofline": round(gbs / roof, 3)})
