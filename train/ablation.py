@@ -93,6 +93,9 @@ def _commit() -> str | None:
         return None
 
 
+COMMIT = [None]   # the code this driver runs: git HEAD (or GIT_COMMIT) when it started
+
+
 class _Budget:
     """SIGTERM to this process after `seconds` (train.run then checkpoints and returns)."""
 
@@ -192,7 +195,7 @@ def _curve(run_dir: Path) -> dict:
 
 
 def _record(var: dict, s: dict, run_dir: Path) -> dict:
-    return {**_base(var, run_dir), "commit": _commit(), "final_val_loss": s["final_val_loss"],
+    return {**_base(var, run_dir), "commit": COMMIT[0], "final_val_loss": s["final_val_loss"],
             "final_train_loss": s["final_train_loss"], "steps": s["step"],
             "step_time_s": s["step_time_s"], "platform": s["platform"],
             "curve": _curve(run_dir)}
@@ -223,7 +226,7 @@ def finish(records: dict, args, order: list[str]) -> dict:
     if noise is not None:
         print(f"noise floor (none, another seed): {noise:+.2f}%")
     import jax
-    out = {"device": _device(), "jax": jax.__version__, "commit": _commit(),
+    out = {"device": _device(), "jax": jax.__version__, "commit": COMMIT[0] or _commit(),
            "preset": args.preset_name,
            "steps": args.steps, "tp": args.tp, "min_bytes": 0, "seed": args.seed,
            "noise_floor_pct": noise, "rows": rows}
@@ -299,6 +302,7 @@ def main(argv=None) -> dict:
     p.add_argument("--budget-s", type=float, default=0, help="stop cleanly after S seconds")
     p.add_argument("--progress", action="store_true", help="tqdm bar per run")
     args = p.parse_args(argv)
+    COMMIT[0] = _commit()
 
     cfg0 = config_lib.load_config(args.config, args.set)
     setup_backend(cfg0)   # before anything starts JAX (the table asks for the device name)
