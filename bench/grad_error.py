@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from bench.common import env_facts, print_table, write_json  # noqa: E402
-from train import config as config_lib  # noqa: E402
+from train import ablation, config as config_lib  # noqa: E402
 from train.checkpoint import Checkpointer  # noqa: E402
 from train.data import Batches, load_corpus  # noqa: E402
 from train.loop import build, build_mesh, setup_backend  # noqa: E402
@@ -36,20 +36,15 @@ DEFAULT = ["exact", "echo4", "echo4+feedback", "fwd:echo4", "fwd:echo4+feedback"
 
 
 def overrides(variant: str) -> list[str]:
-    """'bwd:echo4+feedback' -> config overrides."""
+    """'bwd:echo4+feedback' -> config overrides (the variant grammar of train.ablation;
+    here +feedback means every compressing site, the backward ones included)."""
     if variant == "exact":
         return ["codec=none", "model.feedback=false"]
-    body, _, fb = variant.partition("+")
-    if fb not in ("", "feedback"):
-        raise ValueError(f"variant {variant!r}: only '+feedback' may follow the codec")
-    way, _, codec = body.rpartition(":")
-    if way not in ("", "fwd", "bwd"):
-        raise ValueError(f"variant {variant!r}: direction must be fwd: or bwd:")
-    fwd = codec if way in ("", "fwd") else "none"
-    bwd = codec if way in ("", "bwd") else "none"
-    on = str(bool(fb)).lower()    # +feedback: at every compressing site, both directions
+    var = ablation.parse_variant(variant, 0)
+    fwd, bwd = ablation.codec_pair(var)
+    on = str(var["feedback"]).lower()
     return [f"model.codec_fwd={fwd}", f"model.codec_bwd={bwd}", f"model.feedback={on}",
-            f"model.feedback_bwd={'true' if fb and bwd != 'none' else 'false'}",
+            f"model.feedback_bwd={'true' if var['feedback'] and bwd != 'none' else 'false'}",
             "model.min_bytes=0"]
 
 

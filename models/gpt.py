@@ -77,7 +77,7 @@ class GPTConfig:
 
     def compresses(self, name: str) -> bool:
         """Whether codec `name` ("codec_fwd" / "codec_bwd") changes the values it sums."""
-        return not getattr(taco_jax.codecs.get(getattr(self, name)), "is_identity", False)
+        return not is_exact(getattr(self, name))
 
     def attention_impl(self, dt) -> str:
         """auto: cuDNN's fused attention on GPU in 16-bit (its supported case), else XLA's."""
@@ -248,6 +248,11 @@ class MLP(_TPSublayer, nnx.Module):
         return h @ self.down_kernel[...].astype(dt)  # partial sum over the hidden shards
 
 
+def is_exact(codec: str) -> bool:
+    """Does this codec pass values through unchanged (no error to feed back)?"""
+    return getattr(taco_jax.codecs.get(codec), "is_identity", False)
+
+
 def f_site(x, ln, cfg: GPTConfig, state, codec: str | None = None):
     """LayerNorm + Megatron f with error feedback -> (ln(x) varying over "tp", state).
     Identity forward; backward, the all-reduce of the cotangent (codec_bwd) subtracts the
@@ -258,8 +263,7 @@ def f_site(x, ln, cfg: GPTConfig, state, codec: str | None = None):
     state passes through. codec: this site's codec (default codec_bwd; the LM head passes
     model.head_codec); an exact one also means plain pvary."""
     codec = codec or cfg.codec_bwd
-    exact = getattr(taco_jax.codecs.get(codec), "is_identity", False)
-    if not cfg.bwd_feedback or exact:
+    if not cfg.bwd_feedback or is_exact(codec):
         return taco_jax.pvary(ln(x), TP, codec=codec, **cfg.comm), state
     u, state = taco_jax.feedback.pvary_with_feedback(x, TP, state, codec=codec, **cfg.comm)
     return ln(u), state

@@ -93,9 +93,6 @@ def _commit() -> str | None:
         return None
 
 
-COMMIT = [None]   # the code this driver runs: git HEAD (or GIT_COMMIT) when it started
-
-
 class _Budget:
     """SIGTERM to this process after `seconds` (train.run then checkpoints and returns)."""
 
@@ -133,18 +130,22 @@ def run_dir_of(out_dir, name: str) -> Path:
     return Path(out_dir) / name.replace("/", "__")
 
 
+def codec_pair(var: dict) -> tuple[str, str]:
+    """(forward codec, backward codec) of a parsed variant."""
+    fwd, _, bwd = var["codec"].partition("/")     # "taco/taco-int8": forward / backward
+    bwd = bwd or fwd
+    return (fwd if var["direction"] != "bwd" else "none",
+            bwd if var["direction"] != "fwd" else "none")
+
+
 def variant_overrides(var: dict, tp: int, steps: int, run_dir, progress: bool,
                       extra=()) -> list[str]:
     """Config overrides of one variant: every all-reduce compressed (min_bytes 0)."""
-    fwd, _, bwd = var["codec"].partition("/")     # "taco/taco-int8": forward / backward
-    codec = [f"codec={fwd}"] if not bwd else [f"model.codec_fwd={fwd}", f"model.codec_bwd={bwd}"]
-    overrides = [*codec, "model.min_bytes=0", f"parallel.tp={tp}",
-                 f"train.steps={steps}", f"train.seed={var['seed']}",
+    fwd, bwd = codec_pair(var)
+    overrides = [f"model.codec_fwd={fwd}", f"model.codec_bwd={bwd}", "model.min_bytes=0",
+                 f"parallel.tp={tp}", f"train.steps={steps}", f"train.seed={var['seed']}",
                  f"train.run_dir={run_dir}", f"train.progress={str(progress).lower()}",
                  *extra]
-    if var["direction"] != "both":   # after codec=: the other direction stays exact
-        other = "bwd" if var["direction"] == "fwd" else "fwd"
-        overrides.append(f"model.codec_{other}=none")
     if var["feedback"]:
         overrides.append("model.feedback=true")
     return overrides
@@ -159,7 +160,7 @@ def run_variant(var: dict, args, budget: _Budget) -> dict | None:
     if summary_f.exists():
         s = json.loads(summary_f.read_text())
         if not s["interrupted"] and s["step"] >= args.steps:
-            return _record(var, s, run_dir)
+            return _record(var, s, run_dir, args.commit)
     overrides = variant_overrides(var, args.tp, args.steps, run_dir, args.progress, args.set)
     cfg = config_lib.load_config(args.config, overrides)
     resume = (run_dir / "ckpt").exists()
@@ -177,7 +178,7 @@ def run_variant(var: dict, args, budget: _Budget) -> dict | None:
         budget.disarm()
     if s["interrupted"]:
         return None
-    return _record(var, s, run_dir)
+    return _record(var, s, run_dir, args.commit)
 
 
 def _base(var: dict, run_dir: Path) -> dict:
@@ -194,8 +195,9 @@ def _curve(run_dir: Path) -> dict:
             "val_loss": [round(r["val_loss"], 5) for r in rows if "val_loss" in r]}
 
 
-def _record(var: dict, s: dict, run_dir: Path) -> dict:
-    return {**_base(var, run_dir), "commit": COMMIT[0], "final_val_loss": s["final_val_loss"],
+def _record(var: dict, s: dict, run_dir: Path, commit: str | None) -> dict:
+    """commit: the code the driver runs (taken at its start, not when the run ends)."""
+    return {**_base(var, run_dir), "commit": commit, "final_val_loss": s["final_val_loss"],
             "final_train_loss": s["final_train_loss"], "steps": s["step"],
             "step_time_s": s["step_time_s"], "platform": s["platform"],
             "curve": _curve(run_dir)}
@@ -226,7 +228,7 @@ def finish(records: dict, args, order: list[str]) -> dict:
     if noise is not None:
         print(f"noise floor (none, another seed): {noise:+.2f}%")
     import jax
-    out = {"device": _device(), "jax": jax.__version__, "commit": COMMIT[0] or _commit(),
+    out = {"device": _device(), "jax": jax.__version__, "commit": args.commit,
            "preset": args.preset_name,
            "steps": args.steps, "tp": args.tp, "min_bytes": 0, "seed": args.seed,
            "noise_floor_pct": noise, "rows": rows}
@@ -302,7 +304,7 @@ def main(argv=None) -> dict:
     p.add_argument("--budget-s", type=float, default=0, help="stop cleanly after S seconds")
     p.add_argument("--progress", action="store_true", help="tqdm bar per run")
     args = p.parse_args(argv)
-    COMMIT[0] = _commit()
+    args.commit = _commit()   # the code this driver runs
 
     cfg0 = config_lib.load_config(args.config, args.set)
     setup_backend(cfg0)   # before anything starts JAX (the table asks for the device name)
