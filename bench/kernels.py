@@ -29,6 +29,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from bench.common import env_facts, print_table, time_loop, write_json  # noqa: E402
 from taco_jax import codecs  # noqa: E402
 from taco_jax.ops import common, compress, decompress, reduce  # noqa: E402
+from bench import split_layout  # noqa: E402
 
 MIB = 1 << 20
 INTERP = jax.default_backend() != "gpu"   # CPU smoke runs use the Pallas interpreter
@@ -116,7 +117,19 @@ def stage_rows(n: int, roof: float) -> list[dict]:
         w = compress.compress(x, c, default, INTERP)
         runs.append((f"decompress taco row={c.row_bytes}B", lambda v, c=c: decompress.decompress(
             v, c, jnp.bfloat16, default, INTERP), c.row_bytes, w))
-    rows = []
+    # split wire layout (bench/split_layout.py): all codes, then all scales, same bytes
+    flat = split_layout.compress_split(x, taco, default, INTERP)
+    split_ok = bool(jnp.all(split_layout.to_rows(flat, taco, nb)
+                            == compress.compress(x, taco, default, INTERP)))
+    print("split layout matches the default compress:", split_ok, flush=True)
+    runs.append(("compress taco split layout", lambda v: split_layout.compress_split(
+        v, taco, default, INTERP), taco.row_bytes))
+    runs.append(("decompress taco split layout", lambda v: split_layout.decompress_split(
+        v, taco, nb, jnp.bfloat16, default, INTERP), taco.row_bytes, flat))
+    for label, c in (("compress taco row=264B again", taco),):
+        runs.append((label, lambda v, c=c: compress.compress(v, c, default, INTERP),
+                     c.row_bytes))
+    rows = [{"stage": "split layout matches default compress", "ok": split_ok}]
     for label, fn, rb, *arg in runs:
         try:
             us = time_loop(fn, arg[0] if arg else x)
