@@ -12,13 +12,15 @@
 #   train        bench/profile.py train (step breakdown) + bench/train_step.py (issue 6)
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
 #   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
-#   ncu_src      Nsight Compute --set full with source correlation on compress (taco, 256 MiB):
-#                the report and its per-SASS-line CSV come back gzipped (which instructions
-#                the issue-bound kernel spends its slots on)
+#   ncu_src      Nsight Compute --set full with source correlation on compress (taco, 256 MiB),
+#                the default kernel and fast_rowmath: reports and per-SASS-line CSVs come back
+#                gzipped, summarized side by side by bench/ncu_source.py into
+#                bench/results/ncu_src.json (which instructions the issue-bound kernel spends
+#                its slots on)
 #   ablation     python -m train.ablation v2 (issue 7; docs/fidelity.md): `small`, 2000 steps,
 #                a 200 MB stdlib + site-packages corpus; ABL_VARIANTS (default below),
 #                ABL_BUDGET seconds (default 520; the driver stops cleanly, re-run resumes:
-#                finished rows come back in the JSON); ABL_NAME (default ablation_v2) names
+#                finished rows come back in the JSON); ABL_NAME (default ablation: the complete table) names
 #                the JSON bench/results/$ABL_NAME.json, the plot docs/$ABL_NAME.png and the
 #                run dirs runs/$ABL_NAME; ABL_SET: extra config overrides for every variant
 set -u
@@ -61,19 +63,25 @@ for s in "$@"; do
              --section LaunchStats --section ComputeWorkloadAnalysis \
              python bench/one_kernel.py "$1" "$2"
          done ;;
-    ncu_src) step ncu_src 200 ncu --set full --import-source yes -k regex:taco_compress -c 1 \
-               -f -o /tmp/ncu_compress python bench/one_kernel.py compress taco
-             { ncu -i /tmp/ncu_compress.ncu-rep --page source --csv --print-source sass ||
-               ncu -i /tmp/ncu_compress.ncu-rep --page source --csv; } 2>&1 \
-               | gzip > "$OUT/ncu_src_compress.csv.gz"
-             gzip -c /tmp/ncu_compress.ncu-rep > "$OUT/ncu_compress.ncu-rep.gz" ;;
+    ncu_src) for v in default fast; do   # the default kernel and fast_rowmath
+               flag=; [ $v = fast ] && flag=--fast-rowmath
+               step "ncu_src_$v" 150 ncu --set full --import-source yes -k regex:taco_compress \
+                 -c 1 -f -o "/tmp/ncu_compress_$v" python bench/one_kernel.py compress taco $flag
+               ncu -i "/tmp/ncu_compress_$v.ncu-rep" --page source --csv --print-source sass \
+                 2>&1 | gzip > "$OUT/ncu_src_compress_$v.csv.gz"
+               gzip -c "/tmp/ncu_compress_$v.ncu-rep" > "$OUT/ncu_compress_$v.ncu-rep.gz"
+             done
+             python bench/ncu_source.py "$OUT"/ncu_src_compress_{default,fast}.csv.gz \
+               --label default fast_rowmath --out bench/results/ncu_src.json \
+               > "$OUT/ncu_source.log" 2>&1 ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m train.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
-                --out-dir "runs/${ABL_NAME:-ablation2}" \
-                --json "bench/results/${ABL_NAME:-ablation_v2}.json" \
-                --plot "docs/${ABL_NAME:-ablation_v2}.png" \
-                --variants ${ABL_VARIANTS:-none taco taco+feedback echo4+feedback none@seed1 \
-                           taco@seed1 echo4 none@seed2} \
+                --out-dir "runs/${ABL_NAME:-ablation}" \
+                --json "bench/results/${ABL_NAME:-ablation}.json" \
+                --plot "docs/${ABL_NAME:-ablation}.png" \
+                --variants ${ABL_VARIANTS:-none@seed2 taco@seed2 fwd:taco@seed2 \
+                           hadamard-fp8@seed1 hadamard-fp8@seed2 bwd:taco@seed1 \
+                           taco-int8@seed1 none@seed3 taco@seed3} \
                 --set train.progress=false train.ckpt_every=0 train.eval_every=250 \
                       train.eval_batches=32 "data.paths=[python:stdlib, python:site-packages]" \
                       data.max_mb=200 data.shuffle_files=true ${ABL_SET:-} ;;

@@ -8,15 +8,15 @@ effective bytes of a kernel = bytes it reads + bytes it writes. Writes
 bench/results/kernels.json. --check compares every kernel with its jnp reference on this
 device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice);
 --stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
-copy with the same tiling and wire layout (the plumbing's ceiling; also with rows padded to
-16-byte alignment, and codes only, to see what the 264-byte rows cost; then compress and
-decompress with the padded rows, codecs' row_align=16), no transform
-(block-fp8), Hadamard without α (taco-1scale), full taco, and other tilings beside the
-default.
+copy with the same tiling and wire layout (the plumbing's ceiling; also codes only), no
+transform (block-fp8), Hadamard without α (taco-1scale); then compress, decompress and
+reduce with KernelConfig(fast_rowmath=True) beside the defaults, twice (A B A B).
+--check also checks the fast_rowmath kernels against the references.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import sys
@@ -29,7 +29,6 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from bench.common import env_facts, print_table, time_loop, write_json  # noqa: E402
 from taco_jax import codecs  # noqa: E402
 from taco_jax.ops import common, compress, decompress, reduce  # noqa: E402
-from bench import split_layout  # noqa: E402
 
 MIB = 1 << 20
 INTERP = jax.default_backend() != "gpu"   # CPU smoke runs use the Pallas interpreter
@@ -84,52 +83,34 @@ def copy_kernel(x, row_bytes, cfg):
 
 
 def stage_rows(n: int, roof: float) -> list[dict]:
-    """Compress with parts of its work taken away, same input (n bf16 elements)."""
+    """Compress with parts of its work taken away, and the fast_rowmath kernels beside the
+    default ones, interleaved (A B A B) so drift shows. Same input (n bf16 elements)."""
     taco = codecs.get("taco")
     b, nb = taco.block_size, n // taco.block_size
     x = (jax.random.normal(jax.random.key(0), (nb, b), jnp.float32) * 0.02).astype(jnp.bfloat16)
     default = common.KernelConfig.default(b)
+    fast = dataclasses.replace(default, fast_rowmath=True)
+    w = compress.compress(x, taco, default, INTERP)
+    recv = jnp.stack([w, w])
     runs = []
-    def copies(tm, widths, tag=""):
-        cfg = common.KernelConfig(tm)
-        for rb in widths:
-            runs.append((f"copy tm={tm} row={rb}B{tag}", lambda v, rb=rb, cfg=cfg:
-                         copy_kernel(v, rb, cfg), rb))
-    # the wire row (264 B: 8-byte aligned), the same padded to 16-byte alignment, codes only
-    copies(16, (taco.row_bytes, -(-taco.row_bytes // 16) * 16, b))
-    copies(32, (taco.row_bytes, b))
-    for name in ("block-fp8", "taco-1scale", "taco"):
+    for rb in (taco.row_bytes, b):   # the plumbing's ceiling: the wire row, codes only
+        runs.append((f"copy tm={default.blocks_per_program} row={rb}B",
+                     lambda v, rb=rb: copy_kernel(v, rb, default), rb))
+    for name in ("block-fp8", "taco-1scale"):
         c = codecs.get(name)
         runs.append((f"compress {name}", lambda v, c=c: compress.compress(v, c, default,
                                                                            INTERP), c.row_bytes))
-    for tm, warps in ((32, 4), (32, 8), (8, 4)):
-        cfg = common.KernelConfig(tm, warps)
-        runs.append((f"compress taco tm={tm} w={warps}", lambda v, cfg=cfg:
-                     compress.compress(v, taco, cfg, INTERP), taco.row_bytes))
-    copies(16, (taco.row_bytes, b), " again")   # drift: the copies varied between sessions
-    # 16-byte-aligned wire rows (codecs' row_align=16, 272 bytes) against the default,
-    # compress and decompress side by side
-    padded = codecs.get("taco", row_align=16)
-    for c in (taco, padded):
-        runs.append((f"compress taco row={c.row_bytes}B", lambda v, c=c: compress.compress(
-            v, c, default, INTERP), c.row_bytes))
-    for c in (taco, padded):
-        w = compress.compress(x, c, default, INTERP)
-        runs.append((f"decompress taco row={c.row_bytes}B", lambda v, c=c: decompress.decompress(
-            v, c, jnp.bfloat16, default, INTERP), c.row_bytes, w))
-    # split wire layout (bench/split_layout.py): all codes, then all scales, same bytes
-    flat = split_layout.compress_split(x, taco, default, INTERP)
-    split_ok = bool(jnp.all(split_layout.to_rows(flat, taco, nb)
-                            == compress.compress(x, taco, default, INTERP)))
-    print("split layout matches the default compress:", split_ok, flush=True)
-    runs.append(("compress taco split layout", lambda v: split_layout.compress_split(
-        v, taco, default, INTERP), taco.row_bytes))
-    runs.append(("decompress taco split layout", lambda v: split_layout.decompress_split(
-        v, taco, nb, jnp.bfloat16, default, INTERP), taco.row_bytes, flat))
-    for label, c in (("compress taco row=264B again", taco),):
-        runs.append((label, lambda v, c=c: compress.compress(v, c, default, INTERP),
-                     c.row_bytes))
-    rows = [{"stage": "split layout matches default compress", "ok": split_ok}]
+    for again in ("", " again"):
+        for tag, cfg in (("", default), (" fast_rowmath", fast)):
+            runs.append((f"compress taco{tag}{again}", lambda v, cfg=cfg: compress.compress(
+                v, taco, cfg, INTERP), taco.row_bytes))
+            runs.append((f"decompress taco{tag}{again}", lambda v, cfg=cfg:
+                         decompress.decompress(v, taco, jnp.bfloat16, cfg, INTERP),
+                         taco.row_bytes, w))
+            # reduce reads 2 wire rows + the bf16 input, writes one wire row
+            runs.append((f"reduce taco{tag}{again}", lambda v, cfg=cfg: reduce.reduce(
+                v, x, jnp.int32(0), taco, cfg, INTERP), 3 * taco.row_bytes, recv))
+    rows = []
     for label, fn, rb, *arg in runs:
         try:
             us = time_loop(fn, arg[0] if arg else x)
@@ -145,27 +126,31 @@ def stage_rows(n: int, roof: float) -> list[dict]:
 def check(out_rows):
     """Kernel vs jnp reference on this device: code agreement and decoded error."""
     rng = np.random.default_rng(0)
-    for name, b, dtype in itertools.product(
-            ["taco", "taco-1scale", "taco-e5m2", "taco-int8", "block-fp8"],
-            [32, 64, 128, 256, 512], [jnp.bfloat16, jnp.float32, jnp.float16]):
-        if name != "taco" and (b != 256 or dtype != jnp.bfloat16):
-            continue
+    cases = [(n, b, d, False) for n, b, d in itertools.product(
+        ["taco", "taco-1scale", "taco-e5m2", "taco-int8", "block-fp8"],
+        [32, 64, 128, 256, 512], [jnp.bfloat16, jnp.float32, jnp.float16])
+        if n == "taco" or (b == 256 and d == jnp.bfloat16)]
+    cases += [("taco", b, d, True) for b in (32, 256) for d in (jnp.bfloat16, jnp.float32)]
+    for name, b, dtype, fast in cases:
         c = codecs.get(name, block_size=b)
+        cfg = dataclasses.replace(common.KernelConfig.default(b), fast_rowmath=fast)
         x = rng.standard_t(3, size=(4099, b)).astype(np.float32) * 0.01
         x[7, 3] = np.nan
         x[11, 0] = np.inf
         x = jnp.asarray(x).astype(dtype)
-        wk, wr = compress.compress(x, c, interpret=INTERP), compress.compress_reference(x, c)
+        wk = compress.compress(x, c, cfg, interpret=INTERP)
+        wr = compress.compress_reference(x, c)
         codes_k, codes_r = np.asarray(wk[:, :b]), np.asarray(wr[:, :b])
-        dk = np.asarray(decompress.decompress(wr, c, interpret=INTERP), np.float64)
+        dk = np.asarray(decompress.decompress(wr, c, cfg=cfg, interpret=INTERP), np.float64)
         dr = np.asarray(decompress.decompress_reference(wr, c), np.float64)
         fin = np.isfinite(dr)
         recv = jnp.stack([wr, wr])
-        rk = np.asarray(decompress.decompress_reference(reduce.reduce(recv, x, jnp.int32(1), c, interpret=INTERP), c))
+        rk = np.asarray(decompress.decompress_reference(
+            reduce.reduce(recv, x, jnp.int32(1), c, cfg, interpret=INTERP), c))
         rr = np.asarray(decompress.decompress_reference(reduce.reduce_reference(recv, x, 1, c), c))
         rfin = np.isfinite(rr)
         out_rows.append({
-            "codec": name, "block": b, "dtype": jnp.dtype(dtype).name,
+            "codec": name, "block": b, "dtype": jnp.dtype(dtype).name, "fast_rowmath": fast,
             "codes_differ_frac": float(np.mean(codes_k != codes_r)),
             "decode_max_rel": float(np.max(np.abs(dk[fin] - dr[fin])) / np.max(np.abs(dr[fin]))),
             "nan_rows_match": bool(np.array_equal(np.isnan(dk).any(1), np.isnan(dr).any(1))),

@@ -152,6 +152,31 @@ def test_ablation_smoke(tmp_path, capsys):
                                                             for r in out["rows"]]
 
 
+def _row(variant, loss, seed=None):
+    from train.ablation import parse_variant
+    v = parse_variant(variant, 0)
+    return {"variant": variant, "codec": v["codec"], "feedback": v["feedback"],
+            "seed": v["seed"] if seed is None else seed, "final_val_loss": loss}
+
+
+def test_ablation_paired_summary():
+    """Each configuration is compared with the none run of its own seed; the plain "none"
+    is the baseline even when its rerun none@seed0 comes first; diverged runs are left out."""
+    from train.ablation import paired_summary, seed_baselines
+    rows = [_row("none@seed0", 2.2), _row("none", 2.0), _row("none@seed1", 4.0),
+            _row("taco", 2.02), _row("taco@seed1", 3.96), _row("fp8", float("nan")),
+            _row("echo4+feedback", 2.1)]
+    assert seed_baselines(rows)[0]["variant"] == "none"
+    got = {e["config"]: e for e in paired_summary(rows)}
+    assert set(got) == {"none", "taco", "echo4+feedback"}
+    t = got["taco"]
+    assert t["seeds"] == [0, 1] and t["runs"] == ["taco", "taco@seed1"]
+    assert np.allclose(t["paired_pct"], [1.0, -1.0]) and abs(t["mean_pct"]) < 1e-9
+    assert np.isclose(t["spread_pct"], 2.0)
+    assert np.allclose(got["none"]["paired_pct"], [10.0])      # the rerun's noise
+    assert got["echo4+feedback"]["spread_pct"] is None
+
+
 def test_ablation_variant_parsing():
     from train.ablation import VARIANTS, parse_variant
     assert parse_variant("echo4+feedback", 0) == {"name": "echo4+feedback", "codec": "echo4",

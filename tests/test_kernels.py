@@ -168,6 +168,35 @@ def test_imprecise_config():
     assert nt.block_rel_max(got[ok], want[ok]) <= 1e-2
 
 
+@pytest.mark.parametrize("name,b,dt", [("taco", 256, "f32"), ("taco", 256, "bf16"),
+                                      ("taco-int8", 64, "f16")], ids=case_id)
+def test_fast_rowmath_matches_reference(name, b, dt):
+    """KernelConfig(fast_rowmath=True): α from rsqrt, the code multiplier and decode's s/α
+    from a reciprocal. Same tolerances against the reference as the default kernels (on
+    CPU the interpreter runs lax.rsqrt and a division; on GPU the ≤ 2-ulp MUFU ops), NaN
+    and Inf rows included; decode and the reduce agree with their references too."""
+    c = codecs.get(name, block_size=b)
+    cfg = common.KernelConfig.default(b)
+    fast = common.KernelConfig(blocks_per_program=cfg.blocks_per_program, fast_rowmath=True)
+    x = jnp.asarray(kernel_rows(n_rows_for(b), b, dt)).astype(DTYPES[dt])
+    w_ref = compress.compress_reference(x, c)
+    w = np.asarray(compress.compress(x, c, cfg=fast, interpret=INTERPRET))
+    compare_wires(name, b, w, np.asarray(w_ref), f64(x), coarse(dt, b))
+    got = f64(decompress.decompress(w_ref, c, jnp.float32, cfg=fast, interpret=INTERPRET))
+    want = f64(decompress.decompress_reference(w_ref, c))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want).any(axis=1)
+    assert nt.block_rel_max(got[ok], want[ok]) <= 1e-6
+    recv = jnp.stack([w_ref, w_ref])
+    r = reduce.reduce(recv, x, jnp.int32(1), c, cfg=fast, interpret=INTERPRET)
+    rr = reduce.reduce_reference(recv, x, 1, c)
+    dr = f64(decompress.decompress_reference(r, c))
+    drr = f64(decompress.decompress_reference(rr, c))
+    np.testing.assert_array_equal(np.isnan(dr), np.isnan(drr))
+    fin = np.isfinite(drr).all(axis=1)
+    assert nt.rel_l2(dr[fin], drr[fin]) <= (3e-2 if coarse(dt, b) else 1e-3)
+
+
 def test_tiles_per_program_is_bit_identical():
     """A loop over tiles inside a program computes exactly what one tile per program does."""
     c = codecs.get("taco-int8", block_size=128)
@@ -405,3 +434,16 @@ def test_lowers_to_triton_configs(h200, kernel, b):
                     (jnp.bfloat16, common.KernelConfig(blocks_per_program=16,
                                                        tiles_per_program=4))]:
         assert_one_triton_call(lower_kernel(kernel, c, dt, cfg), kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fast_rowmath_lowers_to_ptx_approximations(h200, kernel):
+    """fast_rowmath's inline PTX reaches the Triton module (and the default has none)."""
+    c = codecs.get("taco", block_size=256)
+    text = lower_kernel(kernel, c, jnp.bfloat16, common.KernelConfig(fast_rowmath=True))
+    assert_one_triton_call(text, kernel)
+    default = lower_kernel(kernel, c, jnp.bfloat16)
+    assert "rcp.approx.ftz.f32" not in default
+    for instr in ("rcp.approx.ftz.f32",) + (("rsqrt.approx.ftz.f32",)
+                                            if kernel != "decompress" else ()):
+        assert instr in text, instr

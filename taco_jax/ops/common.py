@@ -28,16 +28,48 @@ class KernelConfig:
     # >0: at most this many programs, each looping over every max_programs-th tile. Leaves
     # SMs free for NCCL's kernels when compression overlaps communication (chunked psum).
     max_programs: int = 0
+    # Per-block scalar math (α, the code multiplier, decode's s/α) with the GPU's
+    # approximate rsqrt / reciprocal (one MUFU instruction each, ≤ 2 ulp) instead of IEEE
+    # sqrt and division, whose range checks and slow paths are ~30% of compress's SASS
+    # (Nsight Compute source view, docs/results.md). The scales are still exact functions
+    # of what is sent: decode uses the s and α on the wire.
+    fast_rowmath: bool = False
+    interpret: bool = False         # set by resolve(): no inline PTX in the interpreter
 
     @staticmethod
     def default(block_size: int) -> "KernelConfig":
         return KernelConfig(blocks_per_program=max(8, 4096 // block_size))
 
-    def resolve(self, wide: bool) -> "KernelConfig":
-        """Fix `precise` for data that is (wide=True) or is not wider than bf16."""
-        if self.precise is not None:
-            return self
-        return dataclasses.replace(self, precise=wide)
+    def resolve(self, wide: bool, interpret: bool = False) -> "KernelConfig":
+        """Fix `precise` for data that is (wide=True) or is not wider than bf16, and note
+        whether the kernel runs in the Pallas interpreter."""
+        precise = wide if self.precise is None else self.precise
+        return dataclasses.replace(self, precise=precise, interpret=interpret)
+
+
+def _ptx_unary(instr: str, x):
+    return plgpu.elementwise_inline_asm(
+        f"{instr} $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+
+
+def rcp(x, cfg: KernelConfig):
+    """1/x of f32 (kernel code): IEEE division, or with cfg.fast_rowmath the approximate
+    reciprocal (rcp.approx.ftz.f32: ≤ 1 ulp; inf → 0, 0 → inf, NaN → NaN; the interpreter
+    divides)."""
+    if cfg.fast_rowmath and not cfg.interpret:
+        return _ptx_unary("rcp.approx.ftz.f32", x)
+    return 1.0 / x
+
+
+def rsqrt(x, cfg: KernelConfig):
+    """1/sqrt(x) of f32 ≥ 0 (kernel code): IEEE sqrt + division, or with cfg.fast_rowmath
+    rsqrt.approx.ftz.f32 (≤ 2 ulp; inf → 0; the interpreter uses lax.rsqrt)."""
+    if not cfg.fast_rowmath:
+        return 1.0 / jnp.sqrt(x)
+    if cfg.interpret:
+        return jax.lax.rsqrt(x)
+    return _ptx_unary("rsqrt.approx.ftz.f32", x)
 
 
 def kron_ok(block_size: int) -> bool:

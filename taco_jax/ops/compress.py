@@ -60,11 +60,14 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
     m0 = jnp.max(jnp.abs(z0), axis=1, keepdims=True)
     bad = jnp.isnan(meansq) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
     gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
-    if codec.transform == "ash":
-        gain = quant.alpha_from_meansq(meansq, bad)                 # eqs. 6–7
+    fast = cfg.fast_rowmath
+    if codec.transform == "ash":                                   # eqs. 6–7
+        gain = (quant.alpha_from_inv_sigma(common.rsqrt(meansq + quant.EPS, cfg), bad) if fast
+                else quant.alpha_from_meansq(meansq, bad))
     g = gain * np.float32(np.sqrt(b))
     s = quant.scale(m0 * g, codec.qmax, bad)                       # eq. 9
-    codes = quant.quantize_mult(z0, g / s, codec.qmax, codec.code_dtype, clip=False)  # 8, 10
+    mult = g * common.rcp(s, cfg) if fast else g / s
+    codes = quant.quantize_mult(z0, mult, codec.qmax, codec.code_dtype, clip=False)  # 8, 10
     scales = [s, gain] if codec.transform == "ash" else [s]
     return codes, quant.pack_scales(scales, codec.scale_bytes)
 
@@ -107,7 +110,8 @@ def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None, skip_star
         raise ValueError(f"compress kernel: got {x.shape=} for {codec}")
     if row0 < 0 or n_rows < 0 or row0 + n_rows > x.shape[0]:
         raise ValueError(f"compress: window {row0=} {n_rows=} outside {x.shape[0]} rows")
-    cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=x.dtype != jnp.bfloat16)
+    cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=x.dtype != jnp.bfloat16,
+                                                          interpret=interpret)
     h1, h2 = common.hadamard_operands(b, scaled=True)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                row0=row0, skip_rows=skip_rows)

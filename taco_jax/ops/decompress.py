@@ -20,7 +20,8 @@ def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
     scales = quant.unpack_scales(scale_bytes, codec.n_scales)
     gain = scales[0]                                               # eq. 11: Ẑ = q·s
     if codec.transform == "ash":
-        gain = gain / scales[1]                                    # eq. 13: G' = Ĝ / α
+        gain = (gain * common.rcp(scales[1], cfg) if cfg.fast_rowmath  # eq. 13: G' = Ĝ / α
+                else gain / scales[1])
     if codec.transform == "none":
         return q * gain
     g = common.hadamard_tile(q, h1, h2, block_size=codec.block_size, inverse=True,
@@ -55,7 +56,8 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False, into=
     if row != codec.row_bytes or not codec.has_kernel:
         raise ValueError(f"decompress kernel: got {w.shape=} for {codec}")
     b = codec.block_size
-    cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=out_dtype != jnp.bfloat16)
+    cfg = (cfg or common.KernelConfig.default(b)).resolve(wide=out_dtype != jnp.bfloat16,
+                                                          interpret=interpret)
     h1, h2 = common.hadamard_operands(b)
     rows_out = into.shape[0] if into is not None else (total_rows or row0 + n_rows)
     if row0 < 0 or row0 + n_rows > rows_out:

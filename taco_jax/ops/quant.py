@@ -34,6 +34,11 @@ def alpha_from_meansq(ms, bad):
     return jnp.where(bad, jnp.float32(np.nan), jnp.clip(TAU / sigma, ALPHA_MIN, ALPHA_MAX))
 
 
+def alpha_from_inv_sigma(inv_sigma, bad):
+    """`alpha_from_meansq` given 1/sqrt(mean(x²) + ε) (kernels' approximate rsqrt)."""
+    return jnp.where(bad, jnp.float32(np.nan), jnp.clip(TAU * inv_sigma, ALPHA_MIN, ALPHA_MAX))
+
+
 def nonfinite_rows(x):
     """(rows, B) → (rows, 1) bool: does the block hold NaN or ±Inf?"""
     bad = jnp.where(jnp.abs(x) < jnp.inf, 0.0, 1.0)           # NaN < inf is False

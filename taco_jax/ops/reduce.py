@@ -46,7 +46,7 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
     if row != codec.row_bytes or own.shape[1] != codec.block_size or own.shape[0] < n_rows:
         raise ValueError(f"reduce kernel: got {recv.shape=}, {own.shape=} for {codec}")
     cfg = (cfg or common.KernelConfig.default(codec.block_size)).resolve(
-        wide=own.dtype != jnp.bfloat16)
+        wide=own.dtype != jnp.bfloat16, interpret=interpret)
     h1, h2 = common.hadamard_operands(codec.block_size)
     h1s, h2s = common.hadamard_operands(codec.block_size, scaled=True)
     idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
