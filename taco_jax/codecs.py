@@ -6,7 +6,6 @@ A codec works on blocks of B elements. Its wire format is one uint8 array of sha
 finds the scales by offset). Row layout for TACO (B = 256): bytes [0, 256) FP8 E4M3 codes
 of the Hadamard coefficients in wire order (see `hadamard`), [256, 260) the quantization
 scale s (eq. 9), [260, 264) the adaptive scale α (eq. 7). Single-scale codecs drop α.
-`row_align=16` pads each row with zero bytes to a multiple of 16 (taco: 272 bytes).
 
 Per-tensor-scale baselines ("fp8", "hadamard-fp8") compute one scale over the whole array
 they are given (in a collective: over each device's tensor) and repeat it in every row, so
@@ -66,16 +65,9 @@ class Codec:
     scale_mode: str = "block"       # "block" (per-block absmax, eq. 9) | "tensor"
     fmt: str = "e4m3"               # "e4m3" | "e5m2" | "int8"
     block_size: int = 256           # paper's best B (Table 2)
-    # 0: rows of B + 4·n_scales bytes (264 for taco: 8-byte aligned). 16: rows padded with
-    # zero bytes to a multiple of 16 (272), so each row's codes start 16-byte aligned (wider
-    # vector loads/stores in the kernels) at 3% more bytes on the wire. An experiment: the
-    # default stays 0 until it is measured faster (docs/results.md, "Row width").
-    row_align: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "block_size", hadamard.check_block_size(self.block_size))
-        if self.row_align not in (0, 16):
-            raise ValueError(f"row_align={self.row_align!r} must be 0 (unpadded rows) or 16")
         if self.transform not in TRANSFORMS:
             raise ValueError(f"transform={self.transform!r} must be one of {TRANSFORMS}")
         if self.scale_mode not in SCALE_MODES:
@@ -101,14 +93,8 @@ class Codec:
         return 2 if self.transform == "ash" else 1   # dual scale: (s, α)
 
     @property
-    def scale_bytes(self) -> int:
-        """Bytes after the codes in each row: the fp32 scales, then zero padding."""
-        return self.row_bytes - self.block_size
-
-    @property
     def row_bytes(self) -> int:
-        raw = self.block_size + 4 * self.n_scales
-        return -(-raw // self.row_align) * self.row_align if self.row_align else raw
+        return self.block_size + 4 * self.n_scales
 
     @property
     def has_kernel(self) -> bool:

@@ -206,9 +206,7 @@ def parse_wire(data: np.ndarray, name: str, b: int):
     """Library wire buffer (nb, B + 4·n_scales) uint8 → (code values, s, α or None)."""
     spec = SPECS[name]
     data = np.asarray(data, np.uint8)
-    raw = b + 4 * spec.n_scales
-    assert data.shape[1] in (raw, -(-raw // 16) * 16), data.shape   # row_align 0 or 16
-    assert not data[:, raw:].any(), "padding bytes must be zero"
+    assert data.shape[1] == b + 4 * spec.n_scales, data.shape
     codes = decode_code_bytes(data[:, :b], spec.fmt)
     scales = [np.frombuffer(np.ascontiguousarray(data[:, b + 4 * k: b + 4 * k + 4]).tobytes(),
                             "<f4").astype(np.float64) for k in range(spec.n_scales)]

@@ -110,17 +110,6 @@ def test_replicated_across_devices(p):
     assert rel(y[0], x.astype(np.float64).sum(0)) < CODEC_BOUNDS["taco"]
 
 
-def test_row_align_changes_only_the_wire():
-    """codecs' row_align=16 (rows padded with zeros to 272 bytes): same psum, bit for bit,
-    chunked or not."""
-    x = gauss((4, 7, 333), seed=3)
-    padded = taco_jax.codecs.get("taco", row_align=16)
-    assert padded.row_bytes == 272 and padded.scale_bytes == 16
-    for kw in ({}, {"chunk_bytes": 3072}):
-        assert bits_equal(run(x, 4, tpsum(**kw), vma=False),
-                          run(x, 4, tpsum(padded, **kw), vma=False)), kw
-
-
 @pytest.mark.parametrize("chunk_bytes", [3072, 4096])  # 0: test_replicated_across_devices
 def test_replicated_chunks(chunk_bytes):
     # 7*333 f32 elements over P=4: 3 block-rows per segment; chunk_bytes 4096 → 3 chunks

@@ -52,7 +52,7 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
                      keepdims=True)
         s = quant.scale(m0, codec.qmax, m0 == np.inf)                  # eq. 9
         return (quant.quantize(x, s, codec.qmax, codec.code_dtype),   # eq. 10
-                quant.pack_scales([s], codec.scale_bytes))
+                quant.pack_scales([s]))
     z0 = common.hadamard_tile(x if dot_in is None else dot_in, h1s, h2s, block_size=b,
                               inverse=False, exact_input=exact_input, cfg=cfg,
                               bf16_transpose=True)
@@ -69,7 +69,7 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
     mult = g * common.rcp(s, cfg) if fast else g / s
     codes = quant.quantize_mult(z0, mult, codec.qmax, codec.code_dtype, clip=False)  # 8, 10
     scales = [s, gain] if codec.transform == "ash" else [s]
-    return codes, quant.pack_scales(scales, codec.scale_bytes)
+    return codes, quant.pack_scales(scales)
 
 
 def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_rows, row0,
@@ -137,5 +137,4 @@ def compress_reference(x, codec):
     s = quant.scale(absmax, codec.qmax, bad)                       # eq. 9
     codes = quant.quantize(z, s, codec.qmax, codec.code_dtype)     # eq. 10
     scales = [s, a] if codec.transform == "ash" else [s]
-    return quant.seal(jnp.concatenate([codes, quant.pack_scales(scales, codec.scale_bytes)],
-                                      axis=1))
+    return quant.seal(jnp.concatenate([codes, quant.pack_scales(scales)], axis=1))

@@ -87,18 +87,14 @@ def dequant_codes(codes, code_dtype, dtype=jnp.float32):
     return lax.bitcast_convert_type(codes, code_dtype).astype(dtype)
 
 
-def pack_scales(scales, width: int | None = None):
-    """list of (rows, 1) f32 → (rows, width) uint8 (default 4·len): the scales
-    little-endian like XLA's bitcast, then zero bytes (a padded row, codecs' row_align)."""
+def pack_scales(scales):
+    """list of (rows, 1) f32 → (rows, 4·len) uint8, little-endian like XLA's bitcast."""
     n = len(scales)
-    width = width or 4 * n
-    col = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    col = lax.broadcasted_iota(jnp.int32, (1, 4 * n), 1)
     bits = lax.bitcast_convert_type(scales[0], jnp.int32)
     for k in range(1, n):
         bits = jnp.where(col // 4 == k, lax.bitcast_convert_type(scales[k], jnp.int32), bits)
     byte = lax.shift_right_logical(bits, (col % 4) * 8) & 0xFF
-    if width > 4 * n:
-        byte = jnp.where(col < 4 * n, byte, 0)
     return byte.astype(jnp.uint8)
 
 
