@@ -9,6 +9,7 @@
 #   kernels      bench/kernels.py --check --stages (issue 2; sizes 16–1024 MiB)
 #   psum         bench/profile.py psum (overlap of the two-shot all-reduce; traces kept)
 #   collectives  bench/collectives.py, all sizes, fresh-input ratios, HLO schedule dumped
+#   calibrate    bench/calibrate.py: taco_jax.tuning.calibrate_min_bytes on this machine
 #   train        bench/profile.py train (step breakdown) + bench/train_step.py (issue 6)
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
 #   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
@@ -46,6 +47,7 @@ for s in "$@"; do
             --keep-trace /tmp/traces --out bench/results/profile_psum.json
           tar czf "$OUT/psum_traces.tgz" -C /tmp traces 2>/dev/null
           [ "$(stat -c %s "$OUT/psum_traces.tgz")" -lt 15000000 ] || rm -f "$OUT/psum_traces.tgz" ;;
+    calibrate) step calibrate 200 python bench/calibrate.py ;;
     collectives) step collectives 300 python bench/collectives.py \
                    --dump-hlo /tmp/psum_hlo.txt
                  gzip -c /tmp/psum_hlo.txt > "$OUT/psum_hlo.txt.gz" 2>/dev/null ;;

@@ -32,7 +32,7 @@ from taco_jax.ops.common import KernelConfig
 # taco/lax 1.21 at 16 MiB, 1.11 at 64 MiB, 1.02 at 256 MiB, 0.99 at 1 GiB, so only the
 # largest tensors break even. (The older 128 MiB value came from a loop that charged
 # lax.psum a 127 µs input copy at 256 MiB.) Slower links (PCIe, inter-node) break even far
-# lower: pass min_bytes explicitly there.
+# lower: pass min_bytes explicitly there, e.g. from taco_jax.tuning.calibrate_min_bytes.
 DEFAULT_MIN_BYTES = 512 << 20
 # Chunking (paper: 64 MB chunks) only pays if one chunk's kernels overlap another chunk's
 # collectives. XLA does schedule them asynchronously (all-to-all-start … compress of the
