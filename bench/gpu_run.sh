@@ -23,7 +23,10 @@
 #                ABL_BUDGET seconds (default 520; the driver stops cleanly, re-run resumes:
 #                finished rows come back in the JSON); ABL_NAME (default ablation: the complete table) names
 #                the JSON bench/results/$ABL_NAME.json, the plot docs/$ABL_NAME.png and the
-#                run dirs runs/$ABL_NAME; ABL_SET: extra config overrides for every variant
+#                run dirs runs/$ABL_NAME; ABL_SET: extra config overrides for every variant;
+#                ABL_WORKERS=2: two runs at once on the same GPUs (overlaps one run's compile
+#                and evaluation with another's training; untried on the GPU: compare runs
+#                finished per call with the ~4.4 per 520 s of session 5)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/jaxcache
@@ -78,6 +81,7 @@ for s in "$@"; do
                > "$OUT/ncu_source.log" 2>&1 ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m train.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
+                --workers "${ABL_WORKERS:-1}" \
                 --out-dir "runs/${ABL_NAME:-ablation}" \
                 --json "bench/results/${ABL_NAME:-ablation}.json" \
                 --plot "docs/${ABL_NAME:-ablation}.png" \

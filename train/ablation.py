@@ -3,7 +3,7 @@
     python -m train.ablation [--config small] [--steps 2000] [--tp 2] [--seed 0]
         [--variants none fp8 ... taco+feedback none@seed1] [--set k=v ...]
         [--out-dir runs/ablation-<preset>] [--json bench/results/ablation.json]
-        [--plot docs/ablation.png] [--budget-s 540]
+        [--plot docs/ablation.png] [--budget-s 540] [--workers N]
 
 Every variant trains the same preset, seed, data order and number of steps via `train.run`,
 with every all-reduce compressed (model.min_bytes=0), forward and backward, at TP=2. A
@@ -21,11 +21,17 @@ finishes, a checkpoint is written): for machines that cap a command's time. Re-r
 same command to continue. Rows already in the JSON for variants without a local run dir
 are kept (runs split over several machines).
 
+`--workers N` trains the pending variants in N child drivers at once on the same devices
+(their rows are merged into one JSON); step times are then shared-device times.
+
 Output: a table of final validation loss and degradation vs `none` (the seed-0 baseline),
+the same against the `none` of each row's own seed, summed up per configuration over seeds
+(`paired`), the rerun noise (a second `none` of the same seed),
 `diverged` = NaN or final val loss > 2x none's; the JSON
-{"device", "commit", "preset", "steps", "tp", "noise_floor_pct", "rows": [{"codec",
-"feedback", "seed", "final_val_loss", "degradation_pct", "diverged", ...}]}; one loss-curve
-figure of all runs (train loss, and val loss vs none in %).
+{"device", "commit", "preset", "steps", "tp", "noise_floor_pct", "rerun_noise_pct",
+"paired", "rows": [{"codec", "feedback", "seed", "final_val_loss", "degradation_pct",
+"diverged", ...}]}; one loss-curve figure of all runs (train loss, and val loss vs the none
+of the same seed in %).
 """
 from __future__ import annotations
 
@@ -354,6 +360,69 @@ def plot_curves(rows: list[dict], args) -> Path:
     return out
 
 
+def _finished_here(var: dict, args) -> bool:
+    """Has this variant's run dir a finished (or diverged) run? Those are read back, never
+    trained again."""
+    d = run_dir_of(args.out_dir, var["name"])
+    if (d / "diverged.json").exists():
+        return True
+    f = d / "summary.json"
+    if not f.exists():
+        return False
+    s = json.loads(f.read_text())
+    return not s["interrupted"] and s["step"] >= args.steps
+
+
+def _run_workers(pending: list[dict], records: dict, args, cfg0, order: list[str]) -> dict:
+    """--workers N: the pending variants, dealt round-robin, run in N child drivers at once
+    on the same devices (what one run leaves idle, compiles, evaluations and Python, the
+    others fill). Each child writes its own JSON (a copy of --json to start from); their
+    rows are merged here and the table, JSON and plot written once. Step times measured
+    this way are shared-device times."""
+    import subprocess
+    import tempfile
+    from train.data import load_corpus
+    load_corpus(cfg0.data, cfg0.model.vocab_size)   # tokenize once, before the children
+    n = min(args.workers, len(pending))
+    groups = [pending[i::n] for i in range(n)]
+    tmp = Path(tempfile.mkdtemp(prefix="ablation-workers-"))
+    env = dict(os.environ, GIT_COMMIT=args.commit or "")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / n:.2f}")
+    procs = []
+    for i, group in enumerate(groups):
+        wjson = tmp / f"worker{i}.json"
+        if args.json and Path(args.json).exists():
+            wjson.write_text(Path(args.json).read_text())
+        cmd = [sys.executable, "-m", "train.ablation", "--config", args.config,
+               "--steps", str(args.steps), "--tp", str(args.tp), "--seed", str(args.seed),
+               "--variants", *[v["name"] for v in group], "--out-dir", args.out_dir,
+               "--json", str(wjson), "--plot", "", "--budget-s", str(args.budget_s),
+               "--workers", "1", *(["--progress"] if args.progress else []),
+               *(["--set", *args.set] if args.set else [])]
+        print(f"[ablation] worker {i}: {' '.join(v['name'] for v in group)}", flush=True)
+        procs.append((subprocess.Popen(cmd, env=env), wjson))
+    failed = []
+    for i, (proc, wjson) in enumerate(procs):
+        if proc.wait() != 0:
+            failed.append(f"worker {i} exited with {proc.returncode}")
+        if wjson.exists():
+            for r in json.loads(wjson.read_text())["rows"]:
+                if r["variant"] in {v["name"] for v in groups[i]}:
+                    records[r["variant"]] = {k: v for k, v in r.items()
+                                             if k != "degradation_pct"}
+    args.trained_here = True
+    out = finish(records, args, order)
+    left = [v["name"] for v in pending if v["name"] not in records]
+    if left:
+        print(f"[ablation] not finished: {left}. Re-run the same command to continue.",
+              flush=True)
+        out["unfinished"] = left
+    if failed:
+        raise RuntimeError(f"[ablation] {'; '.join(failed)} (finished rows are saved in "
+                           f"{args.json or 'no JSON'}; its log is above)")
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m train.ablation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -368,7 +437,12 @@ def main(argv=None) -> dict:
     p.add_argument("--plot", default="docs/ablation.png")
     p.add_argument("--budget-s", type=float, default=0, help="stop cleanly after S seconds")
     p.add_argument("--progress", action="store_true", help="tqdm bar per run")
+    p.add_argument("--workers", type=int, default=1,
+                   help="N > 1: train the pending variants in N processes at once, sharing "
+                        "the devices (each gets 0.9/N of GPU memory), and merge their rows")
     args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers={args.workers} must be >= 1")
     args.commit = _commit()   # the code this driver runs
     args.trained_here, args.old_meta = False, None
 
@@ -397,6 +471,12 @@ def main(argv=None) -> dict:
                                              if k not in ("degradation_pct",)}
     order = [v["name"] for v in variants]
     order += [k for k in records if k not in order]
+    pending = [v for v in variants if v["name"] not in records and not _finished_here(v, args)]
+    if args.workers > 1 and len(pending) > 1:
+        for v in variants:     # finished here before: read back, as the loop below would
+            if v["name"] not in records and v not in pending:
+                records[v["name"]] = run_variant(v, args, _Budget(0))
+        return _run_workers(pending, records, args, cfg0, order)
     budget = _Budget(args.budget_s)
     stopped = False
     for var in variants:
