@@ -90,3 +90,37 @@ def test_kernels_stage_copy_kernel():
         w = np.asarray(kernels.copy_kernel(x, row, common.KernelConfig(16)))
         np.testing.assert_array_equal(w[:, :256], want)
         assert w.shape == (37, row) and not w[:, 256:].any()
+
+
+def test_ncu_source_summary(tmp_path):
+    """bench/ncu_source.py on a three-line SASS table: shares per opcode and stall reason,
+    warps from the execution count, memory instructions with their sectors, gzip input."""
+    import gzip
+    from bench import ncu_source
+    hdr = ["Address", "Source", ncu_source.SAMPLES, ncu_source.EXECUTED, "Access Size",
+           "L2 Theoretical Sectors Global", "L2 Theoretical Sectors Global Ideal",
+           "stall_math", "stall_long_sb", "stall_math (Not Issued)"]
+    rows = [["0x0", "  LDG.E.128 R4, desc[UR4][R2.64]", "30", "100", "128", "400", "400",
+             "0", "30", "0"],
+            ["0x10", "  @!P0 FMUL R1, R2, R3", "60", "100", "-", "0", "0", "60", "0", "9"],
+            ["0x20", "  STG.E.64 desc[UR4][R6.64], R8", "10", "100", "64", "110", "100",
+             "10", "0", "0"]]
+    csv_text = '"Kernel Name","taco_compress",\n' + "\n".join(
+        ",".join(f'"{v}"' for v in r) for r in [hdr, *rows]) + "\n"
+    path = tmp_path / "src.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(csv_text)
+    out = ncu_source.main([str(path), "--label", "k", "--out", str(tmp_path / "s.json")])
+    s = out["kernels"][0]
+    assert s["label"] == "k" and s["warps"] == 100 and s["warp_instructions_per_warp"] == 3
+    ops = {o["opcode"]: o for o in s["opcodes"]}
+    assert ops["FMUL"]["stall_share"] == 0.6 and ops["LDG"]["instruction_share"] == 0.3333
+    assert s["stall_reasons"] == {"math": 0.7, "long_sb": 0.3}
+    stg = next(m for m in s["memory_instructions"] if m["sass"].startswith("STG"))
+    assert (stg["l2_sectors"], stg["l2_sectors_ideal"], stg["access_bits"]) == (110, 100, "64")
+    assert s["top_lines"][0]["sass"].startswith("@!P0 FMUL")
+    assert (tmp_path / "s.json").exists()
+    with pytest.raises(ValueError, match="no SASS table"):
+        bad = tmp_path / "bad.csv"
+        bad.write_text("a,b\n1,2\n")
+        ncu_source.read_sass(str(bad))
