@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from bench.common import env_facts, print_table, time_loop, write_json  # noqa: E402
 import taco_jax  # noqa: E402
+from taco_jax import tuning  # noqa: E402
 
 MIB = 1 << 20
 
@@ -46,10 +47,7 @@ def make_fns(mesh, codec, min_bytes, check_vma=True, chunk_bytes=None):
 
 def fresh(lax_fn, taco_fn, x) -> dict:
     """Times on an input computed in the loop (no copy before lax.psum), net of that work."""
-    arg = (x, jnp.ones((), x.dtype))
-    prep = time_loop(lambda a: a[0] * a[1], arg)
-    lax_us = time_loop(lambda a: lax_fn(a[0] * a[1]), arg)
-    taco_us = time_loop(lambda a: taco_fn(a[0] * a[1]), arg)
+    prep, lax_us, taco_us = tuning.fresh_times(lax_fn, taco_fn, x)
     return {"fresh_prep_us": round(prep, 1), "fresh_lax_us": round(lax_us, 1),
             "fresh_taco_us": round(taco_us, 1),
             "fresh_ratio": round((taco_us - prep) / max(lax_us - prep, 1e-9), 3)}

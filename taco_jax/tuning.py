@@ -64,6 +64,16 @@ def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def fresh_times(lax_fn, taco_fn, x, *, timer=time_loop, **timer_kw) -> tuple:
+    """(prep, lax, taco) µs per call on an input computed inside the loop (x · one, `one` a
+    runtime scalar): lax.psum pays no copy of a reused buffer, as in a model. `prep` is that
+    multiply alone; subtract it from the other two."""
+    arg = (x, jnp.ones((), x.dtype))
+    return (timer(lambda a: a[0] * a[1], arg, **timer_kw),
+            timer(lambda a: lax_fn(a[0] * a[1]), arg, **timer_kw),
+            timer(lambda a: taco_fn(a[0] * a[1]), arg, **timer_kw))
+
+
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """rows: one dict per size {"mib", "lax_us", "taco_us", "ratio"} (ratio = taco/lax on
@@ -140,10 +150,8 @@ def calibrate_min_bytes(mesh, axis_name: str, *, codec: str = "taco",
     for mib in sorted(sizes_mib):
         per_dev = max(c.block_size, int(mib * 2**20) // itemsize // c.block_size * c.block_size)
         x = jax.device_put(jnp.ones((p * per_dev,), dtype), NamedSharding(mesh, spec))
-        arg = (x, jnp.ones((), dtype))
-        prep = timer(lambda a: a[0] * a[1], arg, iters=iters, repeats=repeats)
-        lax_us = timer(lambda a: lax_fn(a[0] * a[1]), arg, iters=iters, repeats=repeats)
-        taco_us = timer(lambda a: taco_fn(a[0] * a[1]), arg, iters=iters, repeats=repeats)
+        prep, lax_us, taco_us = fresh_times(lax_fn, taco_fn, x, timer=timer, iters=iters,
+                                            repeats=repeats)
         net_lax, net_taco = lax_us - prep, taco_us - prep
         rows.append({"mib": per_dev * itemsize / 2**20, "lax_us": net_lax, "taco_us": net_taco,
                      "ratio": net_taco / net_lax if net_lax > 0 else math.nan})

@@ -157,8 +157,9 @@ def variant_overrides(var: dict, tp: int, steps: int, run_dir, progress: bool,
     return overrides
 
 
-def run_variant(var: dict, args, budget: _Budget) -> dict | None:
-    """Train one variant (or read it back). -> record, or None if not finished."""
+def read_back(var: dict, args) -> dict | None:
+    """The record of a run that finished (or diverged) in this variant's run dir; None if
+    there is none (not started, or interrupted: to be trained or resumed)."""
     run_dir = run_dir_of(args.out_dir, var["name"])
     summary_f, diverged_f = run_dir / "summary.json", run_dir / "diverged.json"
     if diverged_f.exists():
@@ -167,6 +168,16 @@ def run_variant(var: dict, args, budget: _Budget) -> dict | None:
         s = json.loads(summary_f.read_text())
         if not s["interrupted"] and s["step"] >= args.steps:
             return _record(var, s, run_dir, args.commit)
+    return None
+
+
+def run_variant(var: dict, args, budget: _Budget) -> dict | None:
+    """Train one variant (or read it back). -> record, or None if not finished."""
+    rec = read_back(var, args)
+    if rec is not None:
+        return rec
+    run_dir = run_dir_of(args.out_dir, var["name"])
+    diverged_f = run_dir / "diverged.json"
     overrides = variant_overrides(var, args.tp, args.steps, run_dir, args.progress, args.set)
     cfg = config_lib.load_config(args.config, overrides)
     resume = (run_dir / "ckpt").exists()
@@ -258,7 +269,6 @@ def finish(records: dict, args, order: list[str]) -> dict:
     """Degradation vs none, diverged flags, table, JSON, plot."""
     base = records.get("none")
     b = base["final_val_loss"] if base else None
-    base_row = None
     rows = []
     for name in order:
         r = records.get(name)
@@ -269,8 +279,6 @@ def finish(records: dict, args, order: list[str]) -> dict:
         r = {**r, "degradation_pct": None if (bad or b is None) else 100 * (v - b) / b,
              "diverged": bool(r.get("diverged") or bad or (b is not None and v > 2 * b))}
         rows.append(r)
-        if name == "none":
-            base_row = r
     noise = next((r["degradation_pct"] for r in rows
                   if r["codec"] == "none" and r["seed"] != args.seed), None)
     print(f"\n{'variant':<18}{'val loss':>10}{'vs none %':>11}  diverged")
@@ -288,15 +296,14 @@ def finish(records: dict, args, order: list[str]) -> dict:
             runs = ", ".join(f"{p:+.2f} (seed {s})" for p, s in zip(e["paired_pct"],
                                                                    e["seeds"]))
             print(f"{e['config']:<34}{e['mean_pct']:>+8.2f}  {runs}")
-    rerun = next((100 * (r["final_val_loss"] - b) / b for r in rows
-                  if r["codec"] == "none" and r["seed"] == args.seed and r is not base_row
-                  and b is not None and r["final_val_loss"] is not None), None)
+    rerun = next((p for e in paired if e["config"] == "none"      # a second none, same seed
+                  for p, s in zip(e["paired_pct"], e["seeds"]) if s == args.seed), None)
     if rerun is not None:
         print(f"rerun noise (none again, same seed): {rerun:+.2f}%")
     import jax
     # rows read back from the JSON only (nothing trained here): keep where they ran
-    ran = getattr(args, "trained_here", True) or not getattr(args, "old_meta", None)
-    meta = {"device": _device(), "commit": args.commit} if ran else args.old_meta
+    meta = (args.old_meta if args.old_meta and not args.trained_here
+            else {"device": _device(), "commit": args.commit})
     out = {"device": meta["device"], "jax": jax.__version__, "commit": meta["commit"],
            "preset": args.preset_name,
            "steps": args.steps, "tp": args.tp, "min_bytes": 0, "seed": args.seed,
@@ -358,19 +365,6 @@ def plot_curves(rows: list[dict], args) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def _finished_here(var: dict, args) -> bool:
-    """Has this variant's run dir a finished (or diverged) run? Those are read back, never
-    trained again."""
-    d = run_dir_of(args.out_dir, var["name"])
-    if (d / "diverged.json").exists():
-        return True
-    f = d / "summary.json"
-    if not f.exists():
-        return False
-    s = json.loads(f.read_text())
-    return not s["interrupted"] and s["step"] >= args.steps
 
 
 def _run_workers(pending: list[dict], records: dict, args, cfg0, order: list[str]) -> dict:
@@ -471,12 +465,13 @@ def main(argv=None) -> dict:
                                              if k not in ("degradation_pct",)}
     order = [v["name"] for v in variants]
     order += [k for k in records if k not in order]
-    pending = [v for v in variants if v["name"] not in records and not _finished_here(v, args)]
-    if args.workers > 1 and len(pending) > 1:
+    if args.workers > 1:
         for v in variants:     # finished here before: read back, as the loop below would
-            if v["name"] not in records and v not in pending:
-                records[v["name"]] = run_variant(v, args, _Budget(0))
-        return _run_workers(pending, records, args, cfg0, order)
+            if v["name"] not in records and (rec := read_back(v, args)) is not None:
+                records[v["name"]] = rec
+        pending = [v for v in variants if v["name"] not in records]
+        if len(pending) > 1:
+            return _run_workers(pending, records, args, cfg0, order)
     budget = _Budget(args.budget_s)
     stopped = False
     for var in variants:

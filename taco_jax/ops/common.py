@@ -53,20 +53,18 @@ def _ptx_unary(instr: str, x):
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
 
 
-def rcp(x, cfg: KernelConfig):
-    """1/x of f32 (kernel code): IEEE division, or with cfg.fast_rowmath the approximate
-    reciprocal (rcp.approx.ftz.f32: ≤ 1 ulp; inf → 0, 0 → inf, NaN → NaN; the interpreter
-    divides)."""
+def div(a, b, cfg: KernelConfig):
+    """a / b of f32 (kernel code): IEEE division, or with cfg.fast_rowmath a times the
+    approximate reciprocal of b (rcp.approx.ftz.f32: ≤ 1 ulp; inf → 0, 0 → inf, NaN → NaN;
+    the interpreter divides)."""
     if cfg.fast_rowmath and not cfg.interpret:
-        return _ptx_unary("rcp.approx.ftz.f32", x)
-    return 1.0 / x
+        return a * _ptx_unary("rcp.approx.ftz.f32", b)
+    return a / b
 
 
-def rsqrt(x, cfg: KernelConfig):
-    """1/sqrt(x) of f32 ≥ 0 (kernel code): IEEE sqrt + division, or with cfg.fast_rowmath
-    rsqrt.approx.ftz.f32 (≤ 2 ulp; inf → 0; the interpreter uses lax.rsqrt)."""
-    if not cfg.fast_rowmath:
-        return 1.0 / jnp.sqrt(x)
+def rsqrt_approx(x, cfg: KernelConfig):
+    """1/sqrt(x) of f32 ≥ 0 for fast_rowmath: rsqrt.approx.ftz.f32 (≤ 2 ulp; inf → 0); the
+    interpreter uses lax.rsqrt."""
     if cfg.interpret:
         return jax.lax.rsqrt(x)
     return _ptx_unary("rsqrt.approx.ftz.f32", x)

@@ -60,14 +60,13 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
     m0 = jnp.max(jnp.abs(z0), axis=1, keepdims=True)
     bad = jnp.isnan(meansq) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
     gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
-    fast = cfg.fast_rowmath
     if codec.transform == "ash":                                   # eqs. 6–7
-        gain = (quant.alpha_from_inv_sigma(common.rsqrt(meansq + quant.EPS, cfg), bad) if fast
-                else quant.alpha_from_meansq(meansq, bad))
+        gain = (quant.alpha_clip(quant.TAU * common.rsqrt_approx(meansq + quant.EPS, cfg), bad)
+                if cfg.fast_rowmath else quant.alpha_from_meansq(meansq, bad))
     g = gain * np.float32(np.sqrt(b))
     s = quant.scale(m0 * g, codec.qmax, bad)                       # eq. 9
-    mult = g * common.rcp(s, cfg) if fast else g / s
-    codes = quant.quantize_mult(z0, mult, codec.qmax, codec.code_dtype, clip=False)  # 8, 10
+    codes = quant.quantize_mult(z0, common.div(g, s, cfg), codec.qmax, codec.code_dtype,
+                                clip=False)                        # eqs. 8, 10
     scales = [s, gain] if codec.transform == "ash" else [s]
     return codes, quant.pack_scales(scales)
 

@@ -20,8 +20,7 @@ def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
     scales = quant.unpack_scales(scale_bytes, codec.n_scales)
     gain = scales[0]                                               # eq. 11: Ẑ = q·s
     if codec.transform == "ash":
-        gain = (gain * common.rcp(scales[1], cfg) if cfg.fast_rowmath  # eq. 13: G' = Ĝ / α
-                else gain / scales[1])
+        gain = common.div(gain, scales[1], cfg)                    # eq. 13: G' = Ĝ / α
     if codec.transform == "none":
         return q * gain
     g = common.hadamard_tile(q, h1, h2, block_size=codec.block_size, inverse=True,

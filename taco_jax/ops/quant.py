@@ -30,13 +30,12 @@ def alpha(x, bad):
 
 def alpha_from_meansq(ms, bad):
     """`alpha` from the (rows, 1) mean of squares."""
-    sigma = jnp.sqrt(ms + EPS)
-    return jnp.where(bad, jnp.float32(np.nan), jnp.clip(TAU / sigma, ALPHA_MIN, ALPHA_MAX))
+    return alpha_clip(TAU / jnp.sqrt(ms + EPS), bad)
 
 
-def alpha_from_inv_sigma(inv_sigma, bad):
-    """`alpha_from_meansq` given 1/sqrt(mean(x²) + ε) (kernels' approximate rsqrt)."""
-    return jnp.where(bad, jnp.float32(np.nan), jnp.clip(TAU * inv_sigma, ALPHA_MIN, ALPHA_MAX))
+def alpha_clip(a, bad):
+    """τ/σ → α: clipped to [α_min, α_max], NaN for blocks with non-finite input."""
+    return jnp.where(bad, jnp.float32(np.nan), jnp.clip(a, ALPHA_MIN, ALPHA_MAX))
 
 
 def nonfinite_rows(x):
