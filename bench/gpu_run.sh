@@ -78,6 +78,8 @@ for s in "$@"; do
              done
              python bench/ncu_source.py "$OUT"/ncu_src_compress_{default,fast}.csv.gz \
                --label default fast_rowmath --out bench/results/ncu_src.json \
+               --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+               --jax "$(python -c 'import jax; print(jax.__version__)')" \
                > "$OUT/ncu_source.log" 2>&1 ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m train.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \

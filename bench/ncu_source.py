@@ -17,6 +17,7 @@ import collections
 import csv
 import gzip
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -90,11 +91,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--label", nargs="*", default=None, help="one per CSV (default: file name)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--device", default=None, help="the GPU the CSVs were profiled on")
+    ap.add_argument("--jax", default=None, help="its jax version")
+    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT"),
+                    help="the profiled code (default $GIT_COMMIT)")
     a = ap.parse_args(argv)
     labels = a.label or [Path(p).name.split(".")[0] for p in a.csv]
     if len(labels) != len(a.csv):
         ap.error(f"{len(labels)} labels for {len(a.csv)} CSVs")
-    out = {"kernels": []}
+    out = {"device": a.device, "jax": a.jax, "commit": a.commit, "kernels": []}
     for label, path in zip(labels, a.csv):
         s = {"label": label, "csv": path, **summarize(read_sass(path), a.top)}
         out["kernels"].append(s)
