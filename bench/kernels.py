@@ -110,10 +110,13 @@ def stage_rows(n: int, roof: float) -> list[dict]:
             # reduce reads 2 wire rows + the bf16 input, writes one wire row
             runs.append((f"reduce taco{tag}{again}", lambda v, cfg=cfg: reduce.reduce(
                 v, x, jnp.int32(0), taco, cfg, INTERP), 3 * taco.row_bytes, recv))
-    # fewer registers may move the best tiling: fast_rowmath with 32 blocks per tile
-    wide = dataclasses.replace(fast, blocks_per_program=32)
-    runs.append(("compress taco fast_rowmath tm=32", lambda v: compress.compress(
-        v, taco, wide, INTERP), taco.row_bytes))
+    # fewer registers may move the best tiling: fast_rowmath with 32 blocks per tile, and
+    # 2 warps (below a warpgroup Triton's dots use mma.sync instead of wgmma)
+    for tm, warps in ((32, 4), (16, 2), (8, 2)):
+        cfg = dataclasses.replace(fast, blocks_per_program=tm, num_warps=warps)
+        runs.append((f"compress taco fast_rowmath tm={tm} w={warps}",
+                     lambda v, cfg=cfg: compress.compress(v, taco, cfg, INTERP),
+                     taco.row_bytes))
     rows = []
     for label, fn, rb, *arg in runs:
         try:
