@@ -196,6 +196,10 @@ def test_ablation_paired_summary():
     assert t["seeds"] == [0, 1] and t["runs"] == ["taco", "taco@seed1"]
     assert np.allclose(t["paired_pct"], [1.0, -1.0]) and abs(t["mean_pct"]) < 1e-9
     assert np.isclose(t["spread_pct"], 2.0)
+    # sample sd of (1, -1) is sqrt(2): sem 1; t(0.95, 1 dof) = 6.314
+    assert np.isclose(t["sem_pct"], 1.0)
+    assert np.allclose(t["ci90_pct"], [-6.3138, 6.3138], atol=1e-3)
+    assert got["echo4+feedback"]["sem_pct"] is None and got["echo4+feedback"]["ci90_pct"] is None
     assert np.allclose(got["none"]["paired_pct"], [10.0])      # the rerun's noise
     assert got["echo4+feedback"]["spread_pct"] is None
 

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -244,8 +245,11 @@ def paired_summary(rows: list[dict]) -> list[dict]:
     seeds 0 and 1 1.5% apart. So a configuration's degradation is read as the mean of its
     paired differences (same seed, same data order, same validation windows) over seeds,
     and a repeated `none` (none@seed0 beside none) gives the rerun noise directly.
-    -> [{"config", "runs", "seeds", "paired_pct": [...], "mean_pct", "spread_pct"}];
-    spread_pct is max - min of the paired differences (None for one run)."""
+    -> [{"config", "runs", "seeds", "paired_pct": [...], "mean_pct", "spread_pct",
+    "sem_pct", "ci90_pct"}]; spread_pct is max - min of the paired differences, sem_pct the
+    standard error of their mean (sample standard deviation / sqrt(runs)), ci90_pct the
+    two-sided 90% Student-t interval of the mean [lo, hi], which a target such as
+    "≤ +0.25%" is read against (None for one run)."""
     base = seed_baselines(rows)
     out = {}
     for r in rows:
@@ -261,7 +265,13 @@ def paired_summary(rows: list[dict]) -> list[dict]:
     for e in out.values():
         p = e["paired_pct"]
         e["mean_pct"] = sum(p) / len(p)
-        e["spread_pct"] = max(p) - min(p) if len(p) > 1 else None
+        e["spread_pct"] = e["sem_pct"] = e["ci90_pct"] = None
+        if len(p) > 1:
+            import scipy.stats
+            e["spread_pct"] = max(p) - min(p)
+            e["sem_pct"] = statistics.stdev(p) / math.sqrt(len(p))
+            half = float(scipy.stats.t.ppf(0.95, len(p) - 1)) * e["sem_pct"]
+            e["ci90_pct"] = [e["mean_pct"] - half, e["mean_pct"] + half]
     return list(out.values())
 
 
@@ -291,11 +301,15 @@ def finish(records: dict, args, order: list[str]) -> dict:
         print(f"noise floor (none, another seed): {noise:+.2f}%")
     paired = paired_summary(rows)
     if any(len(e["paired_pct"]) > 1 for e in paired):
-        print(f"\n{'paired vs none of the same seed':<34}{'mean %':>8}  runs")
+        print(f"\n{'paired vs none of the same seed':<34}{'mean %':>8}{'± sem':>7}"
+              f"{'90% CI':>17}  runs")
         for e in paired:
             runs = ", ".join(f"{p:+.2f} (seed {s})" for p, s in zip(e["paired_pct"],
                                                                    e["seeds"]))
-            print(f"{e['config']:<34}{e['mean_pct']:>+8.2f}  {runs}")
+            sem, ci = e["sem_pct"], e["ci90_pct"]
+            print(f"{e['config']:<34}{e['mean_pct']:>+8.2f}"
+                  f"{'' if sem is None else f'{sem:.2f}':>7}"
+                  f"{'' if ci is None else f'[{ci[0]:+.2f}, {ci[1]:+.2f}]':>17}  {runs}")
     rerun = next((p for e in paired if e["config"] == "none"      # a second none, same seed
                   for p, s in zip(e["paired_pct"], e["seeds"]) if s == args.seed), None)
     if rerun is not None:
