@@ -204,6 +204,30 @@ def test_ablation_paired_summary():
     assert got["echo4+feedback"]["spread_pct"] is None
 
 
+def test_ablation_old_records_keep_unrequested_rows(tmp_path):
+    """A second call on the same machine that asks for other variants keeps the rows the
+    first call finished there (their run dirs exist); a requested variant with a run dir
+    here is left to be read back or resumed; another preset's JSON is ignored."""
+    import json
+    import types
+    from train.ablation import old_records, run_dir_of
+    out = tmp_path / "runs"
+    rows = [_row("none", 2.0), _row("taco@seed2", 2.1), _row("fp8", 2.2)]
+    js = tmp_path / "a.json"
+    js.write_text(json.dumps({"preset": "small", "steps": 5, "tp": 2, "device": "d",
+                              "commit": "c", "rows": rows}))
+    for v in ("taco@seed2", "fp8"):            # finished by an earlier call here
+        run_dir_of(str(out), v).mkdir(parents=True)
+    args = types.SimpleNamespace(json=str(js), preset_name="small", steps=5, tp=2,
+                                 out_dir=str(out), old_meta=None)
+    got = old_records(args, requested=["none", "fp8"])
+    assert set(got) == {"none", "taco@seed2"}
+    assert got["taco@seed2"]["final_val_loss"] == 2.1
+    assert args.old_meta == {"device": "d", "commit": "c"}
+    args.steps = 6
+    assert old_records(args, requested=["none"]) == {}
+
+
 def test_ablation_variant_parsing():
     from train.ablation import VARIANTS, parse_variant
     assert parse_variant("echo4+feedback", 0) == {"name": "echo4+feedback", "codec": "echo4",

@@ -172,6 +172,27 @@ def read_back(var: dict, args) -> dict | None:
     return None
 
 
+def old_records(args, requested: list[str]) -> dict:
+    """Rows of args.json (runs finished earlier, here or on other machines) for the same
+    preset, steps and TP, by variant; sets args.old_meta. A requested variant whose run dir
+    exists here is left out: its run dir is read back, or resumed, by the caller. Every
+    other row is kept, also when its run dir exists (a variant finished by an earlier call
+    on this machine and not requested again must stay in the table)."""
+    records = {}
+    if not (args.json and Path(args.json).exists()):
+        return records
+    old = json.loads(Path(args.json).read_text())
+    if (old.get("preset"), old.get("steps"), old.get("tp")) != \
+            (args.preset_name, args.steps, args.tp):
+        return records
+    args.old_meta = {"device": old.get("device"), "commit": old.get("commit")}
+    for r in old["rows"]:
+        if r["variant"] in requested and run_dir_of(args.out_dir, r["variant"]).exists():
+            continue
+        records[r["variant"]] = {k: v for k, v in r.items() if k != "degradation_pct"}
+    return records
+
+
 def run_variant(var: dict, args, budget: _Budget) -> dict | None:
     """Train one variant (or read it back). -> record, or None if not finished."""
     rec = read_back(var, args)
@@ -467,16 +488,7 @@ def main(argv=None) -> dict:
     if "none" not in [v["name"] for v in variants]:
         print("[ablation] no 'none' variant: degradations need the baseline", flush=True)
 
-    records = {}
-    if args.json and Path(args.json).exists():   # rows of runs finished on other machines
-        old = json.loads(Path(args.json).read_text())
-        if (old.get("preset"), old.get("steps"), old.get("tp")) == \
-                (args.preset_name, args.steps, args.tp):
-            args.old_meta = {"device": old.get("device"), "commit": old.get("commit")}
-            for r in old["rows"]:
-                if not run_dir_of(args.out_dir, r["variant"]).exists():
-                    records[r["variant"]] = {k: v for k, v in r.items()
-                                             if k not in ("degradation_pct",)}
+    records = old_records(args, [v["name"] for v in variants])
     order = [v["name"] for v in variants]
     order += [k for k in records if k not in order]
     if args.workers > 1:
