@@ -7,6 +7,8 @@
 # packed into $OUT/results.tgz (bench/results/, docs/*.png) at the end, so a step that
 # times out costs only itself. Steps:
 #   kernels      bench/kernels.py --check --stages (issue 2; sizes 16–1024 MiB)
+#   tilings      bench/kernels.py --tilings --alt 8,2: blocks per tile × warps per kernel, A B A B,
+#                and every size with 8 blocks × 2 warps beside the default
 #   psum         bench/profile.py psum (overlap of the two-shot all-reduce; traces kept)
 #   collectives  bench/collectives.py, all sizes, fresh-input ratios, HLO schedule dumped
 #   calibrate    bench/calibrate.py: taco_jax.tuning.calibrate_min_bytes on this machine
@@ -46,6 +48,8 @@ step() {  # step NAME TIMEOUT_S CMD...
 for s in "$@"; do
   case $s in
     kernels) step kernels 300 python bench/kernels.py --check --stages ;;
+    tilings) step tilings 300 python bench/kernels.py --tilings --alt 8,2 \
+               --out bench/results/kernels_tilings.json ;;
     psum) step psum 200 python bench/profile.py psum --mib 256 --chunks-mib 0 64 16 \
             --keep-trace /tmp/traces --out bench/results/profile_psum.json
           tar czf "$OUT/psum_traces.tgz" -C /tmp traces 2>/dev/null

@@ -1,7 +1,7 @@
 """Kernel benchmark: fused compress / decompress / reduce vs the HBM roofline.
 
     python bench/kernels.py [--sizes-mib 16 64 256 1024] [--sweep] [--stages] [--check]
-                            [--out PATH]
+                            [--tilings] [--alt TM,WARPS] [--out PATH]
 
 roofline_gbs is a plain XLA f32 `x + 1` (bytes read + written) measured in the same run;
 effective bytes of a kernel = bytes it reads + bytes it writes. Writes
@@ -130,6 +130,28 @@ def stage_rows(n: int, roof: float) -> list[dict]:
     return rows
 
 
+TILINGS = {"compress": [(16, 4), (8, 2), (16, 2), (4, 2)],
+           "decompress": [(16, 4), (8, 2)], "reduce": [(16, 4), (8, 2)]}
+
+
+def tiling_rows(n: int, roof: float, rounds: int = 2) -> list[dict]:
+    """Blocks per tile × warps for each kernel (taco, n bf16 elements), the default
+    KernelConfig otherwise, interleaved over `rounds` (A B … A B …) so drift shows.
+    Below 4 warps (one warpgroup) Triton's dots are mma.sync instead of wgmma."""
+    taco = codecs.get("taco")
+    rows = []
+    for rnd, kind in itertools.product(range(rounds), TILINGS):
+        for tm, warps in TILINGS[kind]:
+            cfg = dataclasses.replace(common.KernelConfig.default(taco.block_size),
+                                      blocks_per_program=tm, num_warps=warps)
+            us, gbs = bench_kernel(kind, taco, n, cfg)
+            rows.append({"kernel": kind, "tm": tm, "warps": warps, "round": rnd,
+                         "us": round(us, 1), "effective_gbs": round(gbs, 1),
+                         "fraction_of_roofline": round(gbs / roof, 3)})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def check(out_rows):
     """Kernel vs jnp reference on this device: code agreement and decoded error."""
     rng = np.random.default_rng(0)
@@ -185,6 +207,10 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--stages", action="store_true")
+    ap.add_argument("--tilings", action="store_true",
+                    help="A/B of blocks per tile × warps per kernel at 256 MiB (TILINGS)")
+    ap.add_argument("--alt", default=None, metavar="TM,WARPS",
+                    help="also time every size with this tiling (rows get a 'config')")
     ap.add_argument("--out", default="bench/results/kernels.json")
     args = ap.parse_args()
     facts = env_facts()
@@ -216,15 +242,26 @@ def main():
         result["stages"] = stage_rows(256 * MIB // 2 if not INTERP else 1 << 16,
                                   result["roofline_gbs"])
         print_table(result["stages"], ["stage", "us", "effective_gbs", "fraction_of_roofline"])
+    if args.tilings:
+        result["tilings"] = tiling_rows(256 * MIB // 2 if not INTERP else 1 << 14,
+                                        result["roofline_gbs"])
+        print_table(result["tilings"], list(result["tilings"][0]))
+    configs = [("default", None)]
+    if args.alt:
+        tm, warps = (int(v) for v in args.alt.split(","))
+        configs.append((f"tm={tm} w={warps}", (tm, warps)))
     rows = []
-    for name in args.codecs:
+    for name, (label, tiling) in itertools.product(args.codecs, configs):
         c = codecs.get(name)
+        cfg = tiling and dataclasses.replace(common.KernelConfig.default(c.block_size),
+                                             blocks_per_program=tiling[0],
+                                             num_warps=tiling[1])
         for mib in args.sizes_mib:
             n = mib * MIB // 2                                  # bf16 input elements
             for kind in ["compress", "decompress", "reduce"]:
-                us, gbs = bench_kernel(kind, c, n)
-                rows.append({"kernel": kind, "codec": name, "elements": n, "mib": mib,
-                             "us": round(us, 1), "effective_gbs": round(gbs, 1),
+                us, gbs = bench_kernel(kind, c, n, cfg)
+                rows.append({"kernel": kind, "codec": name, "config": label, "elements": n,
+                             "mib": mib, "us": round(us, 1), "effective_gbs": round(gbs, 1),
                              "fraction_of_roofline": round(gbs / result["roofline_gbs"], 3)})
     result["rows"] = rows
     print_table(rows, list(rows[0]))

@@ -144,25 +144,26 @@ def test_imprecise_config():
 
 @pytest.mark.parametrize("name,b,dt", [("taco", 256, "f32"), ("taco", 256, "bf16"),
                                       ("taco-int8", 64, "f16")], ids=case_id)
-def test_fast_rowmath_matches_reference(name, b, dt):
-    """KernelConfig(fast_rowmath=True): α from rsqrt, the code multiplier and decode's s/α
-    from a reciprocal. Same tolerances against the reference as the default kernels (on
-    CPU the interpreter runs lax.rsqrt and a division; on GPU the ≤ 2-ulp MUFU ops), NaN
-    and Inf rows included; decode and the reduce agree with their references too."""
+def test_ieee_rowmath_matches_reference(name, b, dt):
+    """KernelConfig(fast_rowmath=False), the non-default IEEE path: α from sqrt, the code
+    multiplier and decode's s/α from divisions. Same tolerances against the reference as
+    the default kernels (fast_rowmath, tested everywhere else: on CPU the interpreter runs
+    lax.rsqrt and a division; on GPU the ≤ 2-ulp MUFU ops), NaN and Inf rows included;
+    decode and the reduce agree with their references too."""
     c = codecs.get(name, block_size=b)
     cfg = common.KernelConfig.default(b)
-    fast = common.KernelConfig(blocks_per_program=cfg.blocks_per_program, fast_rowmath=True)
+    ieee = common.KernelConfig(blocks_per_program=cfg.blocks_per_program, fast_rowmath=False)
     x = jnp.asarray(kernel_rows(n_rows_for(b), b, dt)).astype(DTYPES[dt])
     w_ref = compress.compress_reference(x, c)
-    w = np.asarray(compress.compress(x, c, cfg=fast, interpret=INTERPRET))
+    w = np.asarray(compress.compress(x, c, cfg=ieee, interpret=INTERPRET))
     compare_wires(name, b, w, np.asarray(w_ref), f64(x), coarse(dt, b))
-    got = f64(decompress.decompress(w_ref, c, jnp.float32, cfg=fast, interpret=INTERPRET))
+    got = f64(decompress.decompress(w_ref, c, jnp.float32, cfg=ieee, interpret=INTERPRET))
     want = f64(decompress.decompress_reference(w_ref, c))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want).any(axis=1)
     assert nt.block_rel_max(got[ok], want[ok]) <= 1e-6
     recv = jnp.stack([w_ref, w_ref])
-    r = reduce.reduce(recv, x, jnp.int32(1), c, cfg=fast, interpret=INTERPRET)
+    r = reduce.reduce(recv, x, jnp.int32(1), c, cfg=ieee, interpret=INTERPRET)
     rr = reduce.reduce_reference(recv, x, 1, c)
     dr = f64(decompress.decompress_reference(r, c))
     drr = f64(decompress.decompress_reference(rr, c))
@@ -412,12 +413,13 @@ def test_lowers_to_triton_configs(h200, kernel, b):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_fast_rowmath_lowers_to_ptx_approximations(h200, kernel):
-    """fast_rowmath's inline PTX reaches the Triton module (and the default has none)."""
+    """fast_rowmath's inline PTX reaches the Triton module by default (and the IEEE
+    path, fast_rowmath=False, has none)."""
     c = codecs.get("taco", block_size=256)
-    text = lower_kernel(kernel, c, jnp.bfloat16, common.KernelConfig(fast_rowmath=True))
+    text = lower_kernel(kernel, c, jnp.bfloat16)
     assert_one_triton_call(text, kernel)
-    default = lower_kernel(kernel, c, jnp.bfloat16)
-    assert "rcp.approx.ftz.f32" not in default
+    ieee = lower_kernel(kernel, c, jnp.bfloat16, common.KernelConfig(fast_rowmath=False))
+    assert "rcp.approx.ftz.f32" not in ieee and "rsqrt.approx" not in ieee
     for instr in ("rcp.approx.ftz.f32",) + (("rsqrt.approx.ftz.f32",)
                                             if kernel != "decompress" else ()):
         assert instr in text, instr
