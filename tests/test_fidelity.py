@@ -142,6 +142,7 @@ def test_ablation_smoke(tmp_path, capsys):
     assert {"device", "commit", "preset", "steps", "rows"} <= set(saved)
     assert saved["steps"] == 3 and saved["device"] == "cpu"
     assert (tmp_path / "a.png").stat().st_size > 0
+    assert (tmp_path / "a_paired.png").stat().st_size > 0     # the per-seed forest plot
     cfg = (tmp_path / "runs" / "taco+feedback" / "config.yaml").read_text()
     assert "min_bytes: 0" in cfg and "feedback: true" in cfg and "tp: 2" in cfg
     # resumable: a second call reads the finished runs back instead of training again

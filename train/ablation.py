@@ -350,6 +350,60 @@ def finish(records: dict, args, order: list[str]) -> dict:
         print(f"wrote {args.json}")
     if args.plot and rows:
         print(f"wrote {plot_curves(rows, args)}")
+        if paired:
+            print(f"wrote {plot_paired(paired, rerun, args)}")
+    return out
+
+
+def paired_plot_path(plot: str) -> Path:
+    """docs/ablation.png -> docs/ablation_paired.png"""
+    p = Path(plot)
+    return p.with_name(f"{p.stem}_paired{p.suffix}")
+
+
+def plot_paired(paired: list[dict], rerun: float | None, args) -> Path:
+    """Each configuration's paired differences (one dot per seed), their mean (diamond)
+    and, with two or more seeds, its 90% Student-t interval; the rerun noise as a band
+    around 0. Sorted by mean, so the ordering of the codecs reads off the figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    es = sorted((e for e in paired if e["config"] != "none"), key=lambda e: e["mean_pct"])
+    fig, ax = plt.subplots(figsize=(8, 0.38 * len(es) + 2.2))
+    if rerun is not None:
+        ax.axvspan(-abs(rerun), abs(rerun), color="0.88",
+                   label=f"rerun noise (none again, same seed): ±{abs(rerun):.2f}%")
+    ax.axvline(0, color="k", lw=0.6)
+    labels = {"one seed", "90% t-interval of the mean", "mean over seeds"}
+
+    def once(label):   # each legend entry once
+        if label not in labels:
+            return None
+        labels.discard(label)
+        return label
+    for y, e in enumerate(es):
+        ax.plot(e["paired_pct"], [y] * len(e["paired_pct"]), "o", color="tab:blue", ms=4,
+                alpha=0.6, label=once("one seed"))
+        if e["ci90_pct"]:
+            lo, hi = e["ci90_pct"]
+            ax.plot([lo, hi], [y, y], "-", color="tab:red", lw=1.5,
+                    label=once("90% t-interval of the mean"))
+        ax.plot([e["mean_pct"]], [y], "D", color="tab:red", ms=6,
+                label=once("mean over seeds"))
+        ax.text(1.01, y, f"n={len(e['paired_pct'])}", transform=ax.get_yaxis_transform(),
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(es)), [e["config"] for e in es])
+    ax.set_xlabel("final val loss vs none of the same seed (%)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2)
+    ax.set_title(f"ablation, paired by seed: {args.preset_name}, TP={args.tp}, "
+                 f"{args.steps} steps", fontsize=10)
+    fig.tight_layout()
+    out = paired_plot_path(args.plot)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
     return out
 
 
