@@ -48,7 +48,7 @@ step() {  # step NAME TIMEOUT_S CMD...
 for s in "$@"; do
   case $s in
     kernels) step kernels 300 python bench/kernels.py --check --stages ;;
-    tilings) step tilings 300 python bench/kernels.py --tilings --alt 8,2 \
+    tilings) step tilings 540 python bench/kernels.py --tilings --alt 8,2 \
                --out bench/results/kernels_tilings.json ;;
     psum) step psum 200 python bench/profile.py psum --mib 256 --chunks-mib 0 64 16 \
             --keep-trace /tmp/traces --out bench/results/profile_psum.json

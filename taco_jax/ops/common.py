@@ -17,8 +17,11 @@ from taco_jax import hadamard
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Tiling of one program. Defaults measured on H200 (see docs/design.md)."""
-    blocks_per_program: int = 16    # rows of B elements per tile (power of two)
-    num_warps: int = 4
+    blocks_per_program: int = 8     # rows of B elements per tile (power of two)
+    # 2 warps, below one warpgroup: Triton's dots are mma.sync instead of wgmma. Measured
+    # A B A B at 256 MiB against 16 blocks × 4 warps (session 6, docs/results.md):
+    # decompress 0.87 vs 0.77 of the roofline, reduce 0.88 vs 0.72, compress 0.75 vs 0.75.
+    num_warps: int = 2
     num_stages: int = 3
     # bf16 hi+lo split of the Hadamard intermediate (≈16 mantissa bits). None: only where
     # the data is wider than bf16; for bf16 data the single rounding (2^-9) adds ~0.1% to
@@ -39,7 +42,9 @@ class KernelConfig:
 
     @staticmethod
     def default(block_size: int) -> "KernelConfig":
-        return KernelConfig(blocks_per_program=max(8, 4096 // block_size))
+        """2048 elements per program (1024 per warp), at least 4 blocks: measured at
+        B = 256 (8 blocks); other block sizes keep the elements per warp."""
+        return KernelConfig(blocks_per_program=max(4, 2048 // block_size))
 
     def resolve(self, wide: bool, interpret: bool = False) -> "KernelConfig":
         """Fix `precise` for data that is (wide=True) or is not wider than bf16, and note
