@@ -16,7 +16,8 @@
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
 #   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
 #   ncu_src      Nsight Compute --set full with source correlation on compress (taco, 256 MiB),
-#                the default kernel and fast_rowmath: reports and per-SASS-line CSVs come back
+#                the default kernel and the IEEE per-block math (fast_rowmath=False):
+#                reports and per-SASS-line CSVs come back
 #                gzipped, summarized side by side by bench/ncu_source.py into
 #                bench/results/ncu_src.json (which instructions the issue-bound kernel spends
 #                its slots on)
@@ -72,16 +73,16 @@ for s in "$@"; do
              --section LaunchStats --section ComputeWorkloadAnalysis \
              python bench/one_kernel.py "$1" "$2"
          done ;;
-    ncu_src) for v in default fast; do   # the default kernel and fast_rowmath
-               flag=; [ $v = fast ] && flag=--fast-rowmath
+    ncu_src) for v in default ieee; do   # the default kernel and the IEEE per-block math
+               flag=; [ $v = ieee ] && flag=--ieee-rowmath
                step "ncu_src_$v" 150 ncu --set full --import-source yes -k regex:taco_compress \
                  -c 1 -f -o "/tmp/ncu_compress_$v" python bench/one_kernel.py compress taco $flag
                ncu -i "/tmp/ncu_compress_$v.ncu-rep" --page source --csv --print-source sass \
                  2>&1 | gzip > "$OUT/ncu_src_compress_$v.csv.gz"
                gzip -c "/tmp/ncu_compress_$v.ncu-rep" > "$OUT/ncu_compress_$v.ncu-rep.gz"
              done
-             python bench/ncu_source.py "$OUT"/ncu_src_compress_{default,fast}.csv.gz \
-               --label default fast_rowmath --out bench/results/ncu_src.json \
+             python bench/ncu_source.py "$OUT"/ncu_src_compress_{default,ieee}.csv.gz \
+               --label default ieee_rowmath --out bench/results/ncu_src.json \
                --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
                --jax "$(python -c 'import jax; print(jax.__version__)')" \
                > "$OUT/ncu_source.log" 2>&1 ;;

@@ -1,11 +1,14 @@
 """Run one kernel once at 256 MiB of bf16 input, for a kernel profiler (Nsight Compute):
 
     ncu -k regex:taco_compress -c 1 --section SpeedOfLight --section WarpStateStats \
-        python bench/one_kernel.py compress taco [--tm 16] [--warps 4] [--fast-rowmath]
+        python bench/one_kernel.py compress taco [--tm 8] [--warps 2] [--ieee-rowmath]
+
+GPU only (no interpreter): a profiler needs the compiled kernel.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import jax
@@ -19,13 +22,14 @@ ap = argparse.ArgumentParser()
 ap.add_argument("kernel", choices=("compress", "decompress"))
 ap.add_argument("codec", nargs="?", default="taco")
 ap.add_argument("--mib", type=int, default=256)
-ap.add_argument("--tm", type=int, default=None)
-ap.add_argument("--warps", type=int, default=4)
-ap.add_argument("--fast-rowmath", action="store_true", help="KernelConfig(fast_rowmath=True)")
+ap.add_argument("--tm", type=int, default=None, help="blocks per tile (default: the library's)")
+ap.add_argument("--warps", type=int, default=None, help="default: the library's")
+ap.add_argument("--ieee-rowmath", action="store_true", help="KernelConfig(fast_rowmath=False)")
 a = ap.parse_args()
 c = codecs.get(a.codec)
-cfg = common.KernelConfig(a.tm or common.KernelConfig.default(c.block_size).blocks_per_program,
-                          a.warps, fast_rowmath=a.fast_rowmath)
+d = common.KernelConfig.default(c.block_size)
+cfg = dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,
+                          num_warps=a.warps or d.num_warps, fast_rowmath=not a.ieee_rowmath)
 n = a.mib * (1 << 20) // 2 // c.block_size
 x = (jax.random.normal(jax.random.key(0), (n, c.block_size)) * 0.02).astype(jnp.bfloat16)
 w = jax.block_until_ready(compress.compress(x, c, cfg))
