@@ -7,8 +7,9 @@
 # packed into $OUT/results.tgz (bench/results/, docs/*.png) at the end, so a step that
 # times out costs only itself. Steps:
 #   kernels      bench/kernels.py --check --stages (issue 2; sizes 16–1024 MiB)
-#   tilings      bench/kernels.py --tilings --alt 8,2: blocks per tile × warps per kernel, A B A B,
-#                and every size with 8 blocks × 2 warps beside the default
+#   tilings      bench/kernels.py --tilings: blocks per tile × warps × tiles per program for
+#                each kernel (TILINGS), A B A B, at 256 MiB (session 6's run, with the
+#                since-dropped --alt 8,2 size table, needed more than 300 s)
 #   psum         bench/profile.py psum (overlap of the two-shot all-reduce; traces kept)
 #   collectives  bench/collectives.py, all sizes, fresh-input ratios, HLO schedule dumped
 #   calibrate    bench/calibrate.py: taco_jax.tuning.calibrate_min_bytes on this machine
@@ -49,7 +50,7 @@ step() {  # step NAME TIMEOUT_S CMD...
 for s in "$@"; do
   case $s in
     kernels) step kernels 300 python bench/kernels.py --check --stages ;;
-    tilings) step tilings 540 python bench/kernels.py --tilings --alt 8,2 \
+    tilings) step tilings 400 python bench/kernels.py --tilings --sizes-mib 256 \
                --out bench/results/kernels_tilings.json ;;
     psum) step psum 200 python bench/profile.py psum --mib 256 --chunks-mib 0 64 16 \
             --keep-trace /tmp/traces --out bench/results/profile_psum.json
