@@ -8,8 +8,7 @@
 # times out costs only itself. Steps:
 #   kernels      bench/kernels.py --check --stages (issue 2; sizes 16–1024 MiB)
 #   tilings      bench/kernels.py --tilings: blocks per tile × warps × tiles per program for
-#                each kernel (TILINGS), A B A B, at 256 MiB (session 6's run, with the
-#                since-dropped --alt 8,2 size table, needed more than 300 s)
+#                each kernel (TILINGS), A B A B, at 256 MiB
 #   psum         bench/profile.py psum (overlap of the two-shot all-reduce; traces kept)
 #   collectives  bench/collectives.py, all sizes, fresh-input ratios, HLO schedule dumped
 #   calibrate    bench/calibrate.py: taco_jax.tuning.calibrate_min_bytes on this machine

@@ -1,7 +1,7 @@
 """Kernel benchmark: fused compress / decompress / reduce vs the HBM roofline.
 
     python bench/kernels.py [--sizes-mib 16 64 256 1024] [--sweep] [--stages] [--check]
-                            [--tilings] [--alt TM,WARPS] [--out PATH]
+                            [--tilings] [--out PATH]
 
 roofline_gbs is a plain XLA f32 `x + 1` (bytes read + written) measured in the same run;
 effective bytes of a kernel = bytes it reads + bytes it writes. Writes
@@ -10,9 +10,8 @@ device; --sweep times tiling configs at 256 MiB (docs/design.md records the choi
 --stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
 copy with the same tiling and wire layout (the plumbing's ceiling; also codes only), no
 transform (block-fp8), Hadamard without α (taco-1scale), taco, and taco with the IEEE
-per-block math; --tilings times tilings per kernel (TILINGS), A B A B; --alt TM,WARPS adds
-the size table for one more tiling. --check also checks the IEEE kernels (fast_rowmath
-off) against the references.
+per-block math; --tilings times tilings per kernel (TILINGS), A B A B. --check also checks
+the IEEE kernels (fast_rowmath off) against the references.
 """
 from __future__ import annotations
 
@@ -202,8 +201,6 @@ def main():
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--tilings", action="store_true",
                     help="A/B of blocks per tile × warps per kernel at 256 MiB (TILINGS)")
-    ap.add_argument("--alt", default=None, metavar="TM,WARPS",
-                    help="also time every size with this tiling (rows get a 'config')")
     ap.add_argument("--out", default="bench/results/kernels.json")
     args = ap.parse_args()
     facts = env_facts()
@@ -239,22 +236,15 @@ def main():
         result["tilings"] = tiling_rows(256 * MIB // 2 if not INTERP else 1 << 14,
                                         result["roofline_gbs"])
         print_table(result["tilings"], list(result["tilings"][0]))
-    configs = [("default", None)]
-    if args.alt:
-        tm, warps = (int(v) for v in args.alt.split(","))
-        configs.append((f"tm={tm} w={warps}", (tm, warps)))
     rows = []
-    for name, (label, tiling) in itertools.product(args.codecs, configs):
+    for name in args.codecs:
         c = codecs.get(name)
-        cfg = tiling and dataclasses.replace(common.KernelConfig.default(c.block_size),
-                                             blocks_per_program=tiling[0],
-                                             num_warps=tiling[1])
         for mib in args.sizes_mib:
             n = mib * MIB // 2                                  # bf16 input elements
             for kind in ["compress", "decompress", "reduce"]:
-                us, gbs = bench_kernel(kind, c, n, cfg)
-                rows.append({"kernel": kind, "codec": name, "config": label, "elements": n,
-                             "mib": mib, "us": round(us, 1), "effective_gbs": round(gbs, 1),
+                us, gbs = bench_kernel(kind, c, n)
+                rows.append({"kernel": kind, "codec": name, "elements": n, "mib": mib,
+                             "us": round(us, 1), "effective_gbs": round(gbs, 1),
                              "fraction_of_roofline": round(gbs / result["roofline_gbs"], 3)})
     result["rows"] = rows
     print_table(rows, list(rows[0]))

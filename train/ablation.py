@@ -46,6 +46,8 @@ import threading
 import time
 from pathlib import Path
 
+import scipy.stats
+
 import train
 from train import config as config_lib
 from train.loop import setup_backend
@@ -288,7 +290,6 @@ def paired_summary(rows: list[dict]) -> list[dict]:
         e["mean_pct"] = sum(p) / len(p)
         e["spread_pct"] = e["sem_pct"] = e["ci90_pct"] = None
         if len(p) > 1:
-            import scipy.stats
             e["spread_pct"] = max(p) - min(p)
             e["sem_pct"] = statistics.stdev(p) / math.sqrt(len(p))
             half = float(scipy.stats.t.ppf(0.95, len(p) - 1)) * e["sem_pct"]
