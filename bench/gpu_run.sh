@@ -7,14 +7,17 @@
 # packed into $OUT/results.tgz (bench/results/, docs/*.png) at the end, so a step that
 # times out costs only itself. Steps:
 #   kernels      bench/kernels.py --check --stages (issue 2; sizes 16–1024 MiB)
-#   tilings      bench/kernels.py --tilings: blocks per tile × warps × tiles per program for
-#                each kernel (TILINGS), A B A B, at 256 MiB
+#   tilings      bench/kernels.py --tilings --overhead: KernelConfig candidates for each
+#                kernel (TILINGS), A B A B, at 256 MiB; the timing loop's own cost
 #   psum         bench/profile.py psum (overlap of the two-shot all-reduce; traces kept)
 #   collectives  bench/collectives.py, all sizes, fresh-input ratios, HLO schedule dumped
 #   calibrate    bench/calibrate.py: taco_jax.tuning.calibrate_min_bytes on this machine
 #   train        bench/profile.py train (step breakdown) + bench/train_step.py (issue 6)
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
 #   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
+#   ncu_time     Nsight Compute's kernel durations (gpu__time_duration, clocks as found) of
+#                the roofline's x + 1, compress and decompress (taco, 256 MiB): kernel time
+#                without the timing loop's own cost
 #   ncu_src      Nsight Compute --set full with source correlation on compress (taco, 256 MiB),
 #                the default kernel and the IEEE per-block math (fast_rowmath=False):
 #                reports and per-SASS-line CSVs come back
@@ -49,7 +52,7 @@ step() {  # step NAME TIMEOUT_S CMD...
 for s in "$@"; do
   case $s in
     kernels) step kernels 300 python bench/kernels.py --check --stages ;;
-    tilings) step tilings 400 python bench/kernels.py --tilings --sizes-mib 256 \
+    tilings) step tilings 450 python bench/kernels.py --tilings --overhead --sizes-mib 256 \
                --out bench/results/kernels_tilings.json ;;
     psum) step psum 200 python bench/profile.py psum --mib 256 --chunks-mib 0 64 16 \
             --keep-trace /tmp/traces --out bench/results/profile_psum.json
@@ -73,6 +76,9 @@ for s in "$@"; do
              --section LaunchStats --section ComputeWorkloadAnalysis \
              python bench/one_kernel.py "$1" "$2"
          done ;;
+    ncu_time) step ncu_time 150 ncu --clock-control none --metrics \
+                gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \
+                python bench/one_kernel.py decompress taco --roofline ;;
     ncu_src) for v in default ieee; do   # the default kernel and the IEEE per-block math
                flag=; [ $v = ieee ] && flag=--ieee-rowmath
                step "ncu_src_$v" 150 ncu --set full --import-source yes -k regex:taco_compress \

@@ -10,7 +10,8 @@ device; --sweep times tiling configs at 256 MiB (docs/design.md records the choi
 --stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
 copy with the same tiling and wire layout (the plumbing's ceiling; also codes only), no
 transform (block-fp8), Hadamard without α (taco-1scale), taco, and taco with the IEEE
-per-block math; --tilings times tilings per kernel (TILINGS), A B A B. --check also checks
+per-block math; --tilings times tilings per kernel (TILINGS), A B A B; --overhead times
+the timing loop's own cost (while loop vs unrolled). --check also checks
 the IEEE kernels (fast_rowmath off) against the references.
 """
 from __future__ import annotations
@@ -116,45 +117,84 @@ def stage_rows(n: int, roof: float) -> list[dict]:
     return rows
 
 
-# (blocks per tile, warps, tiles per program); the first of each is the default for B = 256.
-# Session 6 measured 8 × 2 against 16 × 4 (docs/results.md); these are the next candidates.
-TILINGS = {"compress": [(8, 2, 1), (16, 2, 1), (8, 1, 1), (4, 1, 1), (8, 2, 4), (8, 2, 8)],
-           "decompress": [(8, 2, 1), (8, 1, 1), (4, 1, 1)],
-           "reduce": [(8, 2, 1), (8, 1, 1)]}
+# KernelConfig overrides per kernel; the first ({}) is the library default (8 blocks × 2
+# warps for B = 256, measured against 16 × 4 in session 6, docs/results.md). Below 4 warps
+# (one warpgroup) Triton's dots are mma.sync, not wgmma. 132 = the H200's SM count.
+TILINGS = {
+    "compress": [{}, {"dot_layout_rows": True}, {"blocks_per_program": 16},
+                 {"num_warps": 1}, {"blocks_per_program": 4, "num_warps": 1},
+                 {"tiles_per_program": 4}, {"tiles_per_program": 8},
+                 {"tiles_per_program": 4, "dot_layout_rows": True},
+                 {"tiles_per_program": 4, "num_stages": 4},
+                 {"tiles_per_program": 4, "num_warps": 1},
+                 {"tiles_per_program": 4, "blocks_per_program": 16},
+                 {"max_programs": 132 * 16}],
+    "decompress": [{}, {"num_warps": 1}],
+    "reduce": [{}, {"num_warps": 1}, {"dot_layout_rows": True}],
+}
 
 
 def tiling_rows(n: int, roof: float, rounds: int = 2) -> list[dict]:
-    """Blocks per tile × warps × tiles per program for each kernel (taco, n bf16
-    elements), the default KernelConfig otherwise, interleaved over `rounds` (A B … A B …)
-    so drift shows. Below 4 warps (one warpgroup) Triton's dots are mma.sync, not wgmma."""
+    """Each kernel (taco, n bf16 elements) under each TILINGS override of the default
+    KernelConfig, interleaved over `rounds` (A B … A B …) so drift shows."""
     taco = codecs.get("taco")
     rows = []
     for rnd, kind in itertools.product(range(rounds), TILINGS):
-        for tm, warps, tiles in TILINGS[kind]:
-            cfg = dataclasses.replace(common.KernelConfig.default(taco.block_size),
-                                      blocks_per_program=tm, num_warps=warps,
-                                      tiles_per_program=tiles)
+        for over in TILINGS[kind]:
+            cfg = dataclasses.replace(common.KernelConfig.default(taco.block_size), **over)
             us, gbs = bench_kernel(kind, taco, n, cfg)
-            rows.append({"kernel": kind, "tm": tm, "warps": warps, "tiles": tiles,
-                         "round": rnd,
+            rows.append({"kernel": kind, "config": ",".join(f"{k}={v}" for k, v in
+                                                              over.items()) or "default",
+                         "tm": cfg.blocks_per_program, "warps": cfg.num_warps,
+                         "tiles": cfg.tiles_per_program, "round": rnd,
                          "us": round(us, 1), "effective_gbs": round(gbs, 1),
                          "fraction_of_roofline": round(gbs / roof, 3)})
             print(rows[-1], flush=True)
     return rows
 
 
+def overhead_rows(n: int, roof_bytes: int) -> list[dict]:
+    """What the timing loop itself costs: µs per trip of an (almost) empty body, and the
+    roofline's `x + 1` and the taco kernels at n bf16 elements timed in the while loop vs
+    unrolled into straight-line code, A B A B."""
+    taco = codecs.get("taco")
+    x = (jax.random.normal(jax.random.key(0), (n // taco.block_size, taco.block_size),
+                           jnp.float32) * 0.02).astype(jnp.bfloat16)
+    w = compress.compress(x, taco, interpret=INTERP)
+    f = jnp.ones(roof_bytes // 4, jnp.float32)
+    runs = [("tiny (1 f32 + 1)", lambda v: v + 1, jnp.ones((1,), jnp.float32)),
+            ("roofline x+1", lambda v: v + 1, f),
+            ("compress taco", lambda v: compress.compress(v, taco, None, INTERP), x),
+            ("decompress taco", lambda v: decompress.decompress(v, taco, jnp.bfloat16,
+                                                                None, INTERP), w)]
+    rows = []
+    for rnd, (label, fn, arg) in itertools.product(range(2), runs):
+        row = {"what": label, "round": rnd}
+        for unroll in (False, True):
+            row["unrolled_us" if unroll else "loop_us"] = round(
+                time_loop(fn, arg, unroll=unroll), 2)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def check(out_rows):
     """Kernel vs jnp reference on this device: code agreement and decoded error."""
     rng = np.random.default_rng(0)
-    cases = [(n, b, d, True) for n, b, d in itertools.product(
+    cases = [(n, b, d, {}) for n, b, d in itertools.product(
         ["taco", "taco-1scale", "taco-e5m2", "taco-int8", "block-fp8"],
         [32, 64, 128, 256, 512], [jnp.bfloat16, jnp.float32, jnp.float16])
         if n == "taco" or (b == 256 and d == jnp.bfloat16)]
-    # the IEEE per-block math (fast_rowmath=False), no longer the default
-    cases += [("taco", b, d, False) for b in (32, 256) for d in (jnp.bfloat16, jnp.float32)]
-    for name, b, dtype, fast in cases:
+    # the IEEE per-block math (fast_rowmath=False), no longer the default; the experimental
+    # reductions in the dot's layout
+    cases += [("taco", b, d, {"fast_rowmath": False}) for b in (32, 256)
+              for d in (jnp.bfloat16, jnp.float32)]
+    cases += [("taco", b, d, {"dot_layout_rows": True}) for b in (256, 512)
+              for d in (jnp.bfloat16, jnp.float32)]
+    for name, b, dtype, over in cases:
         c = codecs.get(name, block_size=b)
-        cfg = dataclasses.replace(common.KernelConfig.default(b), fast_rowmath=fast)
+        cfg = dataclasses.replace(common.KernelConfig.default(b), **over)
+        fast = cfg.fast_rowmath
         x = rng.standard_t(3, size=(4099, b)).astype(np.float32) * 0.01
         x[7, 3] = np.nan
         x[11, 0] = np.inf
@@ -172,6 +212,7 @@ def check(out_rows):
         rfin = np.isfinite(rr)
         out_rows.append({
             "codec": name, "block": b, "dtype": jnp.dtype(dtype).name, "fast_rowmath": fast,
+            "dot_layout_rows": cfg.dot_layout_rows,
             "codes_differ_frac": float(np.mean(codes_k != codes_r)),
             "decode_max_rel": float(np.max(np.abs(dk[fin] - dr[fin])) / np.max(np.abs(dr[fin]))),
             "nan_rows_match": bool(np.array_equal(np.isnan(dk).any(1), np.isnan(dr).any(1))),
@@ -201,6 +242,8 @@ def main():
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--tilings", action="store_true",
                     help="A/B of blocks per tile × warps per kernel at 256 MiB (TILINGS)")
+    ap.add_argument("--overhead", action="store_true",
+                    help="the timing loop's own cost: while loop vs unrolled, A B A B")
     ap.add_argument("--out", default="bench/results/kernels.json")
     args = ap.parse_args()
     facts = env_facts()
@@ -232,6 +275,10 @@ def main():
         result["stages"] = stage_rows(256 * MIB // 2 if not INTERP else 1 << 16,
                                   result["roofline_gbs"])
         print_table(result["stages"], ["stage", "us", "effective_gbs", "fraction_of_roofline"])
+    if args.overhead:
+        result["overhead"] = overhead_rows(256 * MIB // 2 if not INTERP else 1 << 14,
+                                           256 * MIB if not INTERP else 1 << 16)
+        print_table(result["overhead"], list(result["overhead"][0]))
     if args.tilings:
         result["tilings"] = tiling_rows(256 * MIB // 2 if not INTERP else 1 << 14,
                                         result["roofline_gbs"])

@@ -2,6 +2,7 @@
 
     ncu -k regex:taco_compress -c 1 --section SpeedOfLight --section WarpStateStats \
         python bench/one_kernel.py compress taco [--tm 8] [--warps 2] [--ieee-rowmath]
+        [--roofline]
 
 GPU only (no interpreter): a profiler needs the compiled kernel.
 """
@@ -25,7 +26,13 @@ ap.add_argument("--mib", type=int, default=256)
 ap.add_argument("--tm", type=int, default=None, help="blocks per tile (default: the library's)")
 ap.add_argument("--warps", type=int, default=None, help="default: the library's")
 ap.add_argument("--ieee-rowmath", action="store_true", help="KernelConfig(fast_rowmath=False)")
+ap.add_argument("--roofline", action="store_true",
+                help="first, the benchmark's roofline: XLA f32 x + 1 over --mib MiB")
 a = ap.parse_args()
+if a.roofline:
+    f = jnp.ones(a.mib * (1 << 20) // 4, jnp.float32)
+    jax.block_until_ready(jax.jit(lambda v: v + 1)(f))
+    del f
 c = codecs.get(a.codec)
 d = common.KernelConfig.default(c.block_size)
 cfg = dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,

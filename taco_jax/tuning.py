@@ -36,10 +36,11 @@ def _zeros_like(s):
     return jnp.zeros(s.shape, s.dtype, out_sharding=jax.typeof(s).sharding)
 
 
-def jit_loop(fn, x, iters: int):
+def jit_loop(fn, x, iters: int, unroll: bool = False):
     """jit(x -> fn applied `iters` times in one fori_loop). An optimization barrier ties
     the input to the loop index, so XLA cannot hoist the loop-invariant call out of the
-    loop, without touching the data."""
+    loop, without touching the data. unroll: the calls back to back in straight-line code
+    (no while loop; measures what the loop itself costs per trip)."""
     @jax.jit
     def loop(x):
         def body(i, carry):
@@ -47,14 +48,14 @@ def jit_loop(fn, x, iters: int):
             return carry[0] + 1, fn(xi)
         out0 = jax.eval_shape(fn, x)
         init = jax.tree.map(_zeros_like, out0)
-        return lax.fori_loop(0, iters, body, (0, init))
+        return lax.fori_loop(0, iters, body, (0, init), unroll=unroll)
     return loop
 
 
-def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:
+def time_loop(fn, x, iters: int = 20, repeats: int = 5, unroll: bool = False) -> float:
     """Median µs per call of fn(x), timed inside one jitted loop (`jit_loop`) so dispatch
     overhead (~100 µs per call) does not hide small kernels."""
-    loop = jit_loop(fn, x, iters)
+    loop = jit_loop(fn, x, iters, unroll)
     jax.block_until_ready(loop(x))                      # compile + warm up
     times = []
     for _ in range(repeats):
