@@ -8,7 +8,7 @@ import subprocess
 import jax
 
 # one timing method for the benchmarks and the library's calibration (taco_jax.tuning)
-from taco_jax.tuning import jit_loop, time_loop  # noqa: F401
+from taco_jax.tuning import jit_loop, time_calls, time_loop  # noqa: F401
 
 
 def env_facts() -> dict:

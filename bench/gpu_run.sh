@@ -16,8 +16,8 @@
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
 #   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
 #   ncu_time     Nsight Compute's kernel durations (gpu__time_duration, clocks as found) of
-#                the roofline's x + 1, compress and decompress (taco, 256 MiB): kernel time
-#                without the timing loop's own cost
+#                the roofline's x + 1, compress and decompress (taco, 256 MiB; 1 and 4
+#                tiles per program): kernel time without any timer's own cost
 #   ncu_src      Nsight Compute --set full with source correlation on compress (taco, 256 MiB),
 #                the default kernel and the IEEE per-block math (fast_rowmath=False):
 #                reports and per-SASS-line CSVs come back
@@ -76,9 +76,11 @@ for s in "$@"; do
              --section LaunchStats --section ComputeWorkloadAnalysis \
              python bench/one_kernel.py "$1" "$2"
          done ;;
-    ncu_time) step ncu_time 150 ncu --clock-control none --metrics \
-                gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \
-                python bench/one_kernel.py decompress taco --roofline ;;
+    ncu_time) for t in 1 4; do   # tiles per program
+                step ncu_time_t$t 150 ncu --clock-control none --metrics \
+                  gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \
+                  python bench/one_kernel.py decompress taco --roofline --tiles $t
+              done ;;
     ncu_src) for v in default ieee; do   # the default kernel and the IEEE per-block math
                flag=; [ $v = ieee ] && flag=--ieee-rowmath
                step "ncu_src_$v" 150 ncu --set full --import-source yes -k regex:taco_compress \

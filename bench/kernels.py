@@ -4,14 +4,16 @@
                             [--tilings] [--out PATH]
 
 roofline_gbs is a plain XLA f32 `x + 1` (bytes read + written) measured in the same run;
-effective bytes of a kernel = bytes it reads + bytes it writes. Writes
+effective bytes of a kernel = bytes it reads + bytes it writes. Every time here (kernels,
+roofline) is `time_calls`: calls back to back in straight-line code, no while loop (whose
+~16 µs per trip the session-1–6 results carry, docs/results.md). Writes
 bench/results/kernels.json. --check compares every kernel with its jnp reference on this
 device; --sweep times tiling configs at 256 MiB (docs/design.md records the choice);
 --stages times the compress kernel with parts of its work taken away (at 256 MiB): a Pallas
 copy with the same tiling and wire layout (the plumbing's ceiling; also codes only), no
 transform (block-fp8), Hadamard without α (taco-1scale), taco, and taco with the IEEE
 per-block math; --tilings times tilings per kernel (TILINGS), A B A B; --overhead times
-the timing loop's own cost (while loop vs unrolled). --check also checks
+the timers' own cost (while loop vs straight-line calls). --check also checks
 the IEEE kernels (fast_rowmath off) against the references.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from bench.common import env_facts, print_table, time_loop, write_json  # noqa: E402
+from bench.common import env_facts, print_table, time_calls, time_loop, write_json  # noqa: E402
 from taco_jax import codecs  # noqa: E402
 from taco_jax.ops import common, compress, decompress, reduce  # noqa: E402
 
@@ -37,7 +39,7 @@ INTERP = jax.default_backend() != "gpu"   # CPU smoke runs use the Pallas interp
 
 def roofline_gbs(n_bytes: int) -> float:
     x = jnp.ones(n_bytes // 4, jnp.float32)
-    us = time_loop(lambda v: v + 1, x)
+    us = time_calls(lambda v: v + 1, x)
     return 2 * n_bytes / us / 1e3
 
 
@@ -59,7 +61,7 @@ def bench_kernel(kind, codec, n, cfg=None, dtype=jnp.bfloat16, peers=2):
         recv = jnp.stack([w] * peers)
         fn = lambda v: reduce.reduce(v, x, jnp.int32(0), codec, cfg, INTERP)
         arg, nbytes = recv, peers * nb * row + n * isz + nb * row
-    us = time_loop(fn, arg)
+    us = time_calls(fn, arg)
     return us, nbytes / us / 1e3
 
 
@@ -107,7 +109,7 @@ def stage_rows(n: int, roof: float) -> list[dict]:
     rows = []
     for label, fn, rb in runs:
         try:
-            us = time_loop(fn, x)
+            us = time_calls(fn, x)
             gbs = (n * 2 + nb * rb) / us / 1e3
             rows.append({"stage": label, "us": round(us, 1), "effective_gbs": round(gbs, 1),
                          "fraction_of_roofline": round(gbs / roof, 3)})
@@ -121,20 +123,18 @@ def stage_rows(n: int, roof: float) -> list[dict]:
 # warps for B = 256, measured against 16 × 4 in session 6, docs/results.md). Below 4 warps
 # (one warpgroup) Triton's dots are mma.sync, not wgmma. 132 = the H200's SM count.
 TILINGS = {
-    "compress": [{}, {"dot_layout_rows": True}, {"blocks_per_program": 16},
-                 {"num_warps": 1}, {"blocks_per_program": 4, "num_warps": 1},
-                 {"tiles_per_program": 4}, {"tiles_per_program": 8},
-                 {"tiles_per_program": 4, "dot_layout_rows": True},
-                 {"tiles_per_program": 4, "num_stages": 4},
+    "compress": [{}, {"tiles_per_program": 2}, {"tiles_per_program": 4},
                  {"tiles_per_program": 4, "num_warps": 1},
-                 {"tiles_per_program": 4, "blocks_per_program": 16},
-                 {"max_programs": 132 * 16}],
-    "decompress": [{}, {"num_warps": 1}],
-    "reduce": [{}, {"num_warps": 1}, {"dot_layout_rows": True}],
+                 {"tiles_per_program": 8, "num_warps": 1},
+                 {"tiles_per_program": 4, "num_stages": 2},
+                 {"tiles_per_program": 4, "num_warps": 1, "blocks_per_program": 4},
+                 {"max_programs": 132 * 16}, {"max_programs": 132 * 8}],
+    "decompress": [{}, {"tiles_per_program": 4}, {"num_warps": 1}],
+    "reduce": [{}, {"tiles_per_program": 4}],
 }
 
 
-def tiling_rows(n: int, roof: float, rounds: int = 2) -> list[dict]:
+def tiling_rows(n: int, roof: float, rounds: int = 3) -> list[dict]:
     """Each kernel (taco, n bf16 elements) under each TILINGS override of the default
     KernelConfig, interleaved over `rounds` (A B … A B …) so drift shows."""
     taco = codecs.get("taco")
@@ -154,9 +154,11 @@ def tiling_rows(n: int, roof: float, rounds: int = 2) -> list[dict]:
 
 
 def overhead_rows(n: int, roof_bytes: int) -> list[dict]:
-    """What the timing loop itself costs: µs per trip of an (almost) empty body, and the
-    roofline's `x + 1` and the taco kernels at n bf16 elements timed in the while loop vs
-    unrolled into straight-line code, A B A B."""
+    """What the timers themselves cost: µs per call of an (almost) empty body, the
+    roofline's `x + 1` and the taco kernels at n bf16 elements, timed in a while loop
+    (`time_loop`, the benchmarks' timer until session 7) and back to back in straight-line
+    code (`time_calls`), A B A B. Nsight Compute's kernel durations (gpu_run.sh ncu_time)
+    are the reference."""
     taco = codecs.get("taco")
     x = (jax.random.normal(jax.random.key(0), (n // taco.block_size, taco.block_size),
                            jnp.float32) * 0.02).astype(jnp.bfloat16)
@@ -169,10 +171,8 @@ def overhead_rows(n: int, roof_bytes: int) -> list[dict]:
                                                                 None, INTERP), w)]
     rows = []
     for rnd, (label, fn, arg) in itertools.product(range(2), runs):
-        row = {"what": label, "round": rnd}
-        for unroll in (False, True):
-            row["unrolled_us" if unroll else "loop_us"] = round(
-                time_loop(fn, arg, unroll=unroll), 2)
+        row = {"what": label, "round": rnd, "loop_us": round(time_loop(fn, arg), 2),
+               "calls_us": round(time_calls(fn, arg), 2)}
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -185,11 +185,8 @@ def check(out_rows):
         ["taco", "taco-1scale", "taco-e5m2", "taco-int8", "block-fp8"],
         [32, 64, 128, 256, 512], [jnp.bfloat16, jnp.float32, jnp.float16])
         if n == "taco" or (b == 256 and d == jnp.bfloat16)]
-    # the IEEE per-block math (fast_rowmath=False), no longer the default; the experimental
-    # reductions in the dot's layout
+    # the IEEE per-block math (fast_rowmath=False), no longer the default
     cases += [("taco", b, d, {"fast_rowmath": False}) for b in (32, 256)
-              for d in (jnp.bfloat16, jnp.float32)]
-    cases += [("taco", b, d, {"dot_layout_rows": True}) for b in (256, 512)
               for d in (jnp.bfloat16, jnp.float32)]
     for name, b, dtype, over in cases:
         c = codecs.get(name, block_size=b)
@@ -212,7 +209,6 @@ def check(out_rows):
         rfin = np.isfinite(rr)
         out_rows.append({
             "codec": name, "block": b, "dtype": jnp.dtype(dtype).name, "fast_rowmath": fast,
-            "dot_layout_rows": cfg.dot_layout_rows,
             "codes_differ_frac": float(np.mean(codes_k != codes_r)),
             "decode_max_rel": float(np.max(np.abs(dk[fin] - dr[fin])) / np.max(np.abs(dr[fin]))),
             "nan_rows_match": bool(np.array_equal(np.isnan(dk).any(1), np.isnan(dr).any(1))),
@@ -243,7 +239,7 @@ def main():
     ap.add_argument("--tilings", action="store_true",
                     help="A/B of blocks per tile × warps per kernel at 256 MiB (TILINGS)")
     ap.add_argument("--overhead", action="store_true",
-                    help="the timing loop's own cost: while loop vs unrolled, A B A B")
+                    help="the timers' own cost: while loop vs straight-line calls, A B A B")
     ap.add_argument("--out", default="bench/results/kernels.json")
     args = ap.parse_args()
     facts = env_facts()

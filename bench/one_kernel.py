@@ -25,6 +25,7 @@ ap.add_argument("codec", nargs="?", default="taco")
 ap.add_argument("--mib", type=int, default=256)
 ap.add_argument("--tm", type=int, default=None, help="blocks per tile (default: the library's)")
 ap.add_argument("--warps", type=int, default=None, help="default: the library's")
+ap.add_argument("--tiles", type=int, default=None, help="tiles per program (default: the library's)")
 ap.add_argument("--ieee-rowmath", action="store_true", help="KernelConfig(fast_rowmath=False)")
 ap.add_argument("--roofline", action="store_true",
                 help="first, the benchmark's roofline: XLA f32 x + 1 over --mib MiB")
@@ -36,7 +37,8 @@ if a.roofline:
 c = codecs.get(a.codec)
 d = common.KernelConfig.default(c.block_size)
 cfg = dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,
-                          num_warps=a.warps or d.num_warps, fast_rowmath=not a.ieee_rowmath)
+                          num_warps=a.warps or d.num_warps, fast_rowmath=not a.ieee_rowmath,
+                          tiles_per_program=a.tiles or d.tiles_per_program)
 n = a.mib * (1 << 20) // 2 // c.block_size
 x = (jax.random.normal(jax.random.key(0), (n, c.block_size)) * 0.02).astype(jnp.bfloat16)
 w = jax.block_until_ready(compress.compress(x, c, cfg))

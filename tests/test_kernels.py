@@ -19,7 +19,6 @@ for data wider than bf16. So:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -171,30 +170,6 @@ def test_ieee_rowmath_matches_reference(name, b, dt):
     np.testing.assert_array_equal(np.isnan(dr), np.isnan(drr))
     fin = np.isfinite(drr).all(axis=1)
     assert nt.rel_l2(dr[fin], drr[fin]) <= (3e-2 if coarse(dt, b) else 1e-3)
-
-
-@pytest.mark.parametrize("name,b,dt", [("taco", 256, "bf16"), ("taco", 512, "f32"),
-                                      ("taco-int8", 64, "f16"), ("taco-1scale", 32, "bf16")],
-                         ids=case_id)
-def test_dot_layout_rows_matches_reference(name, b, dt):
-    """KernelConfig(dot_layout_rows=True): compress's row reductions in the dot's output
-    layout (two stages) and the codes reshaped as bytes. Same tolerances against the
-    reference as the default, NaN/Inf rows included, in compress and in the reduce
-    kernel's encode. B = 32 takes the dense path (the flag is ignored there)."""
-    c = codecs.get(name, block_size=b)
-    cfg = dataclasses.replace(common.KernelConfig.default(b), dot_layout_rows=True)
-    x = jnp.asarray(kernel_rows(n_rows_for(b), b, dt)).astype(DTYPES[dt])
-    w_ref = compress.compress_reference(x, c)
-    w = np.asarray(compress.compress(x, c, cfg=cfg, interpret=INTERPRET))
-    compare_wires(name, b, w, np.asarray(w_ref), f64(x), coarse(dt, b))
-    recv = jnp.stack([w_ref, w_ref])
-    r = reduce.reduce(recv, x, jnp.int32(0), c, cfg=cfg, interpret=INTERPRET)
-    dr = f64(decompress.decompress_reference(r, c))
-    drr = f64(decompress.decompress_reference(reduce.reduce_reference(recv, x, 0, c), c))
-    np.testing.assert_array_equal(np.isnan(dr), np.isnan(drr))
-    fin = np.isfinite(drr).all(axis=1)
-    # bf16 own data: the reduce's f32 sum goes into the dots as bf16 (precise off) at any B
-    assert nt.rel_l2(dr[fin], drr[fin]) <= (3e-2 if dt == "bf16" else 1e-3)
 
 
 def test_tiles_per_program_is_bit_identical():
@@ -432,8 +407,7 @@ def test_lowers_to_triton_configs(h200, kernel, b):
                     (jnp.bfloat16, common.KernelConfig(max_programs=132)),
                     (jnp.float32, common.KernelConfig(precise=False)),
                     (jnp.bfloat16, common.KernelConfig(blocks_per_program=16,
-                                                       tiles_per_program=4)),
-                    (jnp.bfloat16, common.KernelConfig(dot_layout_rows=True))]:
+                                                       tiles_per_program=4))]:
         assert_one_triton_call(lower_kernel(kernel, c, dt, cfg), kernel)
 
 

@@ -4,6 +4,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from taco_jax import tuning
@@ -74,3 +75,16 @@ def test_calibrate_rejects_bad_arguments():
         tuning.calibrate_min_bytes(m, "tp", dtype=jnp.int32)
     one = jax.make_mesh((1, 4), ("tp", "data"), devices=jax.devices()[:4])
     assert tuning.calibrate_min_bytes(one, "tp").min_bytes == tuning.NEVER
+
+
+def test_time_calls_keeps_every_call():
+    """The straight-line timer's program holds `iters` separate calls (none merged by CSE
+    or dropped as dead), returns all outputs, and times something."""
+    fn = lambda v: jnp.sin(v) * 2
+    xs = [jnp.full(64, float(i)) for i in range(5)]
+    calls = tuning.jit_calls(fn, 5)
+    assert calls.lower(xs).compile().as_text().count("sine(") == 5
+    outs = calls(xs)
+    assert len(outs) == 5
+    np.testing.assert_allclose(np.asarray(outs[3]), np.sin(3.0) * 2, rtol=1e-6)
+    assert tuning.time_calls(fn, xs[1], iters=3, repeats=1, batches=2) > 0

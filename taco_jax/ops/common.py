@@ -38,10 +38,6 @@ class KernelConfig:
     # of what is sent: decode uses the s and α on the wire. On by default since session 6:
     # compress 3–6% and reduce 2–4% faster on the H200, A B A B (docs/results.md).
     fast_rowmath: bool = True
-    # Experimental (session 7): compress's per-block Σz² and max|z| reduced in the second
-    # dot's output layout, (blocks·b, a), first over its a columns then over the b rows of
-    # each block; codes computed there and reshaped only as bytes. Kronecker block sizes.
-    dot_layout_rows: bool = False
     interpret: bool = False         # set by resolve(): no inline PTX in the interpreter
 
     @staticmethod
@@ -112,12 +108,11 @@ def _dot(v, h, exact_input: bool, precise: bool):
 
 
 def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: bool,
-                  cfg: KernelConfig, bf16_transpose: bool = False, flat: bool = True):
+                  cfg: KernelConfig, bf16_transpose: bool = False):
     """Unnormalised wire-order Hadamard of a (tm, B) f32 tile (times sqrt(B) vs `hadamard`).
 
     Kronecker path: view (tm, a, b), multiply by H_b on the right, transpose each block,
     multiply by H_a: 2·(a + b) FLOP/element instead of 2·B for the dense matrix.
-    flat=False (Kronecker path only): the (tm·b, a) dot output, not reshaped to (tm, B).
     bf16_transpose (when not `precise`): round the intermediate to bf16 before the
     transpose instead of after it; bit-identical, half the bytes through shared memory
     (part of a measured 12% gain in compress; in decompress it measured no better)."""
@@ -132,8 +127,7 @@ def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: boo
     if early:
         y = y.astype(jnp.bfloat16)
     y = jnp.transpose(y.reshape(tm, a, b), (0, 2, 1)).reshape(tm * b, a)  # (tm·b, a)
-    out = _dot(y, ha, early, precise)
-    return out.reshape(tm, block_size) if flat else out
+    return _dot(y, ha, early, precise).reshape(tm, block_size)
 
 
 def row_tile(ref, tile, tm: int, col0: int, width: int, n_rows: int, lead=(), row0=0):

@@ -53,18 +53,11 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
         s = quant.scale(m0, codec.qmax, m0 == np.inf)                  # eq. 9
         return (quant.quantize(x, s, codec.qmax, codec.code_dtype),   # eq. 10
                 quant.pack_scales([s]))
-    tm = x.shape[0]
-    rows2d = cfg.dot_layout_rows and common.kron_ok(b)
     z0 = common.hadamard_tile(x if dot_in is None else dot_in, h1s, h2s, block_size=b,
                               inverse=False, exact_input=exact_input, cfg=cfg,
-                              bf16_transpose=True, flat=not rows2d)
-    if rows2d:   # z0 is (tm·r, c): reduce its c columns, then each block's r rows
-        r = z0.shape[0] // tm
-        meansq = jnp.sum(jnp.sum(z0 * z0, axis=1).reshape(tm, r), axis=1, keepdims=True)
-        m0 = jnp.max(jnp.max(jnp.abs(z0), axis=1).reshape(tm, r), axis=1, keepdims=True)
-    else:
-        meansq = jnp.sum(z0 * z0, axis=1, keepdims=True)           # = mean(x²), Parseval
-        m0 = jnp.max(jnp.abs(z0), axis=1, keepdims=True)
+                              bf16_transpose=True)
+    meansq = jnp.sum(z0 * z0, axis=1, keepdims=True)               # = mean(x²), Parseval
+    m0 = jnp.max(jnp.abs(z0), axis=1, keepdims=True)
     bad = jnp.isnan(meansq) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
     gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
     if codec.transform == "ash":                                   # eqs. 6–7
@@ -72,13 +65,8 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
                 if cfg.fast_rowmath else quant.alpha_from_meansq(meansq, bad))
     g = gain * np.float32(np.sqrt(b))
     s = quant.scale(m0 * g, codec.qmax, bad)                       # eq. 9
-    mult = common.div(g, s, cfg)
-    if rows2d:
-        mult = jnp.broadcast_to(mult, (tm, r)).reshape(tm * r, 1)
-    codes = quant.quantize_mult(z0, mult, codec.qmax, codec.code_dtype,
+    codes = quant.quantize_mult(z0, common.div(g, s, cfg), codec.qmax, codec.code_dtype,
                                 clip=False)                        # eqs. 8, 10
-    if rows2d:
-        codes = codes.reshape(tm, b)
     scales = [s, gain] if codec.transform == "ash" else [s]
     return codes, quant.pack_scales(scales)
 
