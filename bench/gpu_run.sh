@@ -15,6 +15,7 @@
 #   train        bench/profile.py train (step breakdown) + bench/train_step.py (issue 6)
 #   fidelity     bench/fidelity.py on `small` (issue 7 part 1)
 #   ncu          Nsight Compute on compress (taco, block-fp8) and decompress, 256 MiB
+#   tilings_sizes  the same at 16, 64 and 256 MiB, 2 rounds (kernels_tilings_sizes.json)
 #   ncu_time     Nsight Compute's kernel durations (gpu__time_duration, clocks as found) of
 #                the roofline's x + 1, compress and decompress (taco, 256 MiB; 1 and 4
 #                tiles per program): kernel time without any timer's own cost
@@ -76,6 +77,9 @@ for s in "$@"; do
              --section LaunchStats --section ComputeWorkloadAnalysis \
              python bench/one_kernel.py "$1" "$2"
          done ;;
+    tilings_sizes) step tilings_sizes 300 python bench/kernels.py --tilings \
+                     --tilings-mib 16 64 256 --rounds 2 --sizes-mib 256 \
+                     --out bench/results/kernels_tilings_sizes.json ;;
     ncu_time) for t in 1 4; do   # tiles per program
                 step ncu_time_t$t 150 ncu --clock-control none --metrics \
                   gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \

@@ -93,7 +93,7 @@ def stage_rows(n: int, roof: float) -> list[dict]:
     taco = codecs.get("taco")
     b, nb = taco.block_size, n // taco.block_size
     x = (jax.random.normal(jax.random.key(0), (nb, b), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    default = common.KernelConfig.default(b)
+    default = common.KernelConfig.default(b, "compress")
     ieee = dataclasses.replace(default, fast_rowmath=False)
     runs = []
     for rb in (taco.row_bytes, b):   # the plumbing's ceiling: the wire row, codes only
@@ -119,34 +119,31 @@ def stage_rows(n: int, roof: float) -> list[dict]:
     return rows
 
 
-# KernelConfig overrides per kernel; the first ({}) is the library default (8 blocks × 2
-# warps for B = 256, measured against 16 × 4 in session 6, docs/results.md). Below 4 warps
-# (one warpgroup) Triton's dots are mma.sync, not wgmma. 132 = the H200's SM count.
+# KernelConfig overrides per kernel; the first ({}) is the library default for that kernel
+# (8 blocks × 2 warps for B = 256, compress with a loop of 4 tiles; sessions 6 and 7,
+# docs/results.md). Below 4 warps (one warpgroup) Triton's dots are mma.sync, not wgmma.
 TILINGS = {
-    "compress": [{}, {"tiles_per_program": 2}, {"tiles_per_program": 4},
-                 {"tiles_per_program": 4, "num_warps": 1},
-                 {"tiles_per_program": 8, "num_warps": 1},
-                 {"tiles_per_program": 4, "num_stages": 2},
-                 {"tiles_per_program": 4, "num_warps": 1, "blocks_per_program": 4},
-                 {"max_programs": 132 * 16}, {"max_programs": 132 * 8}],
-    "decompress": [{}, {"tiles_per_program": 4}, {"num_warps": 1}],
+    "compress": [{}, {"tiles_per_program": 1},
+                 {"num_warps": 1, "blocks_per_program": 4}],
+    "decompress": [{}, {"num_warps": 1}],
     "reduce": [{}, {"tiles_per_program": 4}],
 }
 
 
-def tiling_rows(n: int, roof: float, rounds: int = 3) -> list[dict]:
-    """Each kernel (taco, n bf16 elements) under each TILINGS override of the default
-    KernelConfig, interleaved over `rounds` (A B … A B …) so drift shows."""
+def tiling_rows(sizes: list[int], roof: float, rounds: int = 3) -> list[dict]:
+    """Each kernel (taco, n bf16 elements for n in sizes) under each TILINGS override of
+    its default KernelConfig, interleaved over `rounds` (A B … A B …) so drift shows."""
     taco = codecs.get("taco")
     rows = []
-    for rnd, kind in itertools.product(range(rounds), TILINGS):
+    for rnd, n, kind in itertools.product(range(rounds), sizes, TILINGS):
         for over in TILINGS[kind]:
-            cfg = dataclasses.replace(common.KernelConfig.default(taco.block_size), **over)
+            cfg = dataclasses.replace(common.KernelConfig.default(taco.block_size, kind),
+                                      **over)
             us, gbs = bench_kernel(kind, taco, n, cfg)
             rows.append({"kernel": kind, "config": ",".join(f"{k}={v}" for k, v in
                                                               over.items()) or "default",
                          "tm": cfg.blocks_per_program, "warps": cfg.num_warps,
-                         "tiles": cfg.tiles_per_program, "round": rnd,
+                         "tiles": cfg.tiles_per_program, "round": rnd, "mib": n * 2 / MIB,
                          "us": round(us, 1), "effective_gbs": round(gbs, 1),
                          "fraction_of_roofline": round(gbs / roof, 3)})
             print(rows[-1], flush=True)
@@ -190,21 +187,23 @@ def check(out_rows):
               for d in (jnp.bfloat16, jnp.float32)]
     for name, b, dtype, over in cases:
         c = codecs.get(name, block_size=b)
-        cfg = dataclasses.replace(common.KernelConfig.default(b), **over)
-        fast = cfg.fast_rowmath
+        cfg = {k: dataclasses.replace(common.KernelConfig.default(b, k), **over)
+               for k in ("compress", "decompress", "reduce")}
+        fast = cfg["compress"].fast_rowmath
         x = rng.standard_t(3, size=(4099, b)).astype(np.float32) * 0.01
         x[7, 3] = np.nan
         x[11, 0] = np.inf
         x = jnp.asarray(x).astype(dtype)
-        wk = compress.compress(x, c, cfg, interpret=INTERP)
+        wk = compress.compress(x, c, cfg["compress"], interpret=INTERP)
         wr = compress.compress_reference(x, c)
         codes_k, codes_r = np.asarray(wk[:, :b]), np.asarray(wr[:, :b])
-        dk = np.asarray(decompress.decompress(wr, c, cfg=cfg, interpret=INTERP), np.float64)
+        dk = np.asarray(decompress.decompress(wr, c, cfg=cfg["decompress"], interpret=INTERP),
+                        np.float64)
         dr = np.asarray(decompress.decompress_reference(wr, c), np.float64)
         fin = np.isfinite(dr)
         recv = jnp.stack([wr, wr])
         rk = np.asarray(decompress.decompress_reference(
-            reduce.reduce(recv, x, jnp.int32(1), c, cfg, interpret=INTERP), c))
+            reduce.reduce(recv, x, jnp.int32(1), c, cfg["reduce"], interpret=INTERP), c))
         rr = np.asarray(decompress.decompress_reference(reduce.reduce_reference(recv, x, 1, c), c))
         rfin = np.isfinite(rr)
         out_rows.append({
@@ -238,6 +237,9 @@ def main():
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--tilings", action="store_true",
                     help="A/B of blocks per tile × warps per kernel at 256 MiB (TILINGS)")
+    ap.add_argument("--tilings-mib", type=float, nargs="+", default=[256],
+                    help="input sizes (MiB of bf16) for --tilings")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --tilings")
     ap.add_argument("--overhead", action="store_true",
                     help="the timers' own cost: while loop vs straight-line calls, A B A B")
     ap.add_argument("--out", default="bench/results/kernels.json")
@@ -276,8 +278,8 @@ def main():
                                            256 * MIB if not INTERP else 1 << 16)
         print_table(result["overhead"], list(result["overhead"][0]))
     if args.tilings:
-        result["tilings"] = tiling_rows(256 * MIB // 2 if not INTERP else 1 << 14,
-                                        result["roofline_gbs"])
+        sizes = [int(m * MIB) // 2 if not INTERP else 1 << 14 for m in args.tilings_mib]
+        result["tilings"] = tiling_rows(sizes, result["roofline_gbs"], args.rounds)
         print_table(result["tilings"], list(result["tilings"][0]))
     rows = []
     for name in args.codecs:

@@ -35,13 +35,20 @@ if a.roofline:
     jax.block_until_ready(jax.jit(lambda v: v + 1)(f))
     del f
 c = codecs.get(a.codec)
-d = common.KernelConfig.default(c.block_size)
-cfg = dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,
-                          num_warps=a.warps or d.num_warps, fast_rowmath=not a.ieee_rowmath,
-                          tiles_per_program=a.tiles or d.tiles_per_program)
+
+
+def config(kernel):
+    """The library's default for `kernel`, with the command line's overrides."""
+    d = common.KernelConfig.default(c.block_size, kernel)
+    return dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,
+                               num_warps=a.warps or d.num_warps,
+                               fast_rowmath=not a.ieee_rowmath,
+                               tiles_per_program=a.tiles or d.tiles_per_program)
+
+
 n = a.mib * (1 << 20) // 2 // c.block_size
 x = (jax.random.normal(jax.random.key(0), (n, c.block_size)) * 0.02).astype(jnp.bfloat16)
-w = jax.block_until_ready(compress.compress(x, c, cfg))
+w = jax.block_until_ready(compress.compress(x, c, config("compress")))
 if a.kernel == "decompress":
-    jax.block_until_ready(decompress.decompress(w, c, jnp.bfloat16, cfg))
+    jax.block_until_ready(decompress.decompress(w, c, jnp.bfloat16, config("decompress")))
 print("ok", a)

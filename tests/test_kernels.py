@@ -172,6 +172,17 @@ def test_ieee_rowmath_matches_reference(name, b, dt):
     assert nt.rel_l2(dr[fin], drr[fin]) <= (3e-2 if coarse(dt, b) else 1e-3)
 
 
+def test_default_config_per_kernel():
+    """Compress loops over 4 tiles per program by default (measured, docs/results.md);
+    decompress and reduce take one; an unknown kernel name is an error naming it."""
+    assert common.KernelConfig.default(256, "compress").tiles_per_program == 4
+    for k in (None, "decompress", "reduce"):
+        assert common.KernelConfig.default(256, k).tiles_per_program == 1
+    assert common.KernelConfig.default(512, "compress").blocks_per_program == 4
+    with pytest.raises(ValueError, match="'compres'"):
+        common.KernelConfig.default(256, "compres")
+
+
 def test_tiles_per_program_is_bit_identical():
     """A loop over tiles inside a program computes exactly what one tile per program does."""
     c = codecs.get("taco-int8", block_size=128)

@@ -45,7 +45,7 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
     n_peers, n_rows, row = recv.shape
     if row != codec.row_bytes or own.shape[1] != codec.block_size or own.shape[0] < n_rows:
         raise ValueError(f"reduce kernel: got {recv.shape=}, {own.shape=} for {codec}")
-    cfg = (cfg or common.KernelConfig.default(codec.block_size)).resolve(
+    cfg = (cfg or common.KernelConfig.default(codec.block_size, "reduce")).resolve(
         wide=own.dtype != jnp.bfloat16, interpret=interpret)
     h1, h2 = common.hadamard_operands(codec.block_size)
     h1s, h2s = common.hadamard_operands(codec.block_size, scaled=True)
