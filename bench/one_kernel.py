@@ -25,7 +25,8 @@ ap.add_argument("codec", nargs="?", default="taco")
 ap.add_argument("--mib", type=int, default=256)
 ap.add_argument("--tm", type=int, default=None, help="blocks per tile (default: the library's)")
 ap.add_argument("--warps", type=int, default=None, help="default: the library's")
-ap.add_argument("--tiles", type=int, default=None, help="tiles per program (default: the library's)")
+ap.add_argument("--tiles", type=int, default=None,
+                help="tiles per program (default: the library's)")
 ap.add_argument("--ieee-rowmath", action="store_true", help="KernelConfig(fast_rowmath=False)")
 ap.add_argument("--roofline", action="store_true",
                 help="first, the benchmark's roofline: XLA f32 x + 1 over --mib MiB")

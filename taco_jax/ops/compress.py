@@ -109,8 +109,8 @@ def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None, skip_star
         raise ValueError(f"compress kernel: got {x.shape=} for {codec}")
     if row0 < 0 or n_rows < 0 or row0 + n_rows > x.shape[0]:
         raise ValueError(f"compress: window {row0=} {n_rows=} outside {x.shape[0]} rows")
-    cfg = (cfg or common.KernelConfig.default(b, "compress")).resolve(wide=x.dtype != jnp.bfloat16,
-                                                          interpret=interpret)
+    cfg = (cfg or common.KernelConfig.default(b, "compress")).resolve(
+        wide=x.dtype != jnp.bfloat16, interpret=interpret)
     h1, h2 = common.hadamard_operands(b, scaled=True)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                row0=row0, skip_rows=skip_rows)

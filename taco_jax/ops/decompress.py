@@ -55,8 +55,8 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False, into=
     if row != codec.row_bytes or not codec.has_kernel:
         raise ValueError(f"decompress kernel: got {w.shape=} for {codec}")
     b = codec.block_size
-    cfg = (cfg or common.KernelConfig.default(b, "decompress")).resolve(wide=out_dtype != jnp.bfloat16,
-                                                          interpret=interpret)
+    cfg = (cfg or common.KernelConfig.default(b, "decompress")).resolve(
+        wide=out_dtype != jnp.bfloat16, interpret=interpret)
     h1, h2 = common.hadamard_operands(b)
     rows_out = into.shape[0] if into is not None else (total_rows or row0 + n_rows)
     if row0 < 0 or row0 + n_rows > rows_out:
