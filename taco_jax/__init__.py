@@ -4,4 +4,5 @@ from taco_jax import feedback  # Echo error feedback: psum_with_feedback, Feedba
 from taco_jax.collectives import all_gather, psum, psum_scatter, pvary
 from taco_jax.dispatch import use_backend
 
-__all__ = ["codecs", "telemetry", "tuning", "psum", "pvary", "all_gather", "psum_scatter", "use_backend"]
+__all__ = ["codecs", "telemetry", "tuning", "psum", "pvary", "all_gather", "psum_scatter",
+           "use_backend"]

@@ -64,17 +64,13 @@ def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def jit_calls(fn, iters: int):
-    """jit(xs -> [fn(x) for x in xs]) for a list of `iters` inputs: the calls back to back
-    in straight-line code, every output returned. Each call has its own input buffer (a
+def jit_calls(fn):
+    """jit(xs -> [fn(x) for x in xs]) for a list of inputs: the calls back to back in
+    straight-line code, every output returned. Each call has its own input buffer (a
     barrier on one shared input does not stop XLA from merging identical calls: it expands
     barriers into control edges before CSE; seen on CPU), so none can be merged or
     dropped."""
-    @jax.jit
-    def calls(xs):
-        assert len(xs) == iters
-        return [fn(x) for x in xs]
-    return calls
+    return jax.jit(lambda xs: [fn(x) for x in xs])
 
 
 def time_calls(fn, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> float:
@@ -86,7 +82,7 @@ def time_calls(fn, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> fl
     would carry as 13% of its time. Memory: `iters` copies of x, and iters × batches
     outputs (every output stays live)."""
     xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
-    calls = jit_calls(fn, iters)
+    calls = jit_calls(fn)
     jax.block_until_ready(calls(xs))                    # compile + warm up
     times = []
     for _ in range(repeats):

@@ -82,7 +82,7 @@ def test_time_calls_keeps_every_call():
     or dropped as dead), returns all outputs, and times something."""
     fn = lambda v: jnp.sin(v) * 2
     xs = [jnp.full(64, float(i)) for i in range(5)]
-    calls = tuning.jit_calls(fn, 5)
+    calls = tuning.jit_calls(fn)
     assert calls.lower(xs).compile().as_text().count("sine(") == 5
     outs = calls(xs)
     assert len(outs) == 5
