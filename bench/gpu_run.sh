@@ -18,7 +18,8 @@
 #   tilings_sizes  the same at 16, 64 and 256 MiB, 2 rounds (kernels_tilings_sizes.json)
 #   ncu_time     Nsight Compute's kernel durations (gpu__time_duration, clocks as found) of
 #                the roofline's x + 1, compress and decompress (taco, 256 MiB; 1 and 4
-#                tiles per program): kernel time without any timer's own cost
+#                tiles per program): kernel time without any timer's own cost; summed up
+#                by bench/ncu_time.py into bench/results/ncu_time.json
 #   ncu_src      Nsight Compute --set full with source correlation on compress (taco, 256 MiB),
 #                the default kernel and the IEEE per-block math (fast_rowmath=False):
 #                reports and per-SASS-line CSVs come back
@@ -84,7 +85,12 @@ for s in "$@"; do
                 step ncu_time_t$t 150 ncu --clock-control none --metrics \
                   gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \
                   python bench/one_kernel.py decompress taco --roofline --tiles $t
-              done ;;
+              done
+              python bench/ncu_time.py "$OUT"/ncu_time_t{1,4}.log --label tiles1 tiles4 \
+                --commit "$GIT_COMMIT" "$GIT_COMMIT" \
+                --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+                --jax "$(python -c 'import jax; print(jax.__version__)')" \
+                > "$OUT/ncu_time.log" 2>&1 ;;
     ncu_src) for v in default ieee; do   # the default kernel and the IEEE per-block math
                flag=; [ $v = ieee ] && flag=--ieee-rowmath
                step "ncu_src_$v" 150 ncu --set full --import-source yes -k regex:taco_compress \
