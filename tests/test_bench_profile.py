@@ -124,3 +124,24 @@ def test_ncu_source_summary(tmp_path):
         bad = tmp_path / "bad.csv"
         bad.write_text("a,b\n1,2\n")
         ncu_source.read_sass(str(bad))
+
+
+def test_ncu_time_reads_durations_and_fractions(tmp_path):
+    """bench/ncu_time.py: kernel durations from ncu's CSV (thousands separators, other
+    kernels and metrics ignored), fractions against the x + 1 in the same log."""
+    from bench import ncu_time
+    head = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n')
+    rows = [("0", "wrapped_broadcast", "gpu__time_duration.sum", "81,760"),
+            ("1", "loop_add_fusion", "gpu__time_duration.sum", "124,480"),
+            ("1", "loop_add_fusion", "dram__bytes_read.sum", "268,449,792"),
+            ("2", "taco_compress", "gpu__time_duration.sum", "122,144")]
+    log = tmp_path / "ncu.log"
+    log.write_text("==PROF== noise\n" + head + "".join(
+        f'"{i}","{k}","{m}","ns","{v}"\n' for i, k, m, v in rows))
+    assert ncu_time.durations_ns(str(log)) == {"loop_add_fusion": 124480.0,
+                                               "taco_compress": 122144.0}
+    out = ncu_time.main([str(log), "--label", "a", "--commit", "c", "--device", "d",
+                         "--jax", "j", "--out", str(tmp_path / "o.json")])
+    comp = [r for r in out["rows"] if r["kernel"] == "taco_compress"][0]
+    assert comp["fraction_of_roofline"] == pytest.approx(
+        ncu_time.BYTES["taco_compress"] / 122144 / (2 * 256 * 2**20 / 124480), abs=1e-3)
