@@ -16,7 +16,7 @@ import jax
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from bench.common import env_facts, write_json  # noqa: E402
-from taco_jax import tuning  # noqa: E402
+from taco_jax import calibrate as tuning  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from bench.common import env_facts, print_table, time_loop, write_json  # noqa: E402
 import taco_jax  # noqa: E402
-from taco_jax import tuning  # noqa: E402
+from taco_jax import calibrate as tuning  # noqa: E402
 
 MIB = 1 << 20
 

@@ -12,7 +12,7 @@ import jax
 # calibration, where a psum takes ~1 ms and the cost is the same on both sides of a ratio.
 # time_calls (straight-line calls, no loop overhead; memory grows with the number of calls)
 # serves the kernel benchmark, whose fractions of the roofline it would otherwise inflate.
-from taco_jax.tuning import jit_loop, time_calls, time_loop  # noqa: F401
+from taco_jax.calibrate import time_calls  # noqa: F401
 
 
 def env_facts() -> dict:

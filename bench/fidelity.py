@@ -37,8 +37,9 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from bench.common import env_facts, write_json  # noqa: E402
-from taco_jax import codecs, hadamard, telemetry  # noqa: E402
-from taco_jax.ops import quant  # noqa: E402
+from taco_jax import codecs, telemetry  # noqa: E402
+from taco_jax.numerics import hadamard  # noqa: E402
+from taco_jax.numerics import quant  # noqa: E402
 from train import config as config_lib  # noqa: E402
 from train.checkpoint import Checkpointer  # noqa: E402
 from train.data import Batches, load_corpus  # noqa: E402

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from bench.common import env_facts, print_table, time_calls, time_loop, write_json  # noqa: E402
 from taco_jax import codecs  # noqa: E402
-from taco_jax.ops import common, compress, decompress, reduce  # noqa: E402
+from taco_jax.kernels import compress, decompress, reduce, tiling as common  # noqa: E402
 
 MIB = 1 << 20
 INTERP = jax.default_backend() != "gpu"   # CPU smoke runs use the Pallas interpreter

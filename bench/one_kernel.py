@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from taco_jax import codecs  # noqa: E402
-from taco_jax.ops import common, compress, decompress  # noqa: E402
+from taco_jax.kernels import compress, decompress, tiling as common  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("kernel", choices=("compress", "decompress"))

@@ -1,8 +1,16 @@
-"""taco_jax: compressed tensor-parallel collectives for JAX (TACO, Echo)."""
-from taco_jax import codecs, telemetry, tuning
-from taco_jax import feedback  # Echo error feedback: psum_with_feedback, FeedbackState
-from taco_jax.collectives import all_gather, psum, psum_scatter, pvary
-from taco_jax.dispatch import use_backend
+"""taco_jax: compressed tensor-parallel collectives for JAX.
 
-__all__ = ["codecs", "telemetry", "tuning", "psum", "pvary", "all_gather", "psum_scatter",
-           "use_backend"]
+    y = taco_jax.psum(x, "tp")                 # inside jax.shard_map: was lax.psum
+    with taco_jax.config(codec="taco", min_bytes=1 << 20):
+        ...                                    # the recipe for everything traced here
+"""
+from taco_jax import calibrate, codecs, telemetry
+from taco_jax.collectives import (DEFAULT_MIN_BYTES, UnboundAxisError, all_gather, feedback,
+                                  psum, psum_scatter, pvary)
+from taco_jax.collectives.feedback import (FeedbackState, psum_with_feedback,
+                                           pvary_with_feedback)
+from taco_jax.recipe import Recipe, config
+
+__all__ = ["psum", "pvary", "all_gather", "psum_scatter", "psum_with_feedback",
+           "pvary_with_feedback", "FeedbackState", "feedback", "config", "Recipe", "codecs",
+           "telemetry", "calibrate", "UnboundAxisError", "DEFAULT_MIN_BYTES"]

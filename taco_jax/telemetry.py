@@ -1,5 +1,10 @@
-"""Opt-in telemetry for compressed collectives. Off by default and free when off: the flag
-is read when a function is traced, so nothing is added to programs traced while it is off.
+"""What the compressed collectives did: sites, errors, bytes, captured tensors.
+
+`sites()` lists every collective call site traced so far (shape, dtype, axes, codec, bytes
+per device, and whether it was compressed or went to lax, with the reason). It is recorded
+at trace time, always, at no run-time cost; `site_report()` formats it, and each new site
+is logged once to the "taco_jax" logger (INFO). The rest is opt-in: off by default and free
+when off, as the flag is read when a function is traced.
 
     with taco_jax.telemetry.collect() as log:
         y = jitted_step(...)          # traced (or re-traced) inside the block
@@ -8,13 +13,15 @@ is read when a function is traced, so nothing is added to programs traced while 
 Each record costs one exact lax.psum in f32 (to measure the error) and a host callback.
 
 `capture()` (below) hands the tensors at the all-reduce sites themselves to the host, for
-the fidelity study (bench/fidelity.py); same rule: off by default, free when off.
+the fidelity study (experiments/fidelity.py); same rule: off by default, free when off.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
+import logging
+import math
 import threading
 
 import jax
@@ -23,6 +30,78 @@ import numpy as np
 from jax import lax
 
 _state = threading.local()
+_log = logging.getLogger("taco_jax")
+
+
+# -- call sites (trace time, always on) -----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Site:
+    op: str
+    shape: tuple
+    dtype: str
+    axes: tuple
+    codec: str
+    compressed: bool
+    reason: str          # why not compressed ("" when compressed)
+
+    @property
+    def bytes_per_device(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        route = f"compressed ({self.codec})" if self.compressed else f"plain: {self.reason}"
+        axes = ",".join(map(str, self.axes))
+        return (f"{self.op}[{axes}] {self.dtype}{list(self.shape)} "
+                f"{self.bytes_per_device / 2**20:.3g} MiB: {route}")
+
+
+_sites: dict = {}          # Site -> times traced
+_sites_lock = threading.Lock()
+
+
+def note_site(op, shape, dtype, axes, codec: str, reason: str | None) -> None:
+    """Record one traced collective call (called by the collectives)."""
+    site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
+                reason is None, reason or "")
+    with _sites_lock:
+        new = site not in _sites
+        _sites[site] = _sites.get(site, 0) + 1
+    if new:
+        _log.info("taco_jax site %s", site.describe())
+
+
+def sites() -> list[tuple[Site, int]]:
+    """[(site, times traced)] for every distinct collective call site traced so far."""
+    with _sites_lock:
+        return list(_sites.items())
+
+
+def clear_sites() -> None:
+    with _sites_lock:
+        _sites.clear()
+
+
+def site_report() -> str:
+    """One line per distinct site: what it sends, and compressed or plain and why."""
+    rows = sites()
+    if not rows:
+        return "no taco_jax collective traced"
+    return "\n".join(f"{n:>4} × {s.describe()}" for s, n in rows)
+
+
+def wire_bytes(site: Site, codec=None) -> int:
+    """Bytes one device sends for one call of this site (two-shot: twice its compressed
+    size, or twice the uncompressed size for a plain all-reduce)."""
+    from taco_jax import codecs
+    n = math.prod(site.shape)
+    if not site.compressed:
+        return 2 * site.bytes_per_device if site.op in ("psum", "pvary") else site.bytes_per_device
+    c = codecs.get(codec or site.codec)
+    per = c.wire_bytes(n)
+    return 2 * per if site.op in ("psum", "pvary") else per
+
+
+# -- per-call error records (opt-in) ---------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -92,6 +171,78 @@ class Capture:
 
 
 _capture_state = threading.local()
+_log = logging.getLogger("taco_jax")
+
+
+# -- call sites (trace time, always on) -----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Site:
+    op: str
+    shape: tuple
+    dtype: str
+    axes: tuple
+    codec: str
+    compressed: bool
+    reason: str          # why not compressed ("" when compressed)
+
+    @property
+    def bytes_per_device(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        route = f"compressed ({self.codec})" if self.compressed else f"plain: {self.reason}"
+        axes = ",".join(map(str, self.axes))
+        return (f"{self.op}[{axes}] {self.dtype}{list(self.shape)} "
+                f"{self.bytes_per_device / 2**20:.3g} MiB: {route}")
+
+
+_sites: dict = {}          # Site -> times traced
+_sites_lock = threading.Lock()
+
+
+def note_site(op, shape, dtype, axes, codec: str, reason: str | None) -> None:
+    """Record one traced collective call (called by the collectives)."""
+    site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
+                reason is None, reason or "")
+    with _sites_lock:
+        new = site not in _sites
+        _sites[site] = _sites.get(site, 0) + 1
+    if new:
+        _log.info("taco_jax site %s", site.describe())
+
+
+def sites() -> list[tuple[Site, int]]:
+    """[(site, times traced)] for every distinct collective call site traced so far."""
+    with _sites_lock:
+        return list(_sites.items())
+
+
+def clear_sites() -> None:
+    with _sites_lock:
+        _sites.clear()
+
+
+def site_report() -> str:
+    """One line per distinct site: what it sends, and compressed or plain and why."""
+    rows = sites()
+    if not rows:
+        return "no taco_jax collective traced"
+    return "\n".join(f"{n:>4} × {s.describe()}" for s, n in rows)
+
+
+def wire_bytes(site: Site, codec=None) -> int:
+    """Bytes one device sends for one call of this site (two-shot: twice its compressed
+    size, or twice the uncompressed size for a plain all-reduce)."""
+    from taco_jax import codecs
+    n = math.prod(site.shape)
+    if not site.compressed:
+        return 2 * site.bytes_per_device if site.op in ("psum", "pvary") else site.bytes_per_device
+    c = codecs.get(codec or site.codec)
+    per = c.wire_bytes(n)
+    return 2 * per if site.op in ("psum", "pvary") else per
+
+
+# -- per-call error records (opt-in) ---------------------------------------------------------
 
 
 def capturing() -> bool:

@@ -27,8 +27,9 @@ import numpy as np
 import pytest
 
 import numpy_taco as nt
-from taco_jax import codecs, dispatch
-from taco_jax.ops import common, compress, decompress, reduce
+import taco_jax
+from taco_jax import codecs
+from taco_jax.kernels import compress, decompress, dispatch, reduce, tiling as common
 
 INTERPRET = jax.default_backend() != "gpu"
 pytestmark = pytest.mark.filterwarnings(
@@ -161,7 +162,7 @@ def test_ieee_rowmath_matches_reference(name, b, dt):
     want = f64(decompress.decompress_reference(w_ref, c))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want).any(axis=1)
-    assert nt.block_rel_max(got[ok], want[ok]) <= 1e-6
+    assert nt.block_rel_max(got[ok], want[ok]) <= 2e-6   # f32 sums in another order: ~1e-6
     recv = jnp.stack([w_ref, w_ref])
     r = reduce.reduce(recv, x, jnp.int32(1), c, cfg=ieee, interpret=INTERPRET)
     rr = reduce.reduce_reference(recv, x, 1, c)
@@ -192,25 +193,6 @@ def test_tiles_per_program_is_bit_identical():
     w1 = compress.compress(x, c, cfg=one, interpret=INTERPRET)
     w3 = compress.compress(x, c, cfg=loop, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(w1), np.asarray(w3))
-
-
-def test_max_programs_is_bit_identical():
-    """A capped grid (each program loops over every n-th tile, the last trip partly past
-    the end) computes exactly what one tile per program does, for all three kernels."""
-    c = codecs.get("taco", block_size=128)
-    x = jnp.asarray(kernel_rows(45, 128, "bf16")).astype(jnp.bfloat16)   # 6 tiles of 8
-    one = common.KernelConfig(blocks_per_program=8)
-    capped = common.KernelConfig(blocks_per_program=8, max_programs=4)  # trips: 2, 2, 1, 1
-    w1 = compress.compress(x, c, cfg=one, interpret=INTERPRET)
-    w2 = compress.compress(x, c, cfg=capped, interpret=INTERPRET)
-    np.testing.assert_array_equal(np.asarray(w1), np.asarray(w2))
-    d1 = decompress.decompress(w1, c, jnp.float32, cfg=one, interpret=INTERPRET)
-    d2 = decompress.decompress(w1, c, jnp.float32, cfg=capped, interpret=INTERPRET)
-    np.testing.assert_array_equal(np.asarray(d1), np.asarray(d2))
-    recv = jnp.stack([w1, w1])
-    r1 = reduce.reduce(recv, x, jnp.int32(0), c, cfg=one, interpret=INTERPRET)
-    r2 = reduce.reduce(recv, x, jnp.int32(0), c, cfg=capped, interpret=INTERPRET)
-    np.testing.assert_array_equal(np.asarray(r1), np.asarray(r2))
 
 
 def test_compress_kernel_large_finite_inputs():
@@ -277,41 +259,6 @@ def test_reduce_kernel_vs_reference(name, b):
         QUANT_BOUND[nt.SPECS[name].fmt.name]
 
 
-# -- windows (row0 / n_rows / into / total_rows), as the chunked psum uses them ------------------
-def test_windowed_kernels_match_reference_dispatch():
-    c = codecs.get("taco", block_size=128)
-    x = jnp.asarray(kernel_rows(60, 128, "f32")[9:])          # finite rows only
-    outs = {}
-    for backend in ("interpret" if INTERPRET else "pallas", "reference"):
-        with dispatch.use_backend(backend):
-            w = dispatch.compress(x, c, row0=7, n_rows=33)
-            into = jnp.full((52, 128), -7.0, jnp.float32)
-            y_into = dispatch.decompress(w, c, jnp.float32, into=into, row0=11)
-            y_win = dispatch.decompress(w, c, jnp.float32, row0=4, total_rows=40)
-            assert y_into.shape == (52, 128) and y_win.shape == (40, 128)
-            outs[backend] = (np.asarray(w), f64(y_into), f64(y_win)[4:37])
-    (wk, ik, yk), (wr, ir, yr) = outs.values()
-    assert wk.shape == wr.shape == (33, c.row_bytes)
-    compare_wires("taco", 128, wk, wr, f64(x)[7:40], False)
-    assert np.all(ik[:11] == -7) and np.all(ik[44:] == -7)
-    np.testing.assert_allclose(ik, ir, rtol=0, atol=2e-6 * np.abs(ir).max())
-    np.testing.assert_allclose(yk, yr, rtol=0, atol=2e-6 * np.abs(yr).max())
-
-
-@pytest.mark.parametrize("backend", ["interpret", "reference"])
-@pytest.mark.parametrize("op", ["compress", "decompress"])
-def test_window_out_of_bounds_is_an_error(op, backend):
-    c = codecs.get("taco", block_size=64)
-    x = jnp.ones((20, 64), jnp.float32)
-    w = jax.ShapeDtypeStruct((10, c.row_bytes), jnp.uint8)
-    with dispatch.use_backend(backend), pytest.raises(ValueError):   # static: trace only
-        if op == "compress":
-            jax.eval_shape(lambda v: dispatch.compress(v, c, row0=5, n_rows=20), x)
-        else:
-            jax.eval_shape(lambda v: dispatch.decompress(v, c, jnp.float32, row0=15,
-                                                         total_rows=20), w)
-
-
 # -- through the codec API -------------------------------------------------------------------------
 @pytest.mark.parametrize("name,dt", [("taco", "bf16")], ids=case_id)
 def test_codec_api_on_interpret_backend(name, dt):
@@ -322,7 +269,7 @@ def test_codec_api_on_interpret_backend(name, dt):
     x = x.reshape(-1)[:1500].reshape(3, 500)
     x[1, 300] = np.nan                                       # flat 800 → block 3
     xj = jnp.asarray(x).astype(DTYPES[dt])
-    with dispatch.use_backend("interpret" if INTERPRET else "pallas"):
+    with taco_jax.config(backend="interpret" if INTERPRET else "pallas"):
         enc = c.encode(xj)
         y = c.decode(enc)
     ref = c.roundtrip(xj)
@@ -346,10 +293,6 @@ def test_kernel_wrappers_validate_shapes():
         lambda: decompress.decompress(w, codecs.get("taco-1scale", block_size=128),
                                       interpret=True),
         lambda: decompress.decompress(w, codecs.get("hadamard-fp8", block_size=128),
-                                      interpret=True),
-        lambda: decompress.decompress(w, c, jnp.float32, into=jnp.ones((10, 64)),
-                                      interpret=True),
-        lambda: decompress.decompress(w, c, jnp.float32, into=jnp.ones((10, 128), jnp.bfloat16),
                                       interpret=True),
         lambda: reduce.reduce(jnp.stack([w, w])[:, :, :-1], x, 0, c, interpret=True),
         lambda: reduce.reduce(jnp.stack([w, w]), jnp.ones((10, 64)), 0, c, interpret=True),
@@ -411,11 +354,9 @@ def test_lowers_to_triton(h200, kernel, name, b):
 @pytest.mark.parametrize("b", [64, 256], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_lowers_to_triton_configs(h200, kernel, b):
-    """Non-default configs: forced precise / imprecise, the pipelined tile loop, the capped
-    grid."""
+    """Non-default configs: forced precise / imprecise, the pipelined tile loop."""
     c = codecs.get("taco", block_size=b)
     for dt, cfg in [(jnp.bfloat16, common.KernelConfig(precise=True)),
-                    (jnp.bfloat16, common.KernelConfig(max_programs=132)),
                     (jnp.float32, common.KernelConfig(precise=False)),
                     (jnp.bfloat16, common.KernelConfig(blocks_per_program=16,
                                                        tiles_per_program=4))]:

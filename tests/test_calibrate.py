@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from taco_jax import tuning
+from taco_jax import calibrate as tuning
 
 
 def rows(*ratios, sizes=(1, 4, 16, 64)):
@@ -52,7 +52,7 @@ def test_calibrate_runs_on_simulated_devices():
 
     def timer(fn, x, **kw):
         next(calls)
-        return tuning.time_loop(fn, x, iters=2, repeats=1)
+        return tuning.time_calls(fn, x, iters=2, repeats=1, batches=1)
     cal = tuning.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 32,), timer=timer)
     assert next(calls) == 3 and len(cal.rows) == 1
     r = cal.rows[0]

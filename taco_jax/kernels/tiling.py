@@ -1,5 +1,5 @@
-"""Kernel plumbing shared by the compress, decompress and reduce kernels: tiling config,
-the tensor-core Hadamard, row-tile loads and the pallas_call launcher."""
+"""Plumbing shared by the compress, decompress and reduce kernels: the tiling config,
+the tensor-core Hadamard, row-tile loads and stores, and the pallas_call launcher."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,42 +11,35 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from taco_jax import hadamard
+from taco_jax.numerics import hadamard
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Tiling of one program. Defaults measured on H200 (see docs/design.md)."""
+    """Tiling of one program (defaults: `KernelConfig.default`, measured on the H200)."""
     blocks_per_program: int = 8     # rows of B elements per tile (power of two)
-    # 2 warps, below one warpgroup: Triton's dots are mma.sync instead of wgmma. Measured
-    # A B A B at 256 MiB against 16 blocks × 4 warps (session 6, docs/results.md):
-    # decompress 0.87 vs 0.77 of the roofline, reduce 0.88 vs 0.72, compress 0.75 vs 0.75.
+    # Below one warpgroup, Triton's dots are mma.sync instead of wgmma, which suits these
+    # small per-block matmuls (docs/design.md, "Kernels").
     num_warps: int = 2
     num_stages: int = 3
     # bf16 hi+lo split of the Hadamard intermediate (≈16 mantissa bits). None: only where
     # the data is wider than bf16; for bf16 data the single rounding (2^-9) adds ~0.1% to
-    # the FP8 error of ~2.6% and costs ~15% of compress time (measured, docs/design.md).
+    # the FP8 error of ~2.6% and would cost ~15% of compress time.
     precise: bool | None = None
     tiles_per_program: int = 1      # >1: a loop over tiles per program (lets Triton pipeline)
-    # >0: at most this many programs, each looping over every max_programs-th tile. Leaves
-    # SMs free for NCCL's kernels when compression overlaps communication (chunked psum).
-    max_programs: int = 0
     # Per-block scalar math (α, the code multiplier, decode's s/α) with the GPU's
     # approximate rsqrt / reciprocal (one MUFU instruction each, ≤ 2 ulp) instead of IEEE
-    # sqrt and division, whose range checks and slow paths are ~30% of compress's SASS
-    # (Nsight Compute source view, docs/results.md). The scales are still exact functions
-    # of what is sent: decode uses the s and α on the wire. On by default since session 6:
-    # compress 3–6% and reduce 2–4% faster on the H200, A B A B (docs/results.md).
+    # sqrt and division, whose range checks and slow paths are ~30% of compress's
+    # instructions. The scales stay exact functions of what is sent: decode uses the s and
+    # α on the wire.
     fast_rowmath: bool = True
     interpret: bool = False         # set by resolve(): no inline PTX in the interpreter
 
     @staticmethod
     def default(block_size: int, kernel: str | None = None) -> "KernelConfig":
-        """2048 elements per tile (1024 per warp), at least 4 blocks: measured at B = 256
-        (8 blocks); other block sizes keep the elements per warp. kernel="compress": a loop
-        of 4 tiles per program, which lets Triton pipeline the next tile's loads (session 7,
-        256 MiB, 3 interleaved rounds: 0.854–0.865 of the roofline vs 0.785–0.814 with one
-        tile; decompress lost with it, 0.83–0.85 vs 0.87–0.94, and the reduce tied)."""
+        """2048 elements per tile (1024 per warp), at least 4 blocks; compress loops over 4
+        tiles per program, which lets Triton pipeline the next tile's loads (decompress and
+        reduce are faster with one tile per program)."""
         if kernel not in (None, "compress", "decompress", "reduce"):
             raise ValueError(f"KernelConfig.default: unknown kernel {kernel!r}")
         return KernelConfig(blocks_per_program=max(4, 2048 // block_size),
@@ -114,14 +107,13 @@ def _dot(v, h, exact_input: bool, precise: bool):
 
 
 def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: bool,
-                  cfg: KernelConfig, bf16_transpose: bool = False):
+                  cfg: KernelConfig):
     """Unnormalised wire-order Hadamard of a (tm, B) f32 tile (times sqrt(B) vs `hadamard`).
 
     Kronecker path: view (tm, a, b), multiply by H_b on the right, transpose each block,
-    multiply by H_a: 2·(a + b) FLOP/element instead of 2·B for the dense matrix.
-    bf16_transpose (when not `precise`): round the intermediate to bf16 before the
-    transpose instead of after it; bit-identical, half the bytes through shared memory
-    (part of a measured 12% gain in compress; in decompress it measured no better)."""
+    multiply by H_a: 2·(a + b) FLOP/element instead of 2·B for the dense matrix. Unless
+    `precise`, the intermediate is rounded to bf16 before the transpose rather than by the
+    second dot: bit-identical, and half the bytes through shared memory."""
     tm, precise = v.shape[0], cfg.precise
     if not kron_ok(block_size):
         m = h2 if inverse else h1
@@ -129,17 +121,16 @@ def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: boo
     r, c = hadamard.factors(block_size)
     (a, ha), (b, hb) = ((c, h2), (r, h1)) if inverse else ((r, h1), (c, h2))
     y = _dot(v.reshape(tm * a, b), hb, exact_input, precise)            # (tm·a, b)
-    early = bf16_transpose and not precise
-    if early:
+    if not precise:
         y = y.astype(jnp.bfloat16)
     y = jnp.transpose(y.reshape(tm, a, b), (0, 2, 1)).reshape(tm * b, a)  # (tm·b, a)
-    return _dot(y, ha, early, precise).reshape(tm, block_size)
+    return _dot(y, ha, not precise, precise).reshape(tm, block_size)
 
 
 def row_tile(ref, tile, tm: int, col0: int, width: int, n_rows: int, lead=(), row0=0):
     """Index + mask for rows row0 + [tile·tm, tile·tm + tm) (masked to < row0 + n_rows) and
-    columns [col0, col0 + width). row0 lets a kernel work on a window of a larger array
-    (a chunk of a pipelined collective) without slicing copies."""
+    columns [col0, col0 + width). row0 (may be traced) lets the reduce read its own segment
+    of the whole input without a slicing copy."""
     local = tile * tm + jnp.arange(tm)
     cols = col0 + jnp.arange(width)
     mask = (local < n_rows)[:, None]
@@ -152,32 +143,19 @@ def load_rows(ref, tile, tm, col0, width, n_rows, lead=(), row0=0):
     return plgpu.load(view, mask=mask, other=0)
 
 
-def store_rows(ref, tile, value, tm, col0, n_rows, row0=0):
-    view, mask = row_tile(ref, tile, tm, col0, value.shape[1], n_rows, row0=row0)
+def store_rows(ref, tile, value, tm, col0, n_rows):
+    view, mask = row_tile(ref, tile, tm, col0, value.shape[1], n_rows)
     plgpu.store(view, value, mask=mask)
 
 
 def n_programs(cfg: KernelConfig, n_rows: int) -> int:
-    tiles = pl.cdiv(n_rows, cfg.blocks_per_program)
-    if cfg.max_programs:
-        return max(1, min(tiles, cfg.max_programs))
-    return pl.cdiv(tiles, cfg.tiles_per_program)
+    return pl.cdiv(pl.cdiv(n_rows, cfg.blocks_per_program), cfg.tiles_per_program)
 
 
 def for_each_tile(cfg: KernelConfig, n_rows: int, body) -> None:
-    """Run body(tile) for this program's tiles: one; a contiguous run of tiles_per_program
-    (a loop Triton can pipeline); or, with max_programs, every n_programs-th tile."""
+    """Run body(tile) for this program's tiles: one, or a contiguous run of
+    tiles_per_program (a loop Triton can pipeline; tiles past the end are fully masked)."""
     pid = pl.program_id(0)
-    if cfg.max_programs:
-        grid = n_programs(cfg, n_rows)
-        trips = pl.cdiv(pl.cdiv(n_rows, cfg.blocks_per_program), grid)
-        # tiles past the end are fully masked (rows ≥ n_rows): loads give 0, stores skip
-
-        def strided(k, carry):
-            body(pid + k * grid)
-            return carry
-        jax.lax.fori_loop(0, trips, strided, 0)
-        return
     t = cfg.tiles_per_program
     if t == 1:
         body(pid)
@@ -190,7 +168,7 @@ def for_each_tile(cfg: KernelConfig, n_rows: int, body) -> None:
 
 
 def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, name: str,
-           *args, aliases=None):
+           *args):
     """pallas_call over row tiles; refs are whole arrays (tiles are addressed by hand so
     payload and scales of one row can live in one uint8 buffer)."""
     return pl.pallas_call(
@@ -201,7 +179,6 @@ def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, n
                                              num_stages=cfg.num_stages),
         interpret=interpret,
         name=name,
-        input_output_aliases=aliases or {},
     )(*args)
 
 

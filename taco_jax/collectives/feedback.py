@@ -1,9 +1,8 @@
-"""Error feedback for compressed all-reduces along a residual stream (Echo, seed 003).
+"""Error feedback for compressed all-reduces along a residual stream (Echo).
 
-Echo: "The summation reveals each injected error, and Echo feeds it back into later calls,
-so old errors cancel instead of accumulating. We prove that the accumulated error stays
-bounded independently of depth." A residual block adds psum(·) into the stream h; a
-compressed psum adds its output plus an error δ_k (Echo Fig. 1). If the *next* all-reduce
+A residual block adds psum(·) into the stream h; a compressed psum adds its output plus an
+error δ_k. The summation reveals each injected error, and feeding it into later calls makes
+old errors cancel instead of accumulate. If the *next* all-reduce
 into the same stream sums x − δ_k instead of x, the stream carries δ_{k+1} + (what the
 blocks make of δ_k) instead of δ_1 + … + δ_{k+1}.
 
@@ -29,7 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import codecs, collectives, dispatch
+from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives.allreduce import psum
+from taco_jax.collectives.call import Call
+from taco_jax.collectives.two_shot import two_shot
 
 
 class FeedbackState(NamedTuple):
@@ -41,9 +43,10 @@ class FeedbackState(NamedTuple):
 
 def zeros(shape, axis_name) -> FeedbackState:
     """Initial state, inside `jax.shard_map` (varying over `axis_name` under check_vma)."""
+    axes = axes_lib.resolve(axis_name, "feedback.zeros")
     r = jnp.zeros(shape, jnp.float32)
-    if collectives._check_vma():
-        r = lax.pcast(r, axis_name, to="varying")
+    if axes_lib.check_vma(axes):
+        r = lax.pcast(r, axes_lib.name(axes), to="varying")
     return FeedbackState(r)
 
 
@@ -52,39 +55,11 @@ def zeros_like(x, axis_name) -> FeedbackState:
     over (e.g. "data"), as a custom_vjp needs the state's cotangent to vary like the state."""
     state = zeros(x.shape, axis_name)
     mat = getattr(jax.typeof(x), "manual_axis_type", None)       # None outside check_vma
-    other = tuple(sorted(set(mat.varying) - {axis_name})) if mat is not None else ()
+    axes = set(axes_lib.resolve(axis_name, "feedback.zeros_like"))
+    other = tuple(sorted(set(mat.varying) - axes)) if mat is not None else ()
     if other:
         state = FeedbackState(lax.pcast(state.residual, other, to="varying"))
     return state
-
-
-# -- the all-reduce that also returns this device's share of its error ----------------------
-def _two_shot_err(z, axis, codec, p: int, out_dtype):
-    """collectives._two_shot (unchunked, reference ops) on f32 z, plus e with Σ_devices e =
-    y − Σ_devices z on every element (up to fp32 rounding)."""
-    b, row = codec.block_size, codec.row_bytes
-    flat = z.reshape(-1)
-    nb = max(1, -(-flat.size // (p * b)))
-    total = p * nb
-    if total * b != flat.size:
-        flat = jnp.pad(flat, (0, total * b - flat.size))
-    blocks = flat.reshape(total, b)                                  # (rows, B)
-    me = lax.axis_index(axis)
-    wire = dispatch.compress(blocks, codec)                          # (rows, row_bytes)
-    sent = dispatch.decompress(wire, codec, jnp.float32)             # what the owners will see
-    recv = lax.all_to_all(wire.reshape(p, nb, row), axis, 0, 0)      # recv[j]: from device j
-    got = dispatch.decompress(recv.reshape(total, row), codec, jnp.float32).reshape(p, nb, b)
-    own = lax.dynamic_slice_in_dim(blocks, me * nb, nb)              # (nb, B), unquantized
-    mask = (jnp.arange(p) != me)[:, None, None]
-    s_tilde = own + jnp.sum(jnp.where(mask, got, 0.0), axis=0)       # fp32 sum (Echo Fig. 2a)
-    to = "invarying" if collectives._check_vma() else "varying"
-    everyone = lax.all_gather(dispatch.compress(s_tilde, codec), axis, to=to)  # (P, nb, row)
-    out = dispatch.decompress(everyone.reshape(total, row), codec, out_dtype)  # (rows, B)
-    # error shares: first quantization on sent segments, second on the owned one (as returned,
-    # after the cast to out_dtype, so a bf16 output's rounding is fed back too)
-    own_err = lax.dynamic_slice_in_dim(out, me * nb, nb).astype(jnp.float32) - s_tilde
-    err = lax.dynamic_update_slice_in_dim(sent - blocks, own_err, me * nb, 0)
-    return codecs.from_blocks(out, z.shape), codecs.from_blocks(err, z.shape)
 
 
 def _exact_err(z, axis, out_dtype):
@@ -94,17 +69,17 @@ def _exact_err(z, axis, out_dtype):
     return y, jnp.where(lax.axis_index(axis) == 0, y.astype(jnp.float32) - s, 0.0)
 
 
-def _reduce_err(x, r, axis, codec, p, compress):
+def _reduce_err(x, r, axis, codec, p, vma, compress):
     z = x.astype(jnp.float32) - r                        # subtract the previous site's share
     if compress:
-        return _two_shot_err(z, axis, codec, p, x.dtype)
+        return two_shot(z, axis, codec, p, vma, with_error=True, out_dtype=x.dtype)
     return _exact_err(z, axis, x.dtype)
 
 
 # -- sites as custom_vjps ----------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _psum_fb(x, r, axis, codec, p, vma, compress):
-    return _reduce_err(x, r, axis, codec, p, compress)
+    return _reduce_err(x, r, axis, codec, p, vma, compress)
 
 
 def _psum_fb_fwd(x, r, axis, codec, p, vma, compress):
@@ -115,10 +90,10 @@ def _psum_fb_bwd(axis, codec, p, vma, compress, _, cts):
     g, g_r = cts            # g_r: backward residual left by the later site, passed on
     if vma:                 # lax.psum's transpose under check_vma: broadcast to varying
         return lax.pcast(g, axis, to="varying"), g_r
-    # check_vma=False: the transpose is psum(g) (as collectives.psum). Its error enters the
+    # check_vma=False: the transpose is psum(g) (as taco_jax.psum). Its error enters the
     # stream through the block's weights, not directly, so it cannot be cancelled by
     # subtraction at the next site: compressed, without feedback (docs/echo.md).
-    ct = collectives.psum(g, axis, codec=codec, min_bytes=0) if compress else lax.psum(g, axis)
+    ct = psum(g, axis, codec=codec, min_bytes=0) if compress else lax.psum(g, axis)
     return ct, g_r
 
 
@@ -136,7 +111,7 @@ def _pvary_fb_fwd(x, r, axis, codec, p, compress):
 
 def _pvary_fb_bwd(axis, codec, p, compress, _, cts):
     g, g_r = cts            # g: this device's partial cotangent; g_r: later site's residual
-    ct, e = _reduce_err(g, g_r, axis, codec, p, compress)
+    ct, e = _reduce_err(g, g_r, axis, codec, p, True, compress)
     return ct, e
 
 
@@ -145,22 +120,17 @@ _pvary_fb.defvjp(_pvary_fb_fwd, _pvary_fb_bwd)
 
 # -- public API -----------------------------------------------------------------------
 def _setup(x, axis_name, state, codec, min_bytes, op):
-    codec = codecs.get(codec)
-    axis = collectives._single_axis(axis_name, op)
-    p = collectives._axis_size(axis, op)
+    call = Call.make(op, axis_name, "echo4" if codec is None else codec, min_bytes)
     if not isinstance(state, FeedbackState):
-        raise TypeError(f"taco_jax.feedback.{op}: state must be a FeedbackState, got "
+        raise TypeError(f"taco_jax.{op}: state must be a FeedbackState, got "
                         f"{type(state).__name__}")
     x = jnp.asarray(x)
     if state.residual.shape != x.shape:
-        raise ValueError(f"taco_jax.feedback.{op}: {state.residual.shape=} does not match "
+        raise ValueError(f"taco_jax.{op}: {state.residual.shape=} does not match "
                          f"{x.shape=}; one FeedbackState per residual stream")
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"taco_jax.feedback.{op}: x has dtype {x.dtype}; feedback needs floats")
-    min_bytes = collectives.DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
-    compress = (p > 1 and collectives._compressible(x, codec)
-                and x.size * x.dtype.itemsize >= min_bytes)
-    return x, axis, codec, p, compress
+        raise TypeError(f"taco_jax.{op}: x has dtype {x.dtype}; feedback needs floats")
+    return x, call, call.decide(x)
 
 
 def psum_with_feedback(x, axis_name, state: FeedbackState, *, codec="echo4",
@@ -170,12 +140,11 @@ def psum_with_feedback(x, axis_name, state: FeedbackState, *, codec="echo4",
     Returns (y, new_state): y is replicated, like lax.psum's; new_state holds this device's
     share of the error y − psum(x) − (old error) just injected. Thread new_state into the next
     all-reduce that adds into the same residual stream (forward: the next block's psum).
-    Below `min_bytes` (default collectives.DEFAULT_MIN_BYTES) the sum is exact and the state
-    drains to zero. Under check_vma=True the backward residual rides on the cotangents (see
-    module doc); under check_vma=False the backward all-reduce has no feedback."""
-    x, axis, codec, p, compress = _setup(x, axis_name, state, codec, min_bytes,
-                                         "psum_with_feedback")
-    y, e = _psum_fb(x, state.residual, axis, codec, p, collectives._check_vma(), compress)
+    Below `min_bytes` the sum is exact and the state drains to zero. Under check_vma=True
+    the backward residual rides on the cotangents (see module doc); under check_vma=False
+    the backward all-reduce has no feedback."""
+    x, c, compress = _setup(x, axis_name, state, codec, min_bytes, "psum_with_feedback")
+    y, e = _psum_fb(x, state.residual, c.axis, c.codec, c.p, c.vma, compress)
     return y, FeedbackState(e)
 
 
@@ -185,20 +154,19 @@ def pvary_with_feedback(x, axis_name, state: FeedbackState, *, codec="echo4",
     backward, a compressed psum of the cotangent that subtracts the backward residual of the
     later site and leaves its own. Returns (x, state) — the forward state passes unchanged.
     Under check_vma=False it is the identity both ways, like `taco_jax.pvary`."""
-    x, axis, codec, p, compress = _setup(x, axis_name, state, codec, min_bytes,
-                                         "pvary_with_feedback")
-    if not collectives._check_vma():
+    x, c, compress = _setup(x, axis_name, state, codec, min_bytes, "pvary_with_feedback")
+    if not c.vma:
         return x, state
-    if collectives._varying(x, axis):
-        raise ValueError(f"taco_jax.feedback.pvary_with_feedback: x is already varying over "
-                         f"{axis!r}")
-    y, r = _pvary_fb(x, state.residual, axis, codec, p, compress)
+    if axes_lib.varying(x, c.axes):
+        raise ValueError(f"taco_jax.pvary_with_feedback: x is already varying over "
+                         f"{c.axis!r}")
+    y, r = _pvary_fb(x, state.residual, c.axis, c.codec, c.p, compress)
     return y, FeedbackState(r)
 
 
 def allreduce(x, axis_name, residual, *, codec="echo4", min_bytes: int | None = None):
     """The bare step, without autodiff rules: (psum(x − residual) compressed, new residual).
     For reference loops and for code that runs its own backward."""
-    x, axis, codec, p, compress = _setup(x, axis_name, FeedbackState(residual), codec,
-                                         min_bytes, "allreduce")
-    return _reduce_err(x, residual, axis, codec, p, compress)
+    x, c, compress = _setup(x, axis_name, FeedbackState(residual), codec, min_bytes,
+                            "allreduce")
+    return _reduce_err(x, residual, c.axis, c.codec, c.p, c.vma, compress)

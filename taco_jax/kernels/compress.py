@@ -1,9 +1,10 @@
 """Compress: one pass over the input, blocks → wire rows (codes ‖ scales).
 
-Kernel per program (tm blocks): load → α from the block RMS (eqs. 6–7) → Hadamard by two
-tensor-core dots (eq. 8) → per-block absmax and scale (eq. 9) → clip + cast (eq. 10) →
-store codes and packed scales into the same row. α multiplies after the transform (it is a
-per-block scalar, so H(αG) = αHG): the first dot then sees the raw bf16 input, exactly.
+Kernel per tile of tm blocks: load → Hadamard by two tensor-core dots on the raw input
+(eq. 8 without α) → one row sum of squares, which gives α (eqs. 6–7, by Parseval) → row
+absmax and scale s (eq. 9) → one multiplier per row and the cast (eq. 10) → codes and
+packed scales stored into the same row. α is applied after the transform (a per-block
+scalar commutes with it), so the first dot sees bf16 data exactly.
 """
 from __future__ import annotations
 
@@ -14,17 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from taco_jax import hadamard
-from taco_jax.ops import common, quant
+from taco_jax.kernels import tiling
+from taco_jax.numerics import hadamard, quant
 
 
 def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
     """(tm, B) f32 → ((tm, B) uint8 codes, (tm, 4·n_scales) uint8 scales). Kernel math.
 
     h1s, h2s: the Hadamard factors divided by their sizes (±1/r, ±1/c;
-    `common.hadamard_operands(B, scaled=True)`); dot_in: x as loaded (bf16 data goes into
-    the tensor-core dot without a round trip). The kernel is issue-bound, not memory-bound
-    (Nsight Compute on H200, docs/results.md), so per-element work is kept minimal:
+    `tiling.hadamard_operands(B, scaled=True)`); dot_in: x as loaded (bf16 data goes into
+    the tensor-core dot without a round trip). The kernel is bound by instruction issue, not
+    by memory (Nsight Compute on the H200), so per-element work is kept minimal:
 
     * z0 = H·x/B from the scaled factors: no 1/B pass, and no partial sum can overflow
       (|z0| ≤ max|x|).
@@ -32,7 +33,7 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
       Parseval Σz0² = Σx²/B = mean(x²) (HᵀH = B·I), so no Σx² pass over x in its own
       register layout (measured 7% of compress time); it differs from the exact mean by
       the bf16 rounding of the transform's intermediate (~1e-4 relative on bf16 data), and
-      α is sent on the wire, so decode stays consistent. A NaN in x makes every z0 NaN; an
+      α is sent on the wire, so decode stays consistent. (A separate Σx² pass costs ~7%.) A NaN in x makes every z0 NaN; an
       ±Inf makes every z0 ±Inf or NaN (each coefficient sums all B inputs); Triton's max
       drops NaN (all-NaN gives −inf), so the block is bad if Σz0² is NaN or unless
       0 ≤ max|z0| < inf. A finite block whose Σz0² overflows keeps a finite max|z0| and
@@ -40,10 +41,7 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
     * eq. 8–10 as one multiplier per row: codes = z0 · g/s with g = α·sqrt(B) and
       s = g·max|z0|/Qmax (= max|z|/Qmax, as max|z0·g| = g·max|z0| exactly). No clip: this
       s bounds |z0·g/s| by Qmax up to a few ulps (s ≥ SCALE_MIN only for blocks far below
-      Qmax), far from the next code's rounding threshold (measured 9% of compress time).
-    * The transform's intermediate is cast to bf16 before its transpose (half the bytes
-      through shared memory; bit-identical). With the two above: compress 13% faster
-      (bench/results/kernel_variants*.json, docs/results.md).
+      Qmax), far from the next code's rounding threshold (a clip costs ~9%).
     """
     b = codec.block_size
     if codec.transform == "none":
@@ -53,37 +51,35 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
         s = quant.scale(m0, codec.qmax, m0 == np.inf)                  # eq. 9
         return (quant.quantize(x, s, codec.qmax, codec.code_dtype),   # eq. 10
                 quant.pack_scales([s]))
-    z0 = common.hadamard_tile(x if dot_in is None else dot_in, h1s, h2s, block_size=b,
-                              inverse=False, exact_input=exact_input, cfg=cfg,
-                              bf16_transpose=True)
+    z0 = tiling.hadamard_tile(x if dot_in is None else dot_in, h1s, h2s, block_size=b,
+                              inverse=False, exact_input=exact_input, cfg=cfg)
     meansq = jnp.sum(z0 * z0, axis=1, keepdims=True)               # = mean(x²), Parseval
     m0 = jnp.max(jnp.abs(z0), axis=1, keepdims=True)
     bad = jnp.isnan(meansq) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
     gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
     if codec.transform == "ash":                                   # eqs. 6–7
-        gain = (quant.alpha_clip(quant.TAU * common.rsqrt_approx(meansq + quant.EPS, cfg), bad)
+        gain = (quant.alpha_clip(quant.TAU * tiling.rsqrt_approx(meansq + quant.EPS, cfg), bad)
                 if cfg.fast_rowmath else quant.alpha_from_meansq(meansq, bad))
     g = gain * np.float32(np.sqrt(b))
     s = quant.scale(m0 * g, codec.qmax, bad)                       # eq. 9
-    codes = quant.quantize_mult(z0, common.div(g, s, cfg), codec.qmax, codec.code_dtype,
+    codes = quant.quantize_mult(z0, tiling.div(g, s, cfg), codec.qmax, codec.code_dtype,
                                 clip=False)                        # eqs. 8, 10
     scales = [s, gain] if codec.transform == "ash" else [s]
     return codes, quant.pack_scales(scales)
 
 
-def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_rows, row0,
-                    skip_rows):
+def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_rows, skip_rows):
     tm, b = cfg.blocks_per_program, codec.block_size
     h1s, h2s = h1_ref[...], h2_ref[...]      # ±1/r, ±1/c
     skip0 = skip_ref[0]
 
     def work(t):
-        raw = common.load_rows(x_ref, t, tm, 0, b, n_rows, row0=row0)
+        raw = tiling.load_rows(x_ref, t, tm, 0, b, n_rows)
         x = raw.astype(jnp.float32)
         codes, scales = _encode_tile(x, h1s, h2s, codec, cfg,
                                      exact_input=x_ref.dtype == jnp.bfloat16, dot_in=raw)
-        common.store_rows(o_ref, t, codes, tm, 0, n_rows)
-        common.store_rows(o_ref, t, scales, tm, b, n_rows)
+        tiling.store_rows(o_ref, t, codes, tm, 0, n_rows)
+        tiling.store_rows(o_ref, t, scales, tm, b, n_rows)
 
     def tile(t):
         if not skip_rows:
@@ -91,32 +87,26 @@ def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_row
         # Tiles wholly inside the skipped window are left unwritten (see `compress`).
         inside = (t * tm >= skip0) & (t * tm + tm <= skip0 + skip_rows)
         pl.when(jnp.logical_not(inside))(lambda: work(t))
-    common.for_each_tile(cfg, n_rows, tile)
+    tiling.for_each_tile(cfg, n_rows, tile)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "row0", "n_rows",
-                                             "skip_rows"))
-def compress(x, codec, cfg=None, interpret=False, row0=0, n_rows=None, skip_start=0,
-             skip_rows=0):
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "skip_rows"))
+def compress(x, codec, cfg=None, interpret=False, skip_start=0, skip_rows=0):
     """(n_blocks, B) float → (n_blocks, row_bytes) uint8 with the fused Pallas kernel.
-    With row0/n_rows: compress only rows [row0, row0 + n_rows) of x (no slicing copy).
-    With skip_rows: output rows [skip_start, skip_start + skip_rows) (skip_start may be
-    traced) may be left unwritten — the two-shot all-reduce never reads the segment a device
-    sends to itself, so it need not be compressed."""
-    b = x.shape[1]
-    n_rows = x.shape[0] - row0 if n_rows is None else n_rows
+    Output rows [skip_start, skip_start + skip_rows) (skip_start may be traced) may be left
+    unwritten: the two-shot all-reduce never reads the segment a device would send to
+    itself, so at P devices it compresses (P − 1)/P of its input."""
+    n_rows, b = x.shape
     if b != codec.block_size or not codec.has_kernel:
         raise ValueError(f"compress kernel: got {x.shape=} for {codec}")
-    if row0 < 0 or n_rows < 0 or row0 + n_rows > x.shape[0]:
-        raise ValueError(f"compress: window {row0=} {n_rows=} outside {x.shape[0]} rows")
-    cfg = (cfg or common.KernelConfig.default(b, "compress")).resolve(
+    cfg = (cfg or tiling.KernelConfig.default(b, "compress")).resolve(
         wide=x.dtype != jnp.bfloat16, interpret=interpret)
-    h1, h2 = common.hadamard_operands(b, scaled=True)
+    h1, h2 = tiling.hadamard_operands(b, scaled=True)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
-                               row0=row0, skip_rows=skip_rows)
+                               skip_rows=skip_rows)
     skip = jnp.asarray(skip_start, jnp.int32).reshape(1)
-    out = common.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
-    return common.launch(kernel, out, n_rows, cfg, interpret, "taco_compress", x, h1, h2,
+    out = tiling.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
+    return tiling.launch(kernel, out, n_rows, cfg, interpret, "taco_compress", x, h1, h2,
                          skip)
 
 

@@ -1,18 +1,17 @@
 """Measure, on this machine, from which tensor size compression beats `lax.psum`.
 
-`collectives.DEFAULT_MIN_BYTES` (512 MiB) was measured on two NVLink-connected H200s, where
-halving the bytes barely pays for the kernels. On slower links (PCIe, between hosts) the
-break-even is far lower. `calibrate_min_bytes` finds it for the mesh at hand:
+`taco_jax.DEFAULT_MIN_BYTES` (512 MiB) suits two NVLink-connected H200s, where halving the
+bytes barely pays for the kernels. On slower links (PCIe, between hosts) the break-even is
+far lower. `calibrate_min_bytes` finds it for the mesh at hand:
 
-    cal = taco_jax.tuning.calibrate_min_bytes(mesh, "tp")
+    cal = taco_jax.calibrate.calibrate_min_bytes(mesh, "tp")
     print(cal.table())
     y = taco_jax.psum(x, "tp", min_bytes=cal.min_bytes)       # or GPTConfig(min_bytes=…)
 
 Each size is timed the way a model sees it, on a freshly computed input. The input is
 `x · one`, with `one` a runtime scalar, so lax.psum's in-place all-reduce does not pay for
-a copy of a reused buffer, and the time of that multiply alone is subtracted
-(bench/collectives.py's `fresh_ratio`). Each function runs `iters` times inside one jitted
-loop, so dispatch does not hide small sizes; the median of `repeats` loops is kept.
+a copy of a reused buffer, and the time of that multiply alone is subtracted (the
+benchmarks' `fresh_ratio`). Calls are timed back to back (`time_calls`).
 """
 from __future__ import annotations
 
@@ -31,39 +30,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 NEVER = 1 << 62
 
 
-def _zeros_like(s):
-    """Zeros for a ShapeDtypeStruct, with its sharding type (explicit-sharding meshes)."""
-    return jnp.zeros(s.shape, s.dtype, out_sharding=jax.typeof(s).sharding)
-
-
-def jit_loop(fn, x, iters: int):
-    """jit(x -> fn applied `iters` times in one fori_loop). An optimization barrier ties
-    the input to the loop index, so XLA cannot hoist the loop-invariant call out of the
-    loop, without touching the data."""
-    @jax.jit
-    def loop(x):
-        def body(i, carry):
-            xi, _ = lax.optimization_barrier((x, i))
-            return carry[0] + 1, fn(xi)
-        out0 = jax.eval_shape(fn, x)
-        init = jax.tree.map(_zeros_like, out0)
-        return lax.fori_loop(0, iters, body, (0, init))
-    return loop
-
-
-def time_loop(fn, x, iters: int = 20, repeats: int = 5) -> float:
-    """Median µs per call of fn(x), timed inside one jitted loop (`jit_loop`) so dispatch
-    overhead (~100 µs per call) does not hide small kernels."""
-    loop = jit_loop(fn, x, iters)
-    jax.block_until_ready(loop(x))                      # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(x))
-        times.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(times)
-
-
 def jit_calls(fn):
     """jit(xs -> [fn(x) for x in xs]) for a list of inputs: the calls back to back in
     straight-line code, every output returned. Each call has its own input buffer (a
@@ -77,10 +43,9 @@ def time_calls(fn, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> fl
     """Median µs per call of fn(x), from `batches` executions of `jit_calls` queued back to
     back (the host dispatches the next while the device runs one), over `repeats`.
 
-    Unlike `time_loop`, no while loop: XLA's GPU while loop adds ~16 µs per trip (measured
-    on the H200 with a 1-element body, bench/kernels.py --overhead), which a 120 µs kernel
-    would carry as 13% of its time. Memory: `iters` copies of x, and iters × batches
-    outputs (every output stays live)."""
+    No while loop: XLA's GPU while loop adds ~16 µs per trip on the H200, which a 120 µs
+    kernel would carry as 13% of its time. Memory: `iters` copies of x, and iters × batches
+    outputs (every output stays live): lower `iters` for the largest sizes."""
     xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
     calls = jit_calls(fn)
     jax.block_until_ready(calls(xs))                    # compile + warm up
@@ -94,7 +59,7 @@ def time_calls(fn, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> fl
     return statistics.median(times)
 
 
-def fresh_times(lax_fn, taco_fn, x, *, timer=time_loop, **timer_kw) -> tuple:
+def fresh_times(lax_fn, taco_fn, x, *, timer=time_calls, **timer_kw) -> tuple:
     """(prep, lax, taco) µs per call on an input computed inside the loop (x · one, `one` a
     runtime scalar): lax.psum pays no copy of a reused buffer, as in a model. `prep` is that
     multiply alone; subtract it from the other two."""
@@ -141,7 +106,7 @@ def decide_min_bytes(rows, margin: float) -> int:
 def calibrate_min_bytes(mesh, axis_name: str, *, codec: str = "taco",
                         sizes_mib=(1, 4, 16, 64, 256, 1024), dtype=jnp.bfloat16,
                         margin: float = 0.97, iters: int = 10, repeats: int = 3,
-                        timer=time_loop) -> Calibration:
+                        timer=time_calls) -> Calibration:
     """Time lax.psum and taco_jax.psum (min_bytes=0) over `axis_name` of `mesh` at each size
     (MiB per device, of `dtype`) and return the threshold from which compression wins by
     `margin` (default: 3% faster, above run-to-run noise). The data is sharded over
@@ -151,7 +116,7 @@ def calibrate_min_bytes(mesh, axis_name: str, *, codec: str = "taco",
     Costs a compile per size and codec (seconds each on GPU); do it once per machine and
     keep the number."""
     from taco_jax import codecs
-    from taco_jax.collectives import psum
+    from taco_jax.collectives.allreduce import psum
     if axis_name not in mesh.axis_names:
         raise ValueError(f"calibrate_min_bytes: axis_name={axis_name!r} is not an axis of the "
                          f"mesh {tuple(mesh.axis_names)}")

@@ -1,6 +1,6 @@
-"""Owner-side step of the two-shot all-reduce (DESIGN_NOTES §2, steps 3–4), fused:
-decompress the P received copies of this device's segment, sum them in fp32 with the
-device's own segment taken unquantized, and compress the sum once.
+"""Owner-side step of the two-shot all-reduce, fused: decompress the P − 1 received copies
+of this device's segment, sum them in fp32 with the device's own segment taken
+unquantized, and compress the sum once.
 
 Every element is thus quantized at most twice for any P: once by its sender (step 1) and
 once here; the owner's own contribution is quantized only here."""
@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from taco_jax.ops import common, compress, decompress
+from taco_jax.kernels import compress, decompress, tiling
 
 
 def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref, *, codec,
@@ -22,19 +22,19 @@ def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref
     me, own_row0 = idx_ref[0], idx_ref[1]
 
     def tile(t):
-        acc = common.load_rows(x_ref, t, tm, 0, b, n_rows, row0=own_row0).astype(jnp.float32)
+        acc = tiling.load_rows(x_ref, t, tm, 0, b, n_rows, row0=own_row0).astype(jnp.float32)
         for p in range(n_peers):   # P is small (the TP degree): unrolled
             def add(a, p=p):
-                codes = common.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
-                scale_bytes = common.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
+                codes = tiling.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
+                scale_bytes = tiling.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
                 return a + decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
             # The own copy is skipped (never read: the sender may not have written it);
             # the exact input stands in for it.
             acc = jax.lax.cond(me == p, lambda a: a, add, acc)
         codes, scales = compress._encode_tile(acc, h1s, h2s, codec, cfg, exact_input=False)
-        common.store_rows(o_ref, t, codes, tm, 0, n_rows)
-        common.store_rows(o_ref, t, scales, tm, b, n_rows)
-    common.for_each_tile(cfg, n_rows, tile)
+        tiling.store_rows(o_ref, t, codes, tm, 0, n_rows)
+        tiling.store_rows(o_ref, t, scales, tm, b, n_rows)
+    tiling.for_each_tile(cfg, n_rows, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
@@ -45,22 +45,22 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
     n_peers, n_rows, row = recv.shape
     if row != codec.row_bytes or own.shape[1] != codec.block_size or own.shape[0] < n_rows:
         raise ValueError(f"reduce kernel: got {recv.shape=}, {own.shape=} for {codec}")
-    cfg = (cfg or common.KernelConfig.default(codec.block_size, "reduce")).resolve(
+    cfg = (cfg or tiling.KernelConfig.default(codec.block_size, "reduce")).resolve(
         wide=own.dtype != jnp.bfloat16, interpret=interpret)
-    h1, h2 = common.hadamard_operands(codec.block_size)
-    h1s, h2s = common.hadamard_operands(codec.block_size, scaled=True)
+    h1, h2 = tiling.hadamard_operands(codec.block_size)
+    h1s, h2s = tiling.hadamard_operands(codec.block_size, scaled=True)
     idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
     kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                n_peers=n_peers)
-    out = common.out_struct((n_rows, row), jnp.uint8, own)
-    return common.launch(kernel, out, n_rows, cfg, interpret, "taco_reduce",
+    out = tiling.out_struct((n_rows, row), jnp.uint8, own)
+    return tiling.launch(kernel, out, n_rows, cfg, interpret, "taco_reduce",
                          recv, own, idx, h1, h2, h1s, h2s)
 
 
 def reduce_reference(recv, own, me, codec, own_row0=0):
-    """Plain-jnp owner step: same sum order as the kernel (own, then peers 0..P-1)."""
+    """Plain-jnp owner step, for every codec: same sum order as the kernel (own, then
+    peers 0..P-1)."""
     acc = jax.lax.dynamic_slice_in_dim(own, own_row0, recv.shape[1]).astype(jnp.float32)
     for p in range(recv.shape[0]):
-        dec = decompress.decompress_reference(recv[p], codec)
-        acc = acc + jnp.where(me == p, 0.0, dec)
-    return compress.compress_reference(acc, codec)
+        acc = acc + jnp.where(me == p, 0.0, codec.decompress_reference(recv[p]))
+    return codec.compress_reference(acc)

@@ -1,18 +1,17 @@
-"""Echo codecs (seed 003): 4-bit codes, two per byte, per-group fp32 scale and zero point.
+"""Echo codecs: 4-bit codes, two per byte, per-group fp32 scale and zero point.
 
-"echo4" is the paper's quantizer ("zero-aware asymmetric, g=128", Table 8): each group of
+"echo4" is Echo's quantizer (zero-aware asymmetric, groups of 128): each group of
 B values gets the grid {(q − z)·s : q = 0..15} over [min(x, 0), max(x, 0)] with an
-*integer* zero point z, so x = 0 maps to code z and decodes to exactly 0 (the "naive
-zero-point" ablation, a float offset at min(x), does not, and is worse in Table 8).
+*integer* zero point z, so x = 0 maps to code z and decodes to exactly 0 (a float offset at
+min(x), the "naive zero point", does not, and Echo measures it worse).
 "int4-sym" is the "symmetric grid" ablation: {(q − 8)·s : q = 1..15}, s = max|x| / 7.
 
 Wire row (little-endian, like the TACO codecs' rows): B/2 bytes of codes — element 2i in
 the low nibble of byte i, element 2i+1 in the high nibble — then fp32 s and, for echo4,
 the zero point z as fp32: row_bytes = B/2 + 8 (echo4) or B/2 + 4 (int4-sym).
 
-Reference only (`has_kernel = False`): `dispatch` calls `compress_reference` /
-`decompress_reference` on every backend. The math is kept in small jnp functions of
-element-wise ops and row reductions so a Pallas kernel can reuse it later.
+Reference only (`has_kernel = False`): the dispatcher calls `compress_reference` /
+`decompress_reference` on every backend; XLA fuses them.
 """
 from __future__ import annotations
 
@@ -23,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from taco_jax import codecs, hadamard
-from taco_jax.ops import quant
+from taco_jax.codecs.base import WireCodec, register
+from taco_jax.numerics import hadamard, quant
 
 LEVELS = 15                  # 4 bits: codes 0..15, 15 steps between the grid's ends
 SYM_QMAX = 7                 # symmetric grid: integers −7..7 (code 0 unused, so it stays odd)
@@ -78,14 +77,13 @@ def unpack_nibbles(b):
 
 # -- the codec ----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Echo:
-    """4-bit group codec; encode/decode/roundtrip behave like `codecs.Codec`."""
+class Echo(WireCodec):
+    """4-bit group codec."""
     name: str = "echo4"
-    block_size: int = 128           # paper's g = 128 (Table 8)
+    block_size: int = 128           # Echo's group size
     symmetric: bool = False         # True: the "symmetric grid" ablation
 
-    is_identity = False
-    has_kernel = False              # jnp reference everywhere; a Pallas kernel is future work
+    has_kernel = False
 
     def __post_init__(self):
         hadamard.check_block_size(self.block_size)
@@ -98,13 +96,6 @@ class Echo:
     def row_bytes(self) -> int:
         return self.block_size // 2 + 4 * self.n_scales
 
-    def wire_bytes(self, n: int) -> int:
-        return codecs.n_blocks(n, self.block_size) * self.row_bytes
-
-    def replace(self, **kw) -> "Echo":
-        return dataclasses.replace(self, **kw)
-
-    # -- dispatch hooks (see taco_jax.dispatch) ---------------------------------------
     def compress_reference(self, x):
         """(rows, B) float → (rows, row_bytes) uint8."""
         x = x.astype(jnp.float32)
@@ -121,11 +112,6 @@ class Echo:
         z = jnp.float32(SYM_QMAX + 1) if self.symmetric else scales[1]
         return dequantize4(unpack_nibbles(w[:, :half]), scales[0], z).astype(out_dtype)
 
-    # -- public API (as codecs.Codec) -------------------------------------------------
-    encode = codecs.Codec.encode
-    decode = codecs.Codec.decode
-    roundtrip = codecs.Codec.roundtrip
 
-
-codecs.register("echo4", lambda **kw: Echo(**{"name": "echo4", **kw}))
-codecs.register("int4-sym", lambda **kw: Echo(**{"name": "int4-sym", "symmetric": True, **kw}))
+register("echo4", lambda **kw: Echo(**{"name": "echo4", **kw}))
+register("int4-sym", lambda **kw: Echo(**{"name": "int4-sym", "symmetric": True, **kw}))

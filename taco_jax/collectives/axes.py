@@ -1,0 +1,64 @@
+"""Argument handling shared by the collectives: mesh axes, their size, check_vma."""
+from __future__ import annotations
+
+from typing import Hashable
+
+import jax
+from jax import lax
+
+
+class UnboundAxisError(NameError):
+    """An axis name that is not bound where the collective runs. A NameError, as lax's own
+    error is, so code that catches lax's error keeps working."""
+
+
+def resolve(axis_name, op: str) -> tuple[Hashable, ...]:
+    """axis_name (one name or a tuple/list of names, as lax takes) → a tuple of names."""
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not axes:
+        raise ValueError(f"taco_jax.{op}: axis_name={axis_name!r} names no axis")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"taco_jax.{op}: axis_name={axis_name!r} repeats an axis")
+    return axes
+
+
+def name(axes: tuple) -> Hashable:
+    """The form lax collectives take: the name itself for one axis, else the tuple."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def size(axes: tuple, op: str) -> int:
+    """Number of devices over `axes` (their product); a clear error if one is unbound."""
+    p = 1
+    for a in axes:
+        try:
+            p *= lax.axis_size(a)
+        except NameError as e:
+            raise UnboundAxisError(
+                f"taco_jax.{op}: axis_name={a!r} is not a mesh axis bound here; call it "
+                f"inside jax.shard_map over a mesh with that axis (or jax.vmap with "
+                f"axis_name={a!r}) ({e})") from None
+    return p
+
+
+def _mat(x):
+    return getattr(jax.typeof(x), "manual_axis_type", None)
+
+
+def check_vma(axes: tuple) -> bool:
+    """Is shard_map's check_vma in effect for `axes`? Under it, axis_index varies over its
+    axis; with check_vma=False (and under vmap) nothing is marked varying."""
+    mat = _mat(lax.axis_index(name(axes)))
+    return mat is not None and bool(set(axes) & set(mat.varying))
+
+
+def varying(x, axes: tuple) -> bool:
+    """Does x vary over every one of `axes` (check_vma=True)?"""
+    mat = _mat(x)
+    return mat is not None and set(axes) <= set(mat.varying)
+
+
+def reduced_or_unreduced(x) -> bool:
+    """Does x carry jax's reduced / unreduced sharding types (they go to lax as they are)?"""
+    mat = _mat(x)
+    return mat is not None and bool(mat.reduced or mat.unreduced)

@@ -1,0 +1,70 @@
+"""Decompress: wire rows → blocks (eqs. 11–13), one pass.
+
+Codes are exact in bf16, so the first tensor-core dot is exact; the scales multiply after
+the transform (per-block scalars commute with it)."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax.kernels import tiling
+from taco_jax.numerics import hadamard, quant
+
+
+def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
+    """(tm, B) uint8 codes + (tm, 4·n) uint8 scales → (tm, B) f32 values. Kernel math."""
+    q = quant.dequant_codes(codes, codec.code_dtype, jnp.float32)
+    scales = quant.unpack_scales(scale_bytes, codec.n_scales)
+    gain = scales[0]                                               # eq. 11: Ẑ = q·s
+    if codec.transform == "ash":
+        gain = tiling.div(gain, scales[1], cfg)                    # eq. 13: G' = Ĝ / α
+    if codec.transform == "none":
+        return q * gain
+    g = tiling.hadamard_tile(q, h1, h2, block_size=codec.block_size, inverse=True,
+                             exact_input=True, cfg=cfg)  # eq. 12
+    return g * (gain * np.float32(1 / np.sqrt(codec.block_size)))
+
+
+def decompress_kernel(w_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
+    tm, b = cfg.blocks_per_program, codec.block_size
+    h1, h2 = h1_ref[...], h2_ref[...]
+
+    def tile(t):
+        codes = tiling.load_rows(w_ref, t, tm, 0, b, n_rows)
+        scale_bytes = tiling.load_rows(w_ref, t, tm, b, 4 * codec.n_scales, n_rows)
+        x = _decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+        tiling.store_rows(o_ref, t, x.astype(o_ref.dtype), tm, 0, n_rows)
+    tiling.for_each_tile(cfg, n_rows, tile)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
+def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
+    """(n_blocks, row_bytes) uint8 → (n_blocks, B) out_dtype with the fused Pallas kernel."""
+    n_rows, row = w.shape
+    if row != codec.row_bytes or not codec.has_kernel:
+        raise ValueError(f"decompress kernel: got {w.shape=} for {codec}")
+    b = codec.block_size
+    cfg = (cfg or tiling.KernelConfig.default(b, "decompress")).resolve(
+        wide=out_dtype != jnp.bfloat16, interpret=interpret)
+    h1, h2 = tiling.hadamard_operands(b)
+    kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
+    out = tiling.out_struct((n_rows, b), out_dtype, w)
+    return tiling.launch(kernel, out, n_rows, cfg, interpret, "taco_decompress", w, h1, h2)
+
+
+def decompress_reference(w, codec, out_dtype=jnp.float32):
+    """Plain-jnp decompress, eqs. 11–13 in the paper's order, f32."""
+    if w.ndim != 2 or w.shape[1] != codec.row_bytes:
+        raise ValueError(f"decompress: got {w.shape=} for {codec.name} (rows of "
+                         f"{codec.row_bytes} bytes)")
+    b = codec.block_size
+    q = quant.dequant_codes(w[:, :b], codec.code_dtype, jnp.float32)
+    scales = quant.unpack_scales(w[:, b:], codec.n_scales)
+    z = q * scales[0]                                              # eq. 11
+    g = z if codec.transform == "none" else hadamard.inverse(z)    # eq. 12
+    if codec.transform == "ash":
+        g = g / scales[1]                                          # eq. 13
+    return g.astype(out_dtype)

@@ -1,0 +1,75 @@
+"""The compression recipe: which codec, from which size, on which backend and transport.
+
+    with taco_jax.config(codec="taco", min_bytes=1 << 20):
+        step = jax.jit(train_step)        # every taco_jax op traced here uses the recipe
+
+The recipe is read when a function is traced (as Transformer Engine's `fp8_autocast`
+does); arguments given to a call override it. Contexts nest: an inner `config` changes only
+the fields it names. A jitted function traced before a `config` change keeps the recipe it
+was traced with (jax caches traces by argument types, not by this context)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from typing import Iterator
+
+BACKENDS = ("auto", "pallas", "interpret", "reference")
+TRANSPORTS = ("auto", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    codec: str = "taco"          # codec name (taco_jax.codecs.names()) or a Codec object
+    # tensors smaller than this many bytes per device use the exact lax collective;
+    # None: the calibrated threshold for this machine, else DEFAULT_MIN_BYTES
+    min_bytes: int | None = None
+    # kernels: "auto" (Pallas on GPU, jnp references elsewhere), "pallas", "interpret"
+    # (Pallas' interpreter, for CPU tests) or "reference" (jnp everywhere)
+    backend: str = "auto"
+    transport: str = "auto"      # how compressed bytes move: "xla" collectives
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"taco_jax backend {self.backend!r} is not one of {BACKENDS}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"taco_jax transport {self.transport!r} is not one of "
+                             f"{TRANSPORTS}")
+        if self.min_bytes is not None and (isinstance(self.min_bytes, bool)
+                                           or not isinstance(self.min_bytes, int)
+                                           or self.min_bytes < 0):
+            raise ValueError(f"min_bytes={self.min_bytes!r} must be None or an int >= 0")
+
+
+_state = threading.local()
+
+
+def _base() -> Recipe:
+    env = os.environ.get("TACO_JAX_BACKEND")
+    return Recipe(backend=env) if env else Recipe()
+
+
+def current() -> Recipe:
+    """The recipe in effect here (innermost `config`, else defaults; the environment
+    variable TACO_JAX_BACKEND sets the default backend)."""
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else _base()
+
+
+@contextlib.contextmanager
+def config(**fields) -> Iterator[Recipe]:
+    """Set recipe fields (codec, min_bytes, backend, transport) for the code traced inside."""
+    unknown = set(fields) - {f.name for f in dataclasses.fields(Recipe)}
+    if unknown:
+        raise TypeError(f"taco_jax.config: unknown field(s) {sorted(unknown)}; fields: "
+                        f"{[f.name for f in dataclasses.fields(Recipe)]}")
+    recipe = dataclasses.replace(current(), **fields)
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(recipe)
+    try:
+        yield recipe
+    finally:
+        stack.pop()
