@@ -43,6 +43,7 @@ class Site:
     codec: str
     compressed: bool
     reason: str          # why not compressed ("" when compressed)
+    p: int = 1           # devices over the axes
 
     @property
     def bytes_per_device(self) -> int:
@@ -59,10 +60,10 @@ _sites: dict = {}          # Site -> times traced
 _sites_lock = threading.Lock()
 
 
-def note_site(op, shape, dtype, axes, codec: str, reason: str | None) -> None:
+def note_site(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1) -> None:
     """Record one traced collective call (called by the collectives)."""
     site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
-                reason is None, reason or "")
+                reason is None, reason or "", p)
     with _sites_lock:
         new = site not in _sites
         _sites[site] = _sites.get(site, 0) + 1
@@ -89,16 +90,25 @@ def site_report() -> str:
     return "\n".join(f"{n:>4} × {s.describe()}" for s, n in rows)
 
 
-def wire_bytes(site: Site, codec=None) -> int:
-    """Bytes one device sends for one call of this site (two-shot: twice its compressed
-    size, or twice the uncompressed size for a plain all-reduce)."""
+def wire_bytes(site: Site) -> int:
+    """Bytes one device sends for one call of this site. Compressed: the two-shot sends
+    P − 1 of its P segments in the all-to-all and its own segment to P − 1 peers in the
+    all-gather (psum, and pvary's backward); all_gather and psum_scatter are one half each.
+    Plain: what a ring collective sends, (P − 1)/P of the tensor per half."""
     from taco_jax import codecs
+    p = site.p
+    if p <= 1:
+        return 0
     n = math.prod(site.shape)
+    halves = 2 if site.op in ("psum", "pvary") else 1
     if not site.compressed:
-        return 2 * site.bytes_per_device if site.op in ("psum", "pvary") else site.bytes_per_device
-    c = codecs.get(codec or site.codec)
-    per = c.wire_bytes(n)
-    return 2 * per if site.op in ("psum", "pvary") else per
+        per_half = site.bytes_per_device * (p - 1)
+        return halves * (per_half if site.op == "all_gather" else per_half // p)
+    c = codecs.get(site.codec)
+    if site.op == "all_gather":
+        return (p - 1) * c.wire_bytes(n)
+    seg_rows = max(1, -(-n // (p * c.block_size)))
+    return halves * (p - 1) * seg_rows * c.row_bytes
 
 
 # -- per-call error records (opt-in) ---------------------------------------------------------
@@ -171,78 +181,6 @@ class Capture:
 
 
 _capture_state = threading.local()
-_log = logging.getLogger("taco_jax")
-
-
-# -- call sites (trace time, always on) -----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Site:
-    op: str
-    shape: tuple
-    dtype: str
-    axes: tuple
-    codec: str
-    compressed: bool
-    reason: str          # why not compressed ("" when compressed)
-
-    @property
-    def bytes_per_device(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-    def describe(self) -> str:
-        route = f"compressed ({self.codec})" if self.compressed else f"plain: {self.reason}"
-        axes = ",".join(map(str, self.axes))
-        return (f"{self.op}[{axes}] {self.dtype}{list(self.shape)} "
-                f"{self.bytes_per_device / 2**20:.3g} MiB: {route}")
-
-
-_sites: dict = {}          # Site -> times traced
-_sites_lock = threading.Lock()
-
-
-def note_site(op, shape, dtype, axes, codec: str, reason: str | None) -> None:
-    """Record one traced collective call (called by the collectives)."""
-    site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
-                reason is None, reason or "")
-    with _sites_lock:
-        new = site not in _sites
-        _sites[site] = _sites.get(site, 0) + 1
-    if new:
-        _log.info("taco_jax site %s", site.describe())
-
-
-def sites() -> list[tuple[Site, int]]:
-    """[(site, times traced)] for every distinct collective call site traced so far."""
-    with _sites_lock:
-        return list(_sites.items())
-
-
-def clear_sites() -> None:
-    with _sites_lock:
-        _sites.clear()
-
-
-def site_report() -> str:
-    """One line per distinct site: what it sends, and compressed or plain and why."""
-    rows = sites()
-    if not rows:
-        return "no taco_jax collective traced"
-    return "\n".join(f"{n:>4} × {s.describe()}" for s, n in rows)
-
-
-def wire_bytes(site: Site, codec=None) -> int:
-    """Bytes one device sends for one call of this site (two-shot: twice its compressed
-    size, or twice the uncompressed size for a plain all-reduce)."""
-    from taco_jax import codecs
-    n = math.prod(site.shape)
-    if not site.compressed:
-        return 2 * site.bytes_per_device if site.op in ("psum", "pvary") else site.bytes_per_device
-    c = codecs.get(codec or site.codec)
-    per = c.wire_bytes(n)
-    return 2 * per if site.op in ("psum", "pvary") else per
-
-
-# -- per-call error records (opt-in) ---------------------------------------------------------
 
 
 def capturing() -> bool:

@@ -33,7 +33,8 @@ def _psum_bwd(axis, codec, p, vma, _, g):
     # broadcast to the varying input; without it (and under vmap) it is psum(g).
     if vma:
         return (lax.pcast(g, axis, to="varying"),)
-    return (_psum(g, axis, codec, p, vma),)
+    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+        return (_psum(g, axis, codec, p, vma),)
 
 
 _psum.defvjp(_psum_fwd, _psum_bwd)
@@ -55,7 +56,7 @@ def psum(x, axis_name, *, codec=None, min_bytes: int | None = None):
         tap = telemetry.capturing() and op.taps(v) and not invariant
         if tap:     # fidelity study: the tensor this all-reduce sums, whatever the route
             telemetry.capture_value("fwd", "psum", v, op.axis)
-        if invariant or not op.decide(v):
+        if not op.decide(v, invariant=invariant):
             y = lax.psum(v, op.axis)
         else:
             y = _psum(v, op.axis, op.codec, op.p, op.vma)
@@ -76,6 +77,7 @@ def _pvary_fwd(x, axis, codec, p, vma):
 
 def _pvary_bwd(axis, codec, p, vma, _, g):
     return (_psum(g, axis, codec, p, vma),)   # only reached with check_vma=True
+
 
 
 _pvary.defvjp(_pvary_fwd, _pvary_bwd)

@@ -1,6 +1,7 @@
 """Argument handling shared by the collectives: mesh axes, their size, check_vma."""
 from __future__ import annotations
 
+import contextlib
 from typing import Hashable
 
 import jax
@@ -20,6 +21,11 @@ def resolve(axis_name, op: str) -> tuple[Hashable, ...]:
     if len(set(axes)) != len(axes):
         raise ValueError(f"taco_jax.{op}: axis_name={axis_name!r} repeats an axis")
     return axes
+
+
+def as_tuple(axis) -> tuple:
+    """The inverse of `name`."""
+    return axis if isinstance(axis, tuple) else (axis,)
 
 
 def name(axes: tuple) -> Hashable:
@@ -62,3 +68,43 @@ def reduced_or_unreduced(x) -> bool:
     """Does x carry jax's reduced / unreduced sharding types (they go to lax as they are)?"""
     mat = _mat(x)
     return mat is not None and bool(mat.reduced or mat.unreduced)
+
+
+def bound(axes: tuple, p: int):
+    """Context for a custom_vjp backward rule that calls collectives over `axes`.
+
+    Under `jax.vmap(..., axis_name=...)` JAX traces a custom_vjp's backward rule after the
+    vmap has returned, where the axis name is no longer bound (lax's own collectives are
+    batched before that and do not meet this). Re-binding the named axis with its size
+    lets the backward's collectives batch as the forward's did. Under shard_map the axes
+    are still bound and nothing changes. JAX exposes no public API for this; the private
+    `extend_axis_env_nd` is the mechanism vmap itself uses."""
+    try:
+        for a in axes:
+            lax.axis_size(a)
+        return contextlib.nullcontext()
+    except NameError:
+        from jax._src import core
+        if len(axes) != 1:
+            raise UnboundAxisError(f"axes {axes} are unbound in a backward pass; under "
+                                   f"jax.vmap use one named axis") from None
+        return core.extend_axis_env_nd([(axes[0], p)])
+
+
+def emulated(axes: tuple) -> bool:
+    """Are `axes` bound by `jax.vmap(..., axis_name=...)` rather than by a shard_map mesh
+    (tensor parallelism emulated on one device)?"""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return not set(axes) <= manual
+
+
+def per_member(y, axes: tuple):
+    """Under vmap, make y (equal on every member) batched over the axis: vmap treats the
+    unbatched result of an all-gather as one value shared by all members, so cotangents
+    would reach a backward rule already summed over them, and the backward all-reduce,
+    compressed on a mesh, would be skipped. With a batched result each member's cotangent
+    arrives on its own, as on a mesh. Identity elsewhere."""
+    if not emulated(axes):
+        return y
+    idx = lax.axis_index(name(axes))
+    return y + (idx * 0).astype(y.dtype)

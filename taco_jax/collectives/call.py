@@ -46,7 +46,7 @@ class Call:
         """Does telemetry.capture see this leaf? Every float all-reduce over > 1 device."""
         return self.p > 1 and jnp.issubdtype(v.dtype, jnp.floating)
 
-    def plain_reason(self, v) -> str | None:
+    def plain_reason(self, v, invariant: bool = False) -> str | None:
         """Why this leaf goes through lax's exact collective; None if it is compressed."""
         if self.p == 1:
             return "axis of size 1"
@@ -56,13 +56,16 @@ class Call:
             return f"dtype {v.dtype}"
         if axes_lib.reduced_or_unreduced(v):
             return "reduced/unreduced sharding type"
+        if invariant:
+            return "input invariant over the axis"
         nbytes = v.size * v.dtype.itemsize
         if nbytes < self.min_bytes:
             return f"{nbytes} B < min_bytes={self.min_bytes}"
         return None
 
-    def decide(self, v, op: str | None = None) -> bool:
+    def decide(self, v, op: str | None = None, invariant: bool = False) -> bool:
         """Compress this leaf? Records the site and the reason (telemetry.sites)."""
-        why = self.plain_reason(v)
-        telemetry.note_site(op or self.op, v.shape, v.dtype, self.axes, self.codec.name, why)
+        why = self.plain_reason(v, invariant)
+        telemetry.note_site(op or self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
+                            self.p)
         return why is None

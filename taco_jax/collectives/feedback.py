@@ -93,7 +93,8 @@ def _psum_fb_bwd(axis, codec, p, vma, compress, _, cts):
     # check_vma=False: the transpose is psum(g) (as taco_jax.psum). Its error enters the
     # stream through the block's weights, not directly, so it cannot be cancelled by
     # subtraction at the next site: compressed, without feedback (docs/echo.md).
-    ct = psum(g, axis, codec=codec, min_bytes=0) if compress else lax.psum(g, axis)
+    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+        ct = psum(g, axis, codec=codec, min_bytes=0) if compress else lax.psum(g, axis)
     return ct, g_r
 
 

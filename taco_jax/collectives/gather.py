@@ -2,11 +2,14 @@
 transpose. They are the two halves of the two-shot all-reduce."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import codecs
+from taco_jax.collectives import axes as axes_lib
 from taco_jax.collectives.call import Call
 from taco_jax.collectives.two_shot import gather_decoded, scatter_sum
 from taco_jax.kernels import dispatch
@@ -18,9 +21,8 @@ def _gather(x, axis, codec, p, dim: int, tiled: bool):
     dec = gather_decoded(dispatch.compress(blocks, codec), axis, codec, x.dtype, vma=False)
     parts = jax.vmap(lambda b: codecs.from_blocks(b, x.shape))(
         dec.reshape(p, blocks.shape[0], codec.block_size))           # (P, *x.shape)
-    if not tiled:
-        return jnp.moveaxis(parts, 0, dim)
-    return jnp.concatenate(list(parts), axis=dim)
+    y = jnp.moveaxis(parts, 0, dim) if not tiled else jnp.concatenate(list(parts), axis=dim)
+    return axes_lib.per_member(y, axes_lib.as_tuple(axis))
 
 
 def _scatter(x, axis, codec, p, dim: int, tiled: bool):
@@ -45,9 +47,13 @@ def _transpose_pair(forward_a, forward_b):
            for fwd in (forward_a, forward_b)]
     for k, op in enumerate(ops):
         other = ops[1 - k]
-        op.defvjp(lambda x, *a, op=op: (op(x, *a), None),
-                  lambda *a, other=other: (other(a[-1], *a[:5]),))
+        op.defvjp(lambda x, *a, op=op: (op(x, *a), None), functools.partial(_bwd, other))
     return ops
+
+
+def _bwd(other, axis, codec, p, dim, tiled, _, g):
+    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+        return (other(g, axis, codec, p, dim, tiled),)
 
 
 _all_gather, _psum_scatter = _transpose_pair(_gather, _scatter)

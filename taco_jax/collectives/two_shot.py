@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import codecs, telemetry
+from taco_jax.collectives import axes as axes_lib
 from taco_jax.kernels import dispatch
 
 
@@ -68,7 +69,7 @@ def two_shot(x, axis, codec, p: int, vma: bool, *, with_error: bool = False,
         mine = dispatch.reduce(recv, blocks, me, codec, own_row0=me * nb)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     out = gather_decoded(mine, axis, codec, out_dtype, vma)          # (rows, B)
-    y = codecs.from_blocks(out, x.shape)
+    y = axes_lib.per_member(codecs.from_blocks(out, x.shape), axes_lib.as_tuple(axis))
     if telemetry.enabled():
         telemetry.report("psum", x, y, axis, codec, wire_bytes=2 * p * nb * row)
     if not with_error:
