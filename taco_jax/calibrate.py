@@ -1,33 +1,45 @@
-"""Measure, on this machine, from which tensor size compression beats `lax.psum`.
+"""Measure, on this machine, where compression beats `lax.psum`, and remember it.
 
-`taco_jax.DEFAULT_MIN_BYTES` (512 MiB) suits two NVLink-connected H200s, where halving the
-bytes barely pays for the kernels. On slower links (PCIe, between hosts) the break-even is
-far lower. `calibrate_min_bytes` finds it for the mesh at hand:
+    python -m taco_jax.calibrate            # all local devices as one axis; writes the cache
 
-    cal = taco_jax.calibrate.calibrate_min_bytes(mesh, "tp")
-    print(cal.table())
-    y = taco_jax.psum(x, "tp", min_bytes=cal.min_bytes)       # or GPTConfig(min_bytes=…)
+times lax.psum against taco_jax.psum over each transport ("xla": XLA's all-to-all and
+all-gather around the kernels; "fused": in-kernel stores into the peers' memory, GPUs of
+one process) per tensor size, and writes a cache keyed by device kind, device count and
+link (`machine_key`). `taco_jax.psum` with `min_bytes=None` and `transport="auto"` reads it
+at trace time (`route`): per size, the fastest of lax.psum and the transports, where
+compression must win by `margin`. Without a cache the conservative default holds: the xla
+transport from `taco_jax.DEFAULT_MIN_BYTES`. A corrupt cache, or one written for another
+machine or codec, is reported once and ignored, never trusted.
 
-Each size is timed the way a model sees it, on a freshly computed input. The input is
-`x · one`, with `one` a runtime scalar, so lax.psum's in-place all-reduce does not pay for
-a copy of a reused buffer, and the time of that multiply alone is subtracted (the
-benchmarks' `fresh_ratio`). Calls are timed back to back (`time_calls`).
+Each size is timed the way a model sees it, on a freshly computed input: `x · one`, with
+`one` a runtime scalar, so lax.psum's in-place all-reduce does not pay for a copy of a
+reused buffer, and the time of that multiply alone is subtracted. Calls are timed back to
+back (`time_calls`).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import math
+import os
 import statistics
+import threading
 import time
+import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-# calibrate_min_bytes' answer when compression won at no measured size: larger than any
-# tensor, so psum(min_bytes=NEVER) always takes lax.psum
+# `Calibration.min_bytes` when compression won at no measured size: larger than any tensor,
+# so psum(min_bytes=NEVER) always takes lax.psum
 NEVER = 1 << 62
+CACHE_ENV = "TACO_JAX_CALIBRATION"      # path of the cache file (default under ~/.cache)
+CACHE_VERSION = 1
+TRANSPORTS = ("xla", "fused")
 
 
 def jit_calls(fn):
@@ -59,95 +71,271 @@ def time_calls(fn, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> fl
     return statistics.median(times)
 
 
-def fresh_times(lax_fn, taco_fn, x, *, timer=time_calls, **timer_kw) -> tuple:
-    """(prep, lax, taco) µs per call on an input computed inside the loop (x · one, `one` a
-    runtime scalar): lax.psum pays no copy of a reused buffer, as in a model. `prep` is that
-    multiply alone; subtract it from the other two."""
+def fresh_times(fns, x, *, timer=time_calls, **timer_kw) -> tuple:
+    """(prep, [t(fn) for fn in fns]) µs per call on an input computed inside the call
+    (x · one, `one` a runtime scalar): lax.psum pays no copy of a reused buffer, as in a
+    model. `prep` is that multiply alone; subtract it from the others."""
     arg = (x, jnp.ones((), x.dtype))
-    return (timer(lambda a: a[0] * a[1], arg, **timer_kw),
-            timer(lambda a: lax_fn(a[0] * a[1]), arg, **timer_kw),
-            timer(lambda a: taco_fn(a[0] * a[1]), arg, **timer_kw))
+    prep = timer(lambda a: a[0] * a[1], arg, **timer_kw)
+    return prep, [timer(lambda a, fn=fn: fn(a[0] * a[1]), arg, **timer_kw) for fn in fns]
 
 
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """rows: one dict per size {"mib", "lax_us", "taco_us", "ratio"} (ratio = taco/lax on
-    fresh inputs); min_bytes: the value to pass as `min_bytes` (NEVER if compression won at
-    no size)."""
-    axis_name: str
-    codec: str
-    margin: float
-    rows: tuple
-    min_bytes: int
-
-    def table(self) -> str:
-        lines = [f"{'MiB/device':>10}  {'lax.psum µs':>11}  {'taco µs':>9}  {'ratio':>6}"]
-        lines += [f"{r['mib']:>10g}  {r['lax_us']:>11.1f}  {r['taco_us']:>9.1f}  "
-                  f"{r['ratio']:>6.3f}" for r in self.rows]
-        where = ("never (lax.psum at every size)" if self.min_bytes == NEVER
-                 else f"from {self.min_bytes / 2**20:g} MiB per device")
-        lines.append(f"compress ({self.codec}, ratio ≤ {self.margin}): {where}")
-        return "\n".join(lines)
+# -- the machine ------------------------------------------------------------------------
+def link() -> str:
+    """How this process's devices talk: "cpu", "network" (several processes), "pcie"
+    (NCCL's peer-to-peer path disabled) or "nvlink"."""
+    if jax.default_backend() != "gpu":
+        return "cpu"
+    if jax.process_count() > 1:
+        return "network"
+    if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
+        return "pcie"
+    return "nvlink"
 
 
-def decide_min_bytes(rows, margin: float) -> int:
-    """The smallest measured size (bytes per device) from which taco's ratio is ≤ margin at
-    that size and every larger one; NEVER if the largest size already loses. A win at a
+def machine_key(n_devices: int, device_kind: str | None = None) -> str:
+    kind = device_kind or jax.devices()[0].device_kind
+    return f"{kind}|{n_devices}|{link()}"
+
+
+# -- decisions ----------------------------------------------------------------------------
+def decide_min_bytes(rows, margin: float, key: str = "ratio") -> int:
+    """The smallest measured size (bytes per device) from which the ratio `key` is ≤ margin
+    at that size and every larger one; NEVER if the largest size already loses. A win at a
     small size followed by a loss at a larger one is treated as noise: the threshold only
     moves down from the top."""
     best = NEVER
     for r in sorted(rows, key=lambda r: -r["mib"]):
-        if not (r["ratio"] <= margin):           # NaN ratios lose too
+        if not (r.get(key, math.nan) <= margin):           # NaN and missing ratios lose
             break
         best = int(r["mib"] * 2**20)
     return best
 
 
-def calibrate_min_bytes(mesh, axis_name: str, *, codec: str = "taco",
-                        sizes_mib=(1, 4, 16, 64, 256, 1024), dtype=jnp.bfloat16,
-                        margin: float = 0.97, iters: int = 10, repeats: int = 3,
-                        timer=time_calls) -> Calibration:
-    """Time lax.psum and taco_jax.psum (min_bytes=0) over `axis_name` of `mesh` at each size
-    (MiB per device, of `dtype`) and return the threshold from which compression wins by
-    `margin` (default: 3% faster, above run-to-run noise). The data is sharded over
-    `axis_name` and replicated over the mesh's other axes. Sizes are rounded to whole
-    blocks. `timer(fn, x, iters=, repeats=) -> µs` is replaceable (tests).
+def best_route(row: dict, margin: float, available=TRANSPORTS) -> str:
+    """"lax", or the transport whose time is lowest, if it beats lax.psum by `margin`."""
+    best, t_best = "lax", row["lax_us"] * margin
+    for t in available:
+        us = row.get(f"{t}_us")
+        if us is not None and math.isfinite(us) and us < t_best:
+            best, t_best = t, us
+    return best
 
-    Costs a compile per size and codec (seconds each on GPU); do it once per machine and
-    keep the number."""
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """rows: one dict per size {"mib", "lax_us", "<transport>_us", "<transport>_ratio"}
+    (times net of the input's preparation; ratio = transport / lax). min_bytes: the xla
+    transport's threshold (NEVER if it won at no size)."""
+    axis_name: str
+    codec: str
+    margin: float
+    rows: tuple
+    min_bytes: int
+    n_devices: int = 0
+    key: str = ""
+
+    def route(self, nbytes: int, available=TRANSPORTS) -> str:
+        """The route for a tensor of nbytes per device: the decision at the largest
+        measured size ≤ nbytes ("lax" below the smallest)."""
+        below = [r for r in self.rows if r["mib"] * 2**20 <= nbytes]
+        if not below:
+            return "lax"
+        return best_route(max(below, key=lambda r: r["mib"]), self.margin, available)
+
+    def table(self) -> str:
+        ts = [t for t in TRANSPORTS if any(f"{t}_us" in r for r in self.rows)]
+        head = f"{'MiB/device':>10}  {'lax.psum µs':>11}" + "".join(
+            f"  {t + ' µs':>9}  {t + ' ratio':>11}" for t in ts) + "  route"
+        lines = [head]
+        for r in self.rows:
+            lines.append(f"{r['mib']:>10g}  {r['lax_us']:>11.1f}" + "".join(
+                f"  {r.get(t + '_us', math.nan):>9.1f}  {r.get(t + '_ratio', math.nan):>11.3f}"
+                for t in ts) + f"  {best_route(r, self.margin)}")
+        where = ("never (lax.psum at every size)" if self.min_bytes == NEVER
+                 else f"from {self.min_bytes / 2**20:g} MiB per device")
+        lines.append(f"xla transport ({self.codec}, ratio ≤ {self.margin}): {where}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"version": CACHE_VERSION, "key": self.key, "n_devices": self.n_devices,
+                "codec": self.codec, "margin": self.margin, "min_bytes": self.min_bytes,
+                "jax": jax.__version__, "rows": list(self.rows)}
+
+
+# -- the cache ------------------------------------------------------------------------------
+def cache_path() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "taco_jax" / \
+        "calibration.json"
+
+
+def save(cal: Calibration, path: str | Path | None = None) -> Path:
+    """Add (or replace) this machine's entry in the cache file."""
+    path = Path(path) if path else cache_path()
+    entries = _read_entries(path, quiet=True) or {}
+    entries[f"{cal.key}|{cal.codec}"] = cal.to_json()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1))
+    tmp.replace(path)
+    _loaded.clear()
+    return path
+
+
+_loaded: dict = {}
+_warned: set = set()
+_lock = threading.Lock()
+
+
+def _warn_once(msg: str) -> None:
+    with _lock:
+        if msg in _warned:
+            return
+        _warned.add(msg)
+    warnings.warn(msg, stacklevel=4)
+
+
+def _read_entries(path: Path, quiet: bool = False) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            raise ValueError(f"version {data.get('version') if isinstance(data, dict) else '?'}"
+                             f", expected {CACHE_VERSION}")
+        entries = data["entries"]
+        if not isinstance(entries, dict):
+            raise ValueError("entries is not a mapping")
+        return entries
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not quiet:
+            _warn_once(f"taco_jax: ignoring the calibration cache {path}: unreadable ({e}); "
+                       f"using the default (xla transport from DEFAULT_MIN_BYTES). "
+                       f"Re-run python -m taco_jax.calibrate.")
+        return None
+
+
+def _valid(entry, key: str, codec: str) -> Calibration:
+    rows = tuple(entry["rows"])
+    for r in rows:
+        if not (isinstance(r, dict) and r.get("mib", 0) > 0
+                and isinstance(r.get("lax_us"), (int, float))):
+            raise ValueError(f"bad row {r!r}")
+    if entry.get("key") != key or entry.get("codec") != codec:
+        raise ValueError(f"written for {entry.get('key')!r}/{entry.get('codec')!r}")
+    return Calibration("", codec, float(entry["margin"]), rows, int(entry["min_bytes"]),
+                       int(entry["n_devices"]), key)
+
+
+def lookup(n_devices: int, codec: str, device_kind: str | None = None) -> Calibration | None:
+    """This machine's calibration for `codec` over n_devices, or None (no cache, no entry,
+    or an entry that does not validate: reported once)."""
+    key = machine_key(n_devices, device_kind)
+    path = cache_path()
+    memo = (str(path), key, codec)
+    if memo in _loaded:
+        return _loaded[memo]
+    entries = _read_entries(path)
+    cal = None
+    if entries is not None and f"{key}|{codec}" in entries:
+        try:
+            cal = _valid(entries[f"{key}|{codec}"], key, codec)
+        except (ValueError, KeyError, TypeError) as e:
+            _warn_once(f"taco_jax: ignoring the calibration cache entry {key}|{codec} in "
+                       f"{path}: {e}")
+    _loaded[memo] = cal
+    return cal
+
+
+# -- measuring ------------------------------------------------------------------------------
+def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "fused"),
+              sizes_mib=(1, 4, 16, 64, 256, 1024), dtype=jnp.bfloat16, margin: float = 0.97,
+              iters: int = 10, repeats: int = 3, timer=time_calls) -> Calibration:
+    """Time lax.psum and taco_jax.psum over each transport that can run here, over
+    `axis_name` of `mesh`, at each size (MiB per device, of `dtype`, rounded to whole
+    blocks). The data is sharded over `axis_name` and replicated over the mesh's other
+    axes. `timer(fn, x, iters=, repeats=) -> µs` is replaceable (tests). Costs a compile per
+    size and transport (seconds each on GPU): do it once per machine, then `save` it."""
     from taco_jax import codecs
+    from taco_jax.collectives import fused
     from taco_jax.collectives.allreduce import psum
     if axis_name not in mesh.axis_names:
-        raise ValueError(f"calibrate_min_bytes: axis_name={axis_name!r} is not an axis of the "
+        raise ValueError(f"calibrate: axis_name={axis_name!r} is not an axis of the "
                          f"mesh {tuple(mesh.axis_names)}")
     c = codecs.get(codec)        # unknown names fail here, with the list of codecs
-    if c.name == "none":
-        raise ValueError("calibrate_min_bytes: codec='none' never compresses; nothing to "
-                         "calibrate")
+    if c.is_identity:
+        raise ValueError("calibrate: codec='none' never compresses; nothing to calibrate")
     if not sizes_mib or any(not (s > 0) for s in sizes_mib):
-        raise ValueError(f"calibrate_min_bytes: sizes_mib={sizes_mib!r} must be positive sizes")
+        raise ValueError(f"calibrate: sizes_mib={sizes_mib!r} must be positive sizes")
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"calibrate_min_bytes: dtype={dtype!r} must be a float type")
+        raise ValueError(f"calibrate: dtype={dtype!r} must be a float type")
     if not (0 < margin <= 1.5):
-        raise ValueError(f"calibrate_min_bytes: margin={margin!r} should be a ratio like 0.97")
+        raise ValueError(f"calibrate: margin={margin!r} should be a ratio like 0.97")
+    bad = set(transports) - set(TRANSPORTS)
+    if bad:
+        raise ValueError(f"calibrate: transports {sorted(bad)} not in {TRANSPORTS}")
     p = mesh.shape[axis_name]
+    key = machine_key(p, getattr(mesh.devices.flat[0], "device_kind", None))
     if p == 1:      # psum over one device is the identity: never worth compressing
-        return Calibration(axis_name, c.name, margin, (), NEVER)
+        return Calibration(axis_name, c.name, margin, (), NEVER, p, key)
+    usable = [t for t in transports
+              if t != "fused" or fused.mesh_unavailable_reason(mesh) is None]
     spec = P(axis_name)
 
     def sharded(fn):   # the sum is replicated: out_specs P()
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=P()))
 
-    lax_fn = sharded(lambda v: lax.psum(v, axis_name))
-    taco_fn = sharded(lambda v: psum(v, axis_name, codec=codec, min_bytes=0))
+    fns = [sharded(lambda v: lax.psum(v, axis_name))] + [
+        sharded(lambda v, t=t: psum(v, axis_name, codec=codec, min_bytes=0, transport=t))
+        for t in usable]
     itemsize = jnp.dtype(dtype).itemsize
     rows = []
     for mib in sorted(sizes_mib):
         per_dev = max(c.block_size, int(mib * 2**20) // itemsize // c.block_size * c.block_size)
         x = jax.device_put(jnp.ones((p * per_dev,), dtype), NamedSharding(mesh, spec))
-        prep, lax_us, taco_us = fresh_times(lax_fn, taco_fn, x, timer=timer, iters=iters,
-                                            repeats=repeats)
-        net_lax, net_taco = lax_us - prep, taco_us - prep
-        rows.append({"mib": per_dev * itemsize / 2**20, "lax_us": net_lax, "taco_us": net_taco,
-                     "ratio": net_taco / net_lax if net_lax > 0 else math.nan})
-    return Calibration(axis_name, c.name, margin, tuple(rows), decide_min_bytes(rows, margin))
+        prep, times = fresh_times(fns, x, timer=timer, iters=iters, repeats=repeats)
+        net = [t - prep for t in times]
+        row = {"mib": per_dev * itemsize / 2**20, "lax_us": net[0]}
+        for t, us in zip(usable, net[1:]):
+            row[f"{t}_us"] = us
+            row[f"{t}_ratio"] = us / net[0] if net[0] > 0 else math.nan
+        rows.append(row)
+    return Calibration(axis_name, c.name, margin, tuple(rows),
+                       decide_min_bytes(rows, margin, "xla_ratio"), p, key)
+
+
+def calibrate_min_bytes(mesh, axis_name: str, **kw) -> Calibration:
+    """`calibrate` over the xla transport only: its `min_bytes` is the threshold to pass."""
+    return calibrate(mesh, axis_name, transports=("xla",), **kw)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m taco_jax.calibrate",
+                                 description="Time lax.psum against taco_jax.psum per "
+                                             "transport and size; write the cache.")
+    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    ap.add_argument("--codec", default="taco")
+    ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    ap.add_argument("--margin", type=float, default=0.97)
+    ap.add_argument("--cache", default=None, help=f"cache file (default ${CACHE_ENV} or "
+                                                  f"~/.cache/taco_jax/calibration.json)")
+    ap.add_argument("--json", default=None, help="also write this table as JSON here")
+    a = ap.parse_args(argv)
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("tp",))
+    cal = calibrate(mesh, "tp", codec=a.codec, transports=a.transports, sizes_mib=a.sizes_mib,
+                    margin=a.margin)
+    print(cal.table())
+    print(f"wrote {save(cal, a.cache)} ({cal.key})")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"device": jax.devices()[0].device_kind,
+                                            "link": link(), **cal.to_json()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

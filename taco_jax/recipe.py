@@ -16,7 +16,7 @@ import threading
 from typing import Iterator
 
 BACKENDS = ("auto", "pallas", "interpret", "reference")
-TRANSPORTS = ("auto", "xla")
+TRANSPORTS = ("auto", "xla", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,10 @@ class Recipe:
     # kernels: "auto" (Pallas on GPU, jnp references elsewhere), "pallas", "interpret"
     # (Pallas' interpreter, for CPU tests) or "reference" (jnp everywhere)
     backend: str = "auto"
-    transport: str = "auto"      # how compressed bytes move: "xla" collectives
+    # how compressed bytes move: "xla" (XLA's all-to-all / all-gather), "fused" (in-kernel
+    # stores into the peers' memory; GPUs of one process) or "auto" (the calibration's
+    # choice per size, else "xla")
+    transport: str = "auto"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

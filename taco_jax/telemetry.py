@@ -44,13 +44,15 @@ class Site:
     compressed: bool
     reason: str          # why not compressed ("" when compressed)
     p: int = 1           # devices over the axes
+    transport: str = ""  # "xla" or "fused" when compressed
 
     @property
     def bytes_per_device(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def describe(self) -> str:
-        route = f"compressed ({self.codec})" if self.compressed else f"plain: {self.reason}"
+        route = (f"compressed ({self.codec}, {self.transport})" if self.compressed
+                 else f"plain: {self.reason}")
         axes = ",".join(map(str, self.axes))
         return (f"{self.op}[{axes}] {self.dtype}{list(self.shape)} "
                 f"{self.bytes_per_device / 2**20:.3g} MiB: {route}")
@@ -60,10 +62,11 @@ _sites: dict = {}          # Site -> times traced
 _sites_lock = threading.Lock()
 
 
-def note_site(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1) -> None:
+def note_site(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1,
+              route: str = "lax") -> None:
     """Record one traced collective call (called by the collectives)."""
     site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
-                reason is None, reason or "", p)
+                reason is None, reason or "", p, route if reason is None else "")
     with _sites_lock:
         new = site not in _sites
         _sites[site] = _sites.get(site, 0) + 1

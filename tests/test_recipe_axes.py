@@ -211,4 +211,4 @@ def test_site_report_says_what_was_compressed_and_why():
     assert any("min_bytes=1048576" in s.reason for s in plain)
     assert any(s.reason == "dtype int32" for s in plain)
     report = telemetry.site_report()
-    assert "compressed (taco)" in report and "plain: 3072 B < min_bytes=1048576" in report
+    assert "compressed (taco, xla)" in report and "plain: 3072 B < min_bytes=1048576" in report

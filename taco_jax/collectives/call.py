@@ -6,8 +6,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from taco_jax import codecs, recipe, telemetry
-from taco_jax.collectives import axes as axes_lib
+from taco_jax import calibrate, codecs, recipe, telemetry
+from taco_jax.collectives import axes as axes_lib, fused
+from taco_jax.collectives.two_shot import lax_exchange
 
 # Below this many bytes per device, lax's collective is used: the conservative threshold
 # when no calibration is given. On 2×H200 NVLink the compressed two-shot only breaks even
@@ -16,14 +17,20 @@ from taco_jax.collectives import axes as axes_lib
 DEFAULT_MIN_BYTES = 512 << 20
 
 
+def transport_move(transport: str):
+    """The exchange function of a transport ("xla" or "fused")."""
+    return fused.exchange if transport == "fused" else lax_exchange
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     op: str
     codec: Any
     axes: tuple
     p: int
-    min_bytes: int
+    min_bytes: int | None        # None: the calibration's routes, else DEFAULT_MIN_BYTES
     vma: bool
+    transport: str = "auto"
 
     @property
     def axis(self):
@@ -31,26 +38,32 @@ class Call:
         return axes_lib.name(self.axes)
 
     @staticmethod
-    def make(op: str, axis_name, codec, min_bytes) -> "Call":
+    def make(op: str, axis_name, codec, min_bytes, transport=None) -> "Call":
         r = recipe.current()
         axes = axes_lib.resolve(axis_name, op)
         p = axes_lib.size(axes, op)
         codec = codecs.get(r.codec if codec is None else codec)
         if min_bytes is None:
-            min_bytes = DEFAULT_MIN_BYTES if r.min_bytes is None else r.min_bytes
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            min_bytes = r.min_bytes
+        if min_bytes is not None and (isinstance(min_bytes, bool)
+                                      or not isinstance(min_bytes, int) or min_bytes < 0):
             raise ValueError(f"taco_jax.{op}: min_bytes={min_bytes!r} must be an int >= 0")
-        return Call(op, codec, axes, p, min_bytes, axes_lib.check_vma(axes))
+        transport = r.transport if transport is None else transport
+        if transport not in recipe.TRANSPORTS:
+            raise ValueError(f"taco_jax.{op}: transport={transport!r} is not one of "
+                             f"{recipe.TRANSPORTS}")
+        return Call(op, codec, axes, p, min_bytes, axes_lib.check_vma(axes), transport)
 
     def taps(self, v) -> bool:
         """Does telemetry.capture see this leaf? Every float all-reduce over > 1 device."""
         return self.p > 1 and jnp.issubdtype(v.dtype, jnp.floating)
 
     def plain_reason(self, v, invariant: bool = False) -> str | None:
-        """Why this leaf goes through lax's exact collective; None if it is compressed."""
+        """Why this leaf goes through lax's exact collective, before sizes are considered;
+        None if it may take a transport."""
         if self.p == 1:
             return "axis of size 1"
-        if self.codec.is_identity:
+        if self.codec.is_identity and not (self.transport == "fused" and self.op == "psum"):
             return f"codec {self.codec.name!r}"
         if v.dtype not in codecs.FLOAT_DTYPES:
             return f"dtype {v.dtype}"
@@ -58,14 +71,40 @@ class Call:
             return "reduced/unreduced sharding type"
         if invariant:
             return "input invariant over the axis"
-        nbytes = v.size * v.dtype.itemsize
-        if nbytes < self.min_bytes:
-            return f"{nbytes} B < min_bytes={self.min_bytes}"
         return None
 
-    def decide(self, v, op: str | None = None, invariant: bool = False) -> bool:
-        """Compress this leaf? Records the site and the reason (telemetry.sites)."""
+    def route(self, v, invariant: bool = False) -> str:
+        """"lax", "xla" or "fused" for this leaf; records the site and the reason
+        (telemetry.sites)."""
+        route, why = self._route(v, invariant)
+        telemetry.note_site(self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
+                            self.p, route)
+        return route
+
+    def _route(self, v, invariant: bool) -> tuple[str, str | None]:
         why = self.plain_reason(v, invariant)
-        telemetry.note_site(op or self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
-                            self.p)
-        return why is None
+        if why is not None:
+            return "lax", why
+        nbytes = v.size * v.dtype.itemsize
+        fused_why = fused.unavailable_reason(self.axes)
+        if self.transport == "fused" and fused_why is not None:
+            raise ValueError(f"taco_jax.{self.op}: transport='fused' cannot run here: "
+                             f"{fused_why}; use transport='auto' or 'xla'")
+        if self.transport == "fused":
+            candidates = ("fused",)
+        elif self.transport == "xla" or fused_why is not None:
+            candidates = ("xla",)
+        else:
+            candidates = ("xla", "fused")
+        cal = None
+        if self.min_bytes is None and not axes_lib.emulated(self.axes):
+            cal = calibrate.lookup(self.p, self.codec.name)
+        if cal is not None:                  # the measured routes of this machine
+            route = cal.route(nbytes, candidates)
+            return route, (None if route != "lax" else
+                           f"{nbytes} B: lax.psum measured faster here ({cal.key})")
+        threshold = DEFAULT_MIN_BYTES if self.min_bytes is None else self.min_bytes
+        if nbytes < threshold:
+            return "lax", f"{nbytes} B < min_bytes={threshold}"
+        return ("xla" if self.transport == "auto" else candidates[0]), None
+

@@ -131,7 +131,7 @@ def _setup(x, axis_name, state, codec, min_bytes, op):
                          f"{x.shape=}; one FeedbackState per residual stream")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"taco_jax.{op}: x has dtype {x.dtype}; feedback needs floats")
-    return x, call, call.decide(x)
+    return x, call, call.route(x) != "lax"
 
 
 def psum_with_feedback(x, axis_name, state: FeedbackState, *, codec="echo4",

@@ -10,22 +10,23 @@ from jax import lax
 
 from taco_jax import codecs
 from taco_jax.collectives import axes as axes_lib
-from taco_jax.collectives.call import Call
+from taco_jax.collectives.call import Call, transport_move
 from taco_jax.collectives.two_shot import gather_decoded, scatter_sum
 from taco_jax.kernels import dispatch
 
 
-def _gather(x, axis, codec, p, dim: int, tiled: bool):
+def _gather(x, axis, codec, p, dim: int, tiled: bool, transport: str):
     """Every device decodes the same bytes, its own part included, so all copies agree."""
     blocks = codecs.to_blocks(x, codec.block_size)                   # (nb, B)
-    dec = gather_decoded(dispatch.compress(blocks, codec), axis, codec, x.dtype, vma=False)
+    dec = gather_decoded(dispatch.compress(blocks, codec), axis, codec, p, x.dtype, vma=False,
+                         move=transport_move(transport))
     parts = jax.vmap(lambda b: codecs.from_blocks(b, x.shape))(
         dec.reshape(p, blocks.shape[0], codec.block_size))           # (P, *x.shape)
     y = jnp.moveaxis(parts, 0, dim) if not tiled else jnp.concatenate(list(parts), axis=dim)
     return axes_lib.per_member(y, axes_lib.as_tuple(axis))
 
 
-def _scatter(x, axis, codec, p, dim: int, tiled: bool):
+def _scatter(x, axis, codec, p, dim: int, tiled: bool, transport: str):
     """Segment j of x along `dim` goes to device j; the owner sums in fp32 with its own part
     exact (one quantization per element)."""
     xs = jnp.moveaxis(x, dim, 0)
@@ -34,16 +35,16 @@ def _scatter(x, axis, codec, p, dim: int, tiled: bool):
     m = segs.shape[1]
     nb = max(1, -(-m // codec.block_size))
     blocks = jnp.pad(segs, ((0, 0), (0, nb * codec.block_size - m))).reshape(p * nb, -1)
-    total, _ = scatter_sum(blocks, nb, axis, codec, p)
+    total, _ = scatter_sum(blocks, nb, axis, codec, p, transport_move(transport))
     out = total.reshape(-1)[:m].astype(x.dtype).reshape(seg_shape)  # (k, *rest) or rest
     return jnp.moveaxis(out, 0, dim) if tiled else out
 
 
 def _transpose_pair(forward_a, forward_b):
     """Two custom_vjp ops, each the other's transpose. Static args after x:
-    (axis, codec, p, dim, tiled); the fwd rules call the ops themselves so higher-order AD
-    keeps using these rules."""
-    ops = [jax.custom_vjp(fwd, nondiff_argnums=(1, 2, 3, 4, 5))
+    (axis, codec, p, dim, tiled, transport); the fwd rules call the ops themselves so
+    higher-order AD keeps using these rules."""
+    ops = [jax.custom_vjp(fwd, nondiff_argnums=(1, 2, 3, 4, 5, 6))
            for fwd in (forward_a, forward_b)]
     for k, op in enumerate(ops):
         other = ops[1 - k]
@@ -51,35 +52,36 @@ def _transpose_pair(forward_a, forward_b):
     return ops
 
 
-def _bwd(other, axis, codec, p, dim, tiled, _, g):
+def _bwd(other, axis, codec, p, dim, tiled, transport, _, g):
     with axes_lib.bound(axes_lib.as_tuple(axis), p):
-        return (other(g, axis, codec, p, dim, tiled),)
+        return (other(g, axis, codec, p, dim, tiled, transport),)
 
 
 _all_gather, _psum_scatter = _transpose_pair(_gather, _scatter)
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, codec=None,
-               min_bytes: int | None = None):
+               min_bytes: int | None = None, transport: str | None = None):
     """`lax.all_gather` with compressed payloads (signature and layout as lax's, result
     varying). Gradient: the compressed `psum_scatter`."""
-    op = Call.make("all_gather", axis_name, codec, min_bytes)
+    op = Call.make("all_gather", axis_name, codec, min_bytes, transport)
 
     def leaf(v):
         v = jnp.asarray(v)
         ax = axis if axis >= 0 else axis + v.ndim + (0 if tiled else 1)
-        if not op.decide(v):
+        route = op.route(v)
+        if route == "lax":
             return lax.all_gather(v, op.axis, axis=ax, tiled=tiled)
-        return _all_gather(v, op.axis, op.codec, op.p, ax, tiled)
+        return _all_gather(v, op.axis, op.codec, op.p, ax, tiled, route)
     return jax.tree.map(leaf, x)
 
 
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
-                 codec=None, min_bytes: int | None = None):
+                 codec=None, min_bytes: int | None = None, transport: str | None = None):
     """`lax.psum_scatter` with compressed payloads: a compressed all-to-all, then each device
     sums its part in fp32 with its own contribution exact. Gradient: the compressed
     `all_gather`."""
-    op = Call.make("psum_scatter", axis_name, codec, min_bytes)
+    op = Call.make("psum_scatter", axis_name, codec, min_bytes, transport)
 
     def leaf(v):
         v = jnp.asarray(v)
@@ -88,7 +90,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
         if (not tiled and size != op.p) or (tiled and size % op.p):
             raise ValueError(f"taco_jax.psum_scatter: dimension {dim} of shape {v.shape} must "
                              f"{'be divisible by' if tiled else 'equal'} the axis size {op.p}")
-        if not op.decide(v):
+        route = op.route(v)
+        if route == "lax":
             return lax.psum_scatter(v, op.axis, scatter_dimension=dim, tiled=tiled)
-        return _psum_scatter(v, op.axis, op.codec, op.p, dim, tiled)
+        return _psum_scatter(v, op.axis, op.codec, op.p, dim, tiled, route)
     return jax.tree.map(leaf, x)

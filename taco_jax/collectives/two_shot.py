@@ -1,4 +1,6 @@
-"""The compressed two-shot all-reduce and its halves, over P devices of one or more axes.
+"""The compressed all-reduce schedules and their halves, over P devices of one or more axes.
+
+Two-shot (`two_shot`):
 
   1. compress x as P segments (segment j is owned by device j);
   2. all-to-all the compressed segments (the reduce-scatter half);
@@ -8,6 +10,14 @@
   4. all-gather the compressed sums and decode them (`gather_decoded`); every device
      decodes the same bytes, so the result is bit-identical on every device.
 Every element is quantized at most twice for any P: by its sender and by its owner.
+
+One-shot (`one_shot`, for P = 2): every device compresses its whole tensor, all-gathers the
+codes and decodes the P buffers, summing them in device order: one quantization per element
+and one exchange.
+
+`move(send, axis, p, gather=..., vma=...)` carries the bytes: `lax_exchange` (XLA's
+all-gather / all-to-all, the "xla" transport) or `fused.exchange` (in-kernel stores into
+the peers' memory, the "fused" transport).
 """
 from __future__ import annotations
 
@@ -16,7 +26,15 @@ from jax import lax
 
 from taco_jax import codecs, telemetry
 from taco_jax.collectives import axes as axes_lib
-from taco_jax.kernels import dispatch
+from taco_jax.kernels import decode_sum as _ds, dispatch
+
+
+def lax_exchange(send, axis, p: int, *, gather: bool, vma: bool):
+    """gather: (…) → (P, …), row j from device j (identical on every device). Else send
+    (P, …) → (P, …), row j = device j's send[me]."""
+    if gather:
+        return lax.all_gather(send, axis, to="invarying" if vma else "varying")
+    return lax.all_to_all(send, axis, 0, 0)
 
 
 def segments(x, p: int, block: int):
@@ -28,13 +46,13 @@ def segments(x, p: int, block: int):
     return flat.reshape(p * nb, block), nb                           # (rows, B)
 
 
-def scatter_sum(blocks, nb: int, axis, codec, p: int):
+def scatter_sum(blocks, nb: int, axis, codec, p: int, move=lax_exchange):
     """Steps 1–3 unfused: (this device's fp32 sum of its segment (nb, B), the decoded form
     of what it sent (P·nb, B))."""
     row = codec.row_bytes
     me = lax.axis_index(axis)
     wire = dispatch.compress(blocks, codec)                          # (rows, row_bytes)
-    recv = lax.all_to_all(wire.reshape(p, nb, row), axis, 0, 0)      # recv[j]: from device j
+    recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)  # [j]: from j
     got = dispatch.decompress(recv.reshape(p * nb, row), codec, jnp.float32)
     got = got.reshape(p, nb, -1)
     own = lax.dynamic_slice_in_dim(blocks, me * nb, nb).astype(jnp.float32)
@@ -42,14 +60,14 @@ def scatter_sum(blocks, nb: int, axis, codec, p: int):
     return own + jnp.sum(peers, axis=0), wire
 
 
-def gather_decoded(wire, axis, codec, out_dtype, vma: bool):
+def gather_decoded(wire, axis, codec, p: int, out_dtype, vma: bool, move=lax_exchange):
     """Step 4: all-gather every device's (nb, row_bytes) codes, decode → (P·nb, B)."""
-    everyone = lax.all_gather(wire, axis, to="invarying" if vma else "varying")
+    everyone = move(wire, axis, p, gather=True, vma=vma)
     return dispatch.decompress(everyone.reshape(-1, codec.row_bytes), codec, out_dtype)
 
 
 def two_shot(x, axis, codec, p: int, vma: bool, *, with_error: bool = False,
-             out_dtype=None):
+             out_dtype=None, move=lax_exchange):
     """The compressed psum of x over `axis` (a name or tuple of names, P devices).
 
     with_error: also return this device's share e of the error, Σ_devices e = y − Σ x:
@@ -60,15 +78,15 @@ def two_shot(x, axis, codec, p: int, vma: bool, *, with_error: bool = False,
     blocks, nb = segments(x, p, b)
     me = lax.axis_index(axis)
     if with_error:
-        s_tilde, wire = scatter_sum(blocks, nb, axis, codec, p)
+        s_tilde, wire = scatter_sum(blocks, nb, axis, codec, p, move)
         mine = dispatch.compress(s_tilde, codec)
     else:
         # the own segment is never sent, so its codes need not be computed
         wire = dispatch.compress(blocks, codec, skip_start=me * nb, skip_rows=nb)
-        recv = lax.all_to_all(wire.reshape(p, nb, row), axis, 0, 0)
+        recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)
         mine = dispatch.reduce(recv, blocks, me, codec, own_row0=me * nb)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    out = gather_decoded(mine, axis, codec, out_dtype, vma)          # (rows, B)
+    out = gather_decoded(mine, axis, codec, p, out_dtype, vma, move)  # (rows, B)
     y = axes_lib.per_member(codecs.from_blocks(out, x.shape), axes_lib.as_tuple(axis))
     if telemetry.enabled():
         telemetry.report("psum", x, y, axis, codec, wire_bytes=2 * p * nb * row)
@@ -78,3 +96,28 @@ def two_shot(x, axis, codec, p: int, vma: bool, *, with_error: bool = False,
     own_err = lax.dynamic_slice_in_dim(out, me * nb, nb).astype(jnp.float32) - s_tilde
     err = lax.dynamic_update_slice_in_dim(sent - blocks, own_err, me * nb, 0)
     return y, codecs.from_blocks(err, x.shape)
+
+
+def one_shot(x, axis, codec, p: int, vma: bool, move=lax_exchange):
+    """Σ_j decode(encode(x_j)), j in device order, from one all-gather of the codes. With
+    an identity codec: the exact sum, in f32, of the gathered values."""
+    b = codec.block_size
+    blocks = codecs.to_blocks(x, b)                                  # (nb, B)
+    if codec.is_identity:
+        vals = move(blocks, axis, p, gather=True, vma=vma)           # (P, nb, B)
+        acc = vals[0].astype(jnp.float32)
+        for j in range(1, p):
+            acc = acc + vals[j].astype(jnp.float32)
+        out = acc.astype(x.dtype)
+    else:
+        recv = move(dispatch.compress(blocks, codec), axis, p, gather=True, vma=vma)
+        mode = dispatch.backend_for(codec)
+        if mode == "reference":
+            out = _ds.decode_sum_reference(recv, codec, x.dtype)
+        else:
+            out = _ds.decode_sum(recv, codec, x.dtype, interpret=mode == "interpret")
+    y = axes_lib.per_member(codecs.from_blocks(out, x.shape), axes_lib.as_tuple(axis))
+    if telemetry.enabled():
+        telemetry.report("psum", x, y, axis, codec,
+                         wire_bytes=(p - 1) * blocks.shape[0] * codec.row_bytes)
+    return y

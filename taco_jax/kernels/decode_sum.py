@@ -1,0 +1,53 @@
+"""Decode-and-sum: the end of a one-shot all-reduce. P received wire buffers → their sum.
+
+Every device runs this on the same P buffers in the same order (device 0 first), so every
+device gets the same bits; each element was quantized once, by its sender."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from taco_jax.kernels import decompress, tiling
+
+
+def decode_sum_kernel(r_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows, n_parts):
+    tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
+    h1, h2 = h1_ref[...], h2_ref[...]
+
+    def tile(t):
+        acc = None
+        for p in range(n_parts):      # P is small (the TP degree): unrolled, in device order
+            codes = tiling.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
+            scale_bytes = tiling.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
+            dec = decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+            acc = dec if acc is None else acc + dec
+        tiling.store_rows(o_ref, t, acc.astype(o_ref.dtype), tm, 0, n_rows)
+    tiling.for_each_tile(cfg, n_rows, tile)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
+def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
+    """recv (P, n_blocks, row_bytes) uint8 → (n_blocks, B) out_dtype: Σ_p decode(recv[p]),
+    summed in fp32 in the order p = 0, 1, …, P − 1."""
+    n_parts, n_rows, row = recv.shape
+    if row != codec.row_bytes or not codec.has_kernel:
+        raise ValueError(f"decode_sum kernel: got {recv.shape=} for {codec}")
+    b = codec.block_size
+    cfg = (cfg or tiling.KernelConfig.default(b, "decompress")).resolve(
+        wide=out_dtype != jnp.bfloat16, interpret=interpret)
+    h1, h2 = tiling.hadamard_operands(b)
+    kernel = functools.partial(decode_sum_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
+                               n_parts=n_parts)
+    out = tiling.out_struct((n_rows, b), out_dtype, recv)
+    return tiling.launch(kernel, out, n_rows, cfg, interpret, "taco_decode_sum", recv, h1, h2)
+
+
+def decode_sum_reference(recv, codec, out_dtype=jnp.float32):
+    """Plain-jnp decode-and-sum, for every codec, in the kernel's order."""
+    acc = None
+    for p in range(recv.shape[0]):
+        dec = codec.decompress_reference(recv[p])
+        acc = dec if acc is None else acc + dec
+    return acc.astype(out_dtype)

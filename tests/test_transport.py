@@ -1,0 +1,247 @@
+"""Transports of the compressed all-reduce: selection and fallbacks, the one-shot schedule's
+numerics (what every device computes, with lax's all-gather carrying the bytes), the fused
+exchange's byte packing (its kernel replaced by lax), and the calibration cache. CPU."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import taco_jax
+from taco_jax import calibrate, codecs, telemetry
+from taco_jax.collectives import fused, two_shot
+
+
+def gauss(shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def per_device(fn, x, vma=False):
+    """fn on each device's x[i] (x: (p, ...)); every device's result, stacked."""
+    p = x.shape[0]
+    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("tp")))
+        f = jax.shard_map(lambda b: fn(b[0])[None], mesh=mesh, in_specs=P("tp"),
+                          out_specs=P("tp"), check_vma=vma)
+        return np.asarray(jax.jit(f)(xs))
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# -- selection ----------------------------------------------------------------------------
+def test_fused_transport_on_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="transport='fused' cannot run here: platform 'cpu'"):
+        per_device(lambda v: taco_jax.psum(v, "tp", min_bytes=0, transport="fused"),
+                   gauss((2, 512)))
+    with pytest.raises(ValueError, match="transport='nccl'"):
+        per_device(lambda v: taco_jax.psum(v, "tp", transport="nccl"), gauss((2, 512)))
+    with pytest.raises(ValueError, match="'nccl'"):
+        with taco_jax.config(transport="nccl"):
+            pass
+
+
+def test_fused_unavailable_reasons():
+    assert "cpu" in fused.mesh_unavailable_reason(jax.make_mesh((2,), ("tp",)))
+    assert "other mesh axes" in fused.mesh_unavailable_reason(
+        jax.make_mesh((2, 2), ("data", "tp"), devices=jax.devices()[:4]))
+    f = jax.vmap(lambda v: jnp.asarray(fused.unavailable_reason(("tp",)) is not None),
+                 axis_name="tp")
+    assert bool(f(jnp.ones(2)).all())
+
+
+def test_auto_on_cpu_takes_the_xla_transport():
+    telemetry.clear_sites()
+    x = gauss((2, 4, 256))
+    y = per_device(lambda v: taco_jax.psum(v, "tp", min_bytes=0), x)
+    with taco_jax.config(transport="xla"):
+        y_xla = per_device(lambda v: taco_jax.psum(v, "tp", min_bytes=0), x)
+    np.testing.assert_array_equal(y, y_xla)
+    assert {s.transport for s, _ in telemetry.sites() if s.compressed} == {"xla"}
+
+
+# -- the one-shot schedule ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_one_shot_is_the_ordered_sum_of_each_devices_decoded_codes(dtype):
+    """Each device: Σ_j decode(encode(x_j)), j = 0, 1: one quantization per element, the same
+    bits on both devices, and less error than the two-shot (which quantizes twice)."""
+    c = codecs.get("taco")
+    x = jnp.asarray(gauss((2, 5, 333), seed=1)).astype(dtype)
+    y = per_device(lambda v: two_shot.one_shot(v, "tp", c, 2, False), x)
+    assert (y[0] == y[1]).all() and y.dtype == np.dtype(dtype)
+    dec = [np.asarray(c.roundtrip(x[j]), np.float32) for j in range(2)]
+    want = np.asarray((jnp.asarray(dec[0]) + jnp.asarray(dec[1])).astype(dtype), np.float32)
+    # to the last bit, up to how XLA fuses the decode into the sum (≤ 1 ulp of f32; bf16
+    # results are rounded once more)
+    tol = 1e-6 if dtype == np.float32 else 2 ** -8
+    np.testing.assert_allclose(y[0].astype(np.float32), want, rtol=tol,
+                               atol=tol * np.abs(want).max())
+    exact = np.asarray(x, np.float64).sum(0)
+    y2 = per_device(lambda v: two_shot.two_shot(v, "tp", c, 2, False), x)
+    assert rel(y[0].astype(np.float32), exact) < rel(y2[0].astype(np.float32), exact) < 0.05
+
+
+def test_one_shot_identity_is_the_exact_sum_and_keeps_nan():
+    x = gauss((2, 3, 256), seed=2)
+    x[1, 0, 5] = np.nan
+    c = codecs.get("none")
+    y = per_device(lambda v: two_shot.one_shot(v, "tp", c, 2, False), x)
+    ref = per_device(lambda v: lax.psum(v, "tp"), x)
+    np.testing.assert_array_equal(y, ref)      # two f32 addends: the order cannot matter
+    assert np.isnan(y[:, 0, 5]).all()
+
+
+def test_one_shot_nonfinite_block_decodes_to_nan():
+    x = gauss((2, 2, 256), seed=3)
+    x[0, 1, 7] = np.inf
+    y = per_device(lambda v: two_shot.one_shot(v, "tp", codecs.get("taco"), 2, False), x)
+    assert np.isnan(y[:, 1]).all() and np.isfinite(y[:, 0]).all()
+
+
+def test_one_shot_under_check_vma_is_invariant():
+    x = gauss((2, 4, 256), seed=4)
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    c = codecs.get("taco")
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("tp")))
+        f = jax.shard_map(lambda b: two_shot.one_shot(b[0], "tp", c, 2, True), mesh=mesh,
+                          in_specs=P("tp"), out_specs=P(), check_vma=True)
+        y = np.asarray(jax.jit(f)(xs))
+    assert rel(y, x.astype(np.float64).sum(0)) < 0.05
+
+
+# -- the fused exchange's packing, with lax in place of the kernel -------------------------
+def _lax_kernel(send, axis, p, gather, out_mat):
+    assert send.dtype == jnp.uint8 and send.shape[-1] % fused.TILE_BYTES == 0
+    return lax.all_gather(send, axis) if gather else lax.all_to_all(send, axis, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("gather", [True, False])
+def test_fused_exchange_packs_any_bytes(monkeypatch, dtype, gather):
+    monkeypatch.setattr(fused, "_kernel_exchange", _lax_kernel)
+    p = 4
+    x = jnp.asarray(gauss((p, p, 3, 100), seed=5) * 50).astype(dtype)
+    send = (lambda v: v[0]) if gather else (lambda v: v)
+    got = per_device(lambda v: fused.exchange(send(v), "tp", p, gather=gather, vma=False), x)
+    want = per_device(lambda v: two_shot.lax_exchange(send(v), "tp", p, gather=gather,
+                                                      vma=False), x)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fused_schedules_with_lax_in_place_of_the_kernel(monkeypatch):
+    """taco_jax.psum(transport="fused") end to end on CPU, the kernel emulated: P = 2 is the
+    one-shot, P = 4 the two-shot (the xla transport's numbers exactly)."""
+    monkeypatch.setattr(fused, "_kernel_exchange", _lax_kernel)
+    monkeypatch.setattr(fused, "unavailable_reason", lambda axes: None)
+    c = codecs.get("taco")
+    x2 = gauss((2, 3, 300), seed=6)
+    y = per_device(lambda v: taco_jax.psum(v, "tp", min_bytes=0, transport="fused"), x2)
+    np.testing.assert_array_equal(y, per_device(lambda v: two_shot.one_shot(v, "tp", c, 2,
+                                                                            False), x2))
+    x4 = gauss((4, 3, 300), seed=7)
+    y4 = per_device(lambda v: taco_jax.psum(v, "tp", min_bytes=0, transport="fused"), x4)
+    np.testing.assert_array_equal(y4, per_device(
+        lambda v: taco_jax.psum(v, "tp", min_bytes=0, transport="xla"), x4))
+    exact = per_device(lambda v: taco_jax.psum(v, "tp", codec="none", transport="fused"), x2)
+    np.testing.assert_array_equal(exact, per_device(lambda v: lax.psum(v, "tp"), x2))
+
+
+
+# -- the calibration cache ------------------------------------------------------------------
+def _cal(rows, codec="taco", n=2, key=None):
+    return calibrate.Calibration("tp", codec, 0.97, tuple(rows), calibrate.decide_min_bytes(
+        rows, 0.97, "xla_ratio"), n, key or calibrate.machine_key(n))
+
+
+ROWS = [{"mib": 1 / 1024, "lax_us": 10.0, "xla_us": 30.0, "xla_ratio": 3.0},
+        {"mib": 1 / 64, "lax_us": 100.0, "xla_us": 50.0, "xla_ratio": 0.5}]
+
+
+def test_cache_round_trip_and_routes(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(path))
+    calibrate.save(_cal(ROWS))
+    cal = calibrate.lookup(2, "taco")
+    assert cal is not None and cal.rows == tuple(ROWS) and cal.min_bytes == 2**20 // 64
+    assert cal.route(100) == "lax"                       # below the smallest size
+    assert cal.route(2**20 // 1024) == "lax"             # measured: lax faster
+    assert cal.route(2**20 // 64) == "xla" and cal.route(1 << 30) == "xla"
+    assert calibrate.lookup(4, "taco") is None           # another device count
+    assert calibrate.lookup(2, "taco-int8") is None      # another codec
+    # psum with min_bytes=None follows the cache: plain at 1 KiB, compressed at 16 KiB
+    telemetry.clear_sites()
+    small, big = gauss((2, 256)), gauss((2, 16, 256))
+    np.testing.assert_array_equal(per_device(lambda v: taco_jax.psum(v, "tp"), small),
+                                  per_device(lambda v: lax.psum(v, "tp"), small))
+    assert rel(per_device(lambda v: taco_jax.psum(v, "tp"), big)[0], big.sum(0)) > 1e-4
+    reasons = [s.reason for s, _ in telemetry.sites()]
+    assert any("lax.psum measured faster here" in r for r in reasons)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "entries": {}}),
+                                     json.dumps({"version": 1, "entries": []})])
+def test_corrupt_cache_is_reported_and_ignored(tmp_path, monkeypatch, content):
+    path = tmp_path / "cal.json"
+    path.write_text(content)
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(path))
+    calibrate._loaded.clear()
+    calibrate._warned.clear()
+    with pytest.warns(UserWarning, match="ignoring the calibration cache"):
+        assert calibrate.lookup(2, "taco") is None
+    x = gauss((2, 4, 256))     # the default threshold: plain
+    np.testing.assert_array_equal(per_device(lambda v: taco_jax.psum(v, "tp"), x),
+                                  per_device(lambda v: lax.psum(v, "tp"), x))
+
+
+def test_foreign_or_malformed_entry_is_ignored(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(path))
+    key = calibrate.machine_key(2)
+    foreign = _cal(ROWS, key="NVIDIA H200|2|nvlink").to_json()
+    bad_rows = _cal([{"mib": -1, "lax_us": "x"}]).to_json()
+    path.write_text(json.dumps({"version": 1, "entries": {
+        f"{key}|taco": foreign, f"{key}|taco-int8": bad_rows}}))
+    calibrate._loaded.clear()
+    calibrate._warned.clear()
+    with pytest.warns(UserWarning, match="written for 'NVIDIA H200"):
+        assert calibrate.lookup(2, "taco") is None
+    with pytest.warns(UserWarning, match="bad row"):
+        assert calibrate.lookup(2, "taco-int8") is None
+
+
+def test_best_route_and_margin():
+    row = {"mib": 1, "lax_us": 100.0, "xla_us": 98.0, "fused_us": 40.0}
+    assert calibrate.best_route(row, 0.97) == "fused"
+    assert calibrate.best_route(row, 0.97, available=("xla",)) == "lax"   # 0.98 > margin
+    assert calibrate.best_route({**row, "fused_us": math.nan}, 1.0) == "xla"
+    assert calibrate.link() == "cpu"
+
+
+# -- the decode-and-sum kernel (Pallas interpreter) -------------------------------------------
+@pytest.mark.parametrize("name,b,dtype", [("taco", 256, jnp.bfloat16), ("taco-int8", 64,
+                                                                         jnp.float32)])
+def test_decode_sum_kernel_matches_reference(name, b, dtype):
+    from taco_jax.kernels import compress, decode_sum
+    c = codecs.get(name, block_size=b)
+    x = gauss((3, 21, b), seed=8)
+    x[1, 4, 2] = np.nan
+    recv = jnp.stack([compress.compress_reference(jnp.asarray(v), c) for v in x])
+    got = np.asarray(decode_sum.decode_sum(recv, c, dtype, interpret=True), np.float32)
+    want = np.asarray(decode_sum.decode_sum_reference(recv, c, dtype), np.float32)
+    assert got.shape == (21, b) and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[4]).all()
+    ok = ~np.isnan(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=0, atol=2e-2 * np.abs(want[ok]).max()
+                               if dtype == jnp.bfloat16 else 1e-5 * np.abs(want[ok]).max())
+    with pytest.raises(ValueError, match="decode_sum kernel"):
+        decode_sum.decode_sum(recv[:, :, :-1], c, dtype, interpret=True)
