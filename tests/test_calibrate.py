@@ -1,5 +1,5 @@
-"""taco_jax.tuning: the break-even size of compression on this machine (mechanics only: CPU
-timings mean nothing, so the decision rule is tested on given times)."""
+"""taco_jax.calibrate: the break-even size of compression on this machine (mechanics only:
+CPU timings mean nothing, so the decision rule is tested on given times)."""
 import itertools
 
 import jax
@@ -11,7 +11,7 @@ from taco_jax import calibrate as tuning
 
 
 def rows(*ratios, sizes=(1, 4, 16, 64)):
-    return [{"mib": m, "lax_us": 100.0, "taco_us": 100.0 * r, "ratio": r}
+    return [{"mib": m, "lax_us": 100.0, "xla_us": 100.0 * r, "ratio": r}
             for m, r in zip(sizes, ratios)]
 
 
@@ -39,10 +39,11 @@ def test_calibrate_with_given_times():
     cal = tuning.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 16, 1 / 64),
                                      timer=lambda fn, x, **kw: next(times))
     assert [r["mib"] for r in cal.rows] == [1 / 64, 1 / 16]
-    assert [round(r["ratio"], 3) for r in cal.rows] == [1.2, 0.7]
-    assert cal.rows[0]["lax_us"] == 100.0 and cal.rows[1]["taco_us"] == 140.0
+    assert [round(r["xla_ratio"], 3) for r in cal.rows] == [1.2, 0.7]
+    assert cal.rows[0]["lax_us"] == 100.0 and cal.rows[1]["xla_us"] == 140.0
     assert cal.min_bytes == 2**20 // 16
     assert "from 0.0625 MiB per device" in cal.table()
+    assert [cal.route(int(r["mib"] * 2**20)) for r in cal.rows] == ["lax", "xla"]
 
 
 def test_calibrate_runs_on_simulated_devices():
@@ -57,7 +58,7 @@ def test_calibrate_runs_on_simulated_devices():
     assert next(calls) == 3 and len(cal.rows) == 1
     r = cal.rows[0]
     assert r["mib"] == 1 / 32 and r["lax_us"] != 0
-    assert cal.min_bytes == tuning.decide_min_bytes(cal.rows, cal.margin)
+    assert cal.min_bytes == tuning.decide_min_bytes(cal.rows, cal.margin, "xla_ratio")
     assert cal.min_bytes in (tuning.NEVER, 2**20 // 32)
 
 
