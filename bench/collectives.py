@@ -1,143 +1,234 @@
-"""taco_jax.psum vs lax.psum on bf16, side by side in one run, over all local devices.
+"""taco_jax.psum vs lax.psum, side by side in one run, per transport, size and link.
 
-    python bench/collectives.py [--sizes-mib 1 4 16 64 256 1024] [--codecs taco] [--out PATH]
+    python -m bench.collectives [--sizes-mib 1 4 16 64 256 1024] [--codecs taco]
+        [--transports xla fused fused-none lax-kernels] [--link nvlink|pcie|network]
+        [--check] [--out bench/results/collectives.json]
 
-Each row: lax.psum time, taco_jax.psum time with the library's default size threshold
-(what users get) and forced compression (min_bytes=0), and their ratios to lax.psum.
+Transports: "xla" (taco over XLA's all-to-all / all-gather), "fused" (taco by in-kernel
+stores into the peers' memory; GPUs of one process), "fused-none" (the fused kernel with
+codec "none": an exact all-reduce), "lax-kernels" (lax.psum with XLA's own all-reduce
+kernels, --xla_gpu_experimental_use_collective_kernels=ALL_REDUCE: run in a child process,
+since XLA reads its flags once). Transports that cannot run on the link are skipped.
 
-The timing loop feeds the same input buffer to every call, and XLA then copies it before
-lax.psum's in-place NCCL all-reduce (a MemcpyD2D of the whole tensor, 127 µs of 1065 at
-256 MiB in bench/results/profile_psum.json) that a psum of a freshly computed activation
-never pays; taco's kernels read the input and need no copy. The `fresh_*` columns time
-both on an input made inside the loop (x · one, `one` a runtime scalar), minus that
-multiply timed alone: `fresh_ratio` = (taco − prep) / (lax − prep), the ratio a model sees.
-Also checks on the device that outputs are identical on every device and that the error vs
-lax.psum is what the codec promises. Writes bench/results/collectives.json.
+Links: "nvlink" (as found), "pcie" (NCCL_P2P_DISABLE=1: NCCL through host memory, as on
+servers without NVLink), "network" (two processes with one GPU each, jax.distributed, and
+NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: NCCL's socket transport, as between hosts). A link
+other than the current one re-runs this program in child processes with that environment
+(NVLink multicast stays off in every one of them).
+
+`ratio` = taco / lax.psum on a reused input; `fresh_ratio` the same on an input computed in
+the call (x · one), net of that multiply: lax.psum then pays no copy of a reused buffer, as
+in a model. --check verifies on the devices: identical outputs everywhere, error vs
+lax.psum, gradients under check_vma True and False, NaN/Inf propagation, odd sizes, bf16
+and f32. Rows: {"mib_per_device", "codec", "transport", "link", "n_devices",
+"lax_psum_us", "taco_psum_us", "ratio", "fresh_ratio"}.
 """
 from __future__ import annotations
 
 import argparse
-import re
+import json
+import os
+import subprocess
 import sys
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from bench.common import env_facts, print_table, time_loop, write_json  # noqa: E402
-import taco_jax  # noqa: E402
-from taco_jax import calibrate as tuning  # noqa: E402
+import tempfile
 
 MIB = 1 << 20
+TRANSPORTS = ("xla", "fused", "fused-none", "lax-kernels")
+LINK_ENV = {"nvlink": {}, "pcie": {"NCCL_P2P_DISABLE": "1"},
+            "network": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+KERNELS_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
 
 
-def make_fns(mesh, codec, min_bytes, check_vma=True, chunk_bytes=None):
-    out = P() if check_vma else P("tp")
-
-    def taco(v):
-        return taco_jax.psum(v, "tp", codec=codec, min_bytes=min_bytes, chunk_bytes=chunk_bytes)
-    lax_fn = jax.shard_map(lambda v: jax.lax.psum(v, "tp"), mesh=mesh, in_specs=P("tp"),
-                           out_specs=out, check_vma=check_vma)
-    taco_fn = jax.shard_map(taco, mesh=mesh, in_specs=P("tp"), out_specs=out,
-                            check_vma=check_vma)
-    return lax_fn, taco_fn
+def child_env(extra: dict) -> dict:
+    env = {**os.environ, **extra, **NO_MULTICAST}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
-def fresh(lax_fn, taco_fn, x) -> dict:
-    """Times on an input computed in the loop (no copy before lax.psum), net of that work."""
-    prep, lax_us, taco_us = tuning.fresh_times(lax_fn, taco_fn, x)
-    return {"fresh_prep_us": round(prep, 1), "fresh_lax_us": round(lax_us, 1),
-            "fresh_taco_us": round(taco_us, 1),
-            "fresh_ratio": round((taco_us - prep) / max(lax_us - prep, 1e-9), 3)}
+def run_children(argv: list[str], link: str, n_proc: int, out: str) -> dict:
+    """Re-run this program under `link`'s environment (n_proc processes for "network")."""
+    cmd = [sys.executable, "-m", "bench.collectives", *argv, "--child", "--out", out]
+    if n_proc == 1:
+        subprocess.run(cmd, env=child_env(LINK_ENV[link]), check=True)
+    else:
+        procs = []
+        for i in range(n_proc):
+            env = child_env({**LINK_ENV[link], "CUDA_VISIBLE_DEVICES": str(i),
+                             "JAX_COORDINATOR_ADDRESS": "127.0.0.1:12355",
+                             "JAX_NUM_PROCESSES": str(n_proc), "JAX_PROCESS_ID": str(i)})
+            procs.append(subprocess.Popen(cmd + ["--distributed"], env=env))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise RuntimeError(f"network-link children exited with {codes}")
+    with open(out) as f:
+        return json.load(f)
 
 
-def check(mesh, codec, n_dev):
-    """Replicated output and error vs lax.psum, both check_vma modes, on this device."""
-    rows = []
-    x = jax.random.normal(jax.random.key(1), (n_dev * 4 * MIB // 2,), jnp.bfloat16)
-    x = jax.device_put(x, NamedSharding(mesh, P("tp")))
-    for vma in (True, False):
-        lax_fn, taco_fn = make_fns(mesh, codec, 0, vma)
-        ref = np.asarray(jax.jit(lax_fn)(x), np.float32)
-        got = jax.jit(taco_fn)(x)
-        if vma:
-            shards = [np.asarray(s.data, np.float32) for s in got.addressable_shards]
-            got = np.asarray(got, np.float32)
-        else:
-            got = np.asarray(got, np.float32)
-            shards = np.split(got, n_dev)
-            ref = np.split(ref, n_dev)[0]
-            got = shards[0]
-        rows.append({"codec": codec, "check_vma": vma,
-                     "identical_on_all_devices": all(np.array_equal(shards[0], s)
-                                                     for s in shards),
-                     "rel_error_vs_lax": float(np.linalg.norm(got - ref) / np.linalg.norm(ref))})
-    return rows
+def measure(args) -> dict:
+    import jax
+    if args.distributed:
+        jax.distributed.initialize()
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
+    import taco_jax
+    from bench.common import env_facts, print_table
+    from taco_jax import calibrate
+    from taco_jax.collectives import fused
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
-    ap.add_argument("--codecs", nargs="+", default=["taco"])
-    ap.add_argument("--chunks-mib", type=float, nargs="*", default=[],
-                    help="also time forced compression with these chunk sizes (0 = none)")
-    ap.add_argument("--dump-hlo", default=None,
-                    help="write the compiled HLO of forced compression at the largest size "
-                         "and the first --chunks-mib value to this path")
-    ap.add_argument("--no-fresh", dest="fresh", action="store_false",
-                    help="skip the fresh-input timings (see module doc)")
-    ap.add_argument("--out", default="bench/results/collectives.json")
-    args = ap.parse_args()
     n_dev = jax.device_count()
     mesh = jax.make_mesh((n_dev,), ("tp",))
     jax.set_mesh(mesh)
-    result = {**env_facts(), "n_devices": n_dev,
-              "default_min_bytes": taco_jax.collectives.DEFAULT_MIN_BYTES, "check": []}
-    for codec in args.codecs:
-        result["check"] += check(mesh, codec, n_dev)
-    print_table(result["check"], list(result["check"][0]))
-    rows = []
+    link = calibrate.link()
+    spec = P("tp")
+
+    def sharded(fn, vma=True):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec,
+                                     out_specs=P() if vma else spec, check_vma=vma))
+
+    lax_fn = sharded(lambda v: jax.lax.psum(v, "tp"))
+    usable = []
+    for t in args.transports:
+        if t.startswith("fused") and fused.mesh_unavailable_reason(mesh):
+            print(f"skip {t}: {fused.mesh_unavailable_reason(mesh)}")
+        elif t == "lax-kernels" and KERNELS_FLAG not in os.environ.get("XLA_FLAGS", ""):
+            continue                                    # measured by its own child process
+        else:
+            usable.append(t)
+
+    def taco_fn(codec, t, vma=True):
+        if t == "lax-kernels":
+            return lax_fn
+        c, tr = ("none", "fused") if t == "fused-none" else (codec, t)
+        return sharded(lambda v: taco_jax.psum(v, "tp", codec=c, min_bytes=0, transport=tr),
+                       vma)
+
+    result = {**env_facts(), "link": link, "n_devices": n_dev, "check": [], "rows": []}
+    if args.check:
+        result["check"] = check(mesh, args.codecs, usable, taco_fn, lax_fn, link)
+        print_table(result["check"], list(result["check"][0]) if result["check"] else [])
     for mib in args.sizes_mib:
         n = int(mib * MIB) // 2
-        x = jax.random.normal(jax.random.key(0), (n_dev * n,), jnp.bfloat16)
-        x = jax.device_put(x, NamedSharding(mesh, P("tp")))
-        lax_fn, _ = make_fns(mesh, "none", None)
-        lax_us = time_loop(lax_fn, x)
+        x = jax.device_put(jax.random.normal(jax.random.key(0), (n_dev * n,), jnp.bfloat16),
+                           NamedSharding(mesh, spec))
+        iters = int(max(2, min(10, 2048 // max(mib, 1))))
+        kw = {"iters": iters, "repeats": 3}
+        lax_us = calibrate.time_calls(lax_fn, x, **kw)
         for codec in args.codecs:
-            _, taco_default = make_fns(mesh, codec, None)
-            _, taco_forced = make_fns(mesh, codec, 0)
-            t_def = time_loop(taco_default, x)
-            t_forced = time_loop(taco_forced, x)
-            rows.append({"mib_per_device": mib, "codec": codec, "lax_psum_us": round(lax_us, 1),
-                         "taco_psum_us": round(t_def, 1), "ratio": round(t_def / lax_us, 3),
-                         "compressed_us": round(t_forced, 1),
-                         "compressed_ratio": round(t_forced / lax_us, 3)})
-            if args.fresh:
-                rows[-1].update(fresh(lax_fn, taco_forced, x))
-            for cm in args.chunks_mib:
-                _, fn = make_fns(mesh, codec, 0, chunk_bytes=int(cm * MIB))
-                rows[-1][f"chunk{cm:g}MiB_ratio"] = round(time_loop(fn, x) / lax_us, 3)
-            print_table(rows[-1:], list(rows[-1]))
-    result["rows"] = rows
-    print_table(rows, list(rows[0]))
-    if args.dump_hlo:
-        chunk = int(args.chunks_mib[0] * MIB) if args.chunks_mib else 0
-        _, fn = make_fns(mesh, args.codecs[0], 0, chunk_bytes=chunk)
-        txt = jax.jit(fn).lower(x).compile().as_text()
-        with open(args.dump_hlo, "w") as f:
-            f.write(txt)
-        pat = re.compile(r"\b(all-to-all(?:-start|-done)?|all-gather(?:-start|-done)?|"
-                         r"custom-call|async-start|async-done)\(")
-        ops = []
-        for line in txt.split("ENTRY")[-1].splitlines():
-            m = pat.search(line)
-            if m:
-                name = re.search(r'kernel_name="?(\w+)', line)
-                ops.append(m.group(1) + (f"[{name.group(1)}]" if name else ""))
-        print("collective/custom-call ops in schedule order:", ops[:60])
-    write_json(args.out, result)
+            for t in usable:
+                fn = taco_fn(codec, t)
+                us = calibrate.time_calls(fn, x, **kw)
+                prep, (fl, ft) = calibrate.fresh_times([lax_fn, fn], x, **kw)
+                row = {"mib_per_device": mib, "codec": "none" if t in ("fused-none",
+                                                                        "lax-kernels")
+                       else codec, "transport": t, "link": link, "n_devices": n_dev,
+                       "lax_psum_us": round(lax_us, 1), "taco_psum_us": round(us, 1),
+                       "ratio": round(us / lax_us, 3),
+                       "fresh_ratio": round((ft - prep) / max(fl - prep, 1e-9), 3)}
+                result["rows"].append(row)
+                print(row, flush=True)
+        del x
+    return result
+
+
+def check(mesh, codecs_, transports, taco_fn, lax_fn, link) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    n_dev = mesh.size
+    rows = []
+    for codec in codecs_:
+        for t in transports:
+            if t == "lax-kernels":
+                continue
+            for dtype, n in ((jnp.bfloat16, 4 * MIB // 2), (jnp.float32, 333_333)):
+                x = jax.random.normal(jax.random.key(1), (n_dev, n), jnp.float32)
+                x = x.at[0, 5].set(jnp.nan).at[n_dev - 1, n - 3].set(jnp.inf).astype(dtype)
+                xs = jax.device_put(x.reshape(-1), NamedSharding(mesh, P("tp")))
+                for vma in (True, False):
+                    fn = taco_fn(codec, t, vma)
+                    got = fn(xs)
+                    shards = [np.asarray(s.data, np.float32) for s in got.addressable_shards]
+                    if not vma:
+                        shards = [np.asarray(a, np.float32) for a in
+                                  np.split(np.asarray(got, np.float32), n_dev)]
+                    ref = np.asarray(lax_fn(xs), np.float32)
+                    y = shards[0]
+                    # a non-finite input makes its whole block non-finite (never finite)
+                    fin = np.isfinite(ref) & np.isfinite(y)
+                    g = jax.grad(lambda v: jnp.sum(jnp.sin(fn(v).astype(jnp.float32))))(xs)
+                    rows.append({
+                        "codec": "none" if t == "fused-none" else codec, "transport": t,
+                        "link": link, "dtype": jnp.dtype(dtype).name, "n": n,
+                        "check_vma": vma,
+                        "identical_on_all_devices": all(np.array_equal(shards[0], s, True)
+                                                        for s in shards),
+                        "nonfinite_kept": bool(np.all(~np.isfinite(y)[~np.isfinite(ref)])),
+                        "nonfinite_extra_frac": float(np.mean(np.isfinite(ref)
+                                                              & ~np.isfinite(y))),
+                        "rel_error_vs_lax": float(np.linalg.norm(y[fin] - ref[fin])
+                                                  / np.linalg.norm(ref[fin])),
+                        "grad_finite_frac": float(np.mean(np.isfinite(
+                            np.asarray(g, np.float32)))),
+                    })
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    ap.add_argument("--codecs", nargs="+", default=["taco"])
+    ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    ap.add_argument("--link", choices=list(LINK_ENV), default="nvlink")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--out", default="bench/results/collectives.json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
+    if args.child:
+        result = measure(args)
+        import jax
+        if jax.process_index() == 0:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return result
+    base = ["--sizes-mib", *map(str, args.sizes_mib), "--codecs", *args.codecs,
+            *(["--check"] if args.check else [])]
+    others = [t for t in args.transports if t != "lax-kernels"]
+    n_proc = 2 if args.link == "network" else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_children([*base, "--transports", *(others or ["xla"])], args.link, n_proc,
+                           os.path.join(tmp, "main.json"))
+        if not others:
+            res["rows"] = []
+        if "lax-kernels" in args.transports and n_proc == 1:
+            # XLA reads its flags once per process: lax.psum with XLA's collective kernels
+            # runs in its own child; its rows compare with lax.psum of the run above
+            flags = (os.environ.get("XLA_FLAGS", "") + " " + KERNELS_FLAG).strip()
+            out = os.path.join(tmp, "kernels.json")
+            subprocess.run([sys.executable, "-m", "bench.collectives", *base, "--transports",
+                            "lax-kernels", "--child", "--out", out],
+                           env=child_env({**LINK_ENV[args.link], "XLA_FLAGS": flags}),
+                           check=True)
+            with open(out) as f:
+                kern = json.load(f)
+            base_lax = {r["mib_per_device"]: r["lax_psum_us"] for r in res["rows"]}
+            for r in kern["rows"]:
+                lax_us = base_lax.get(r["mib_per_device"])
+                if lax_us:
+                    r.update(lax_psum_us=lax_us, ratio=round(r["taco_psum_us"] / lax_us, 3),
+                             fresh_ratio=None, note="lax.psum of the main run as baseline")
+                res["rows"].append(r)
+    from bench.common import print_table, write_json
+    print_table(res["rows"], ["mib_per_device", "codec", "transport", "link", "lax_psum_us",
+                              "taco_psum_us", "ratio", "fresh_ratio"])
+    write_json(args.out, res)
+    return res
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
-"""Where the time goes, from a device profile: overlap of the compressed all-reduce (issue 3)
-and the compute / communication / compression breakdown of a TP training step (issue 6).
+"""Where the time goes, from a device profile: the compressed all-reduce per transport, and
+the compute / communication / compression breakdown of a TP training step.
 
-    python bench/profile.py psum  [--mib 256] [--chunks-mib 0 64] [--codecs none taco]
-                                  [--programs 0 66]
-    python bench/profile.py train [--presets comm_heavy small] [--variants none taco]
+    python -m bench.profile psum  [--mib 256] [--codecs taco] [--transports xla fused]
+    python -m bench.profile train [--presets comm_heavy small] [--variants none taco]
     common: [--iters 5] [--device 0] [--out bench/results/profile.json]
             [--plot docs/breakdown_{workload}.png] [--keep-trace DIR]
 
 Each workload compiles and warms up, then runs `--iters` iterations under
 `jax.profiler.trace` (perfetto JSON). Every kernel on the streams of one GPU (`--device`) is
-classed as `comm` (NCCL), `compression` (the taco_compress / taco_decompress / taco_reduce
-Pallas kernels) or `compute` (everything else), and per iteration the program reports:
+classed as `comm` (NCCL, and the fused transport's exchange kernel), `compression` (the
+taco_* Pallas kernels) or `compute` (everything else), and per iteration the program
+reports:
 
   wall_us            span of that GPU's kernels / iters
   <class>_us         time covered by kernels of the class (union of intervals)
@@ -18,8 +18,8 @@ Pallas kernels) or `compute` (everything else), and per iteration the program re
   comm_exposed_us    comm_us - comm_overlap_us: the communication nothing hides
   idle_us            wall_us - time covered by any kernel
 
-`psum` rows: codec `none` is lax.psum; others are taco_jax.psum with min_bytes=0 and the
-given chunk size (0 = unchunked). `train` rows: one training step of the preset (every
+`psum` rows: codec `none` is lax.psum; others are taco_jax.psum with min_bytes=0 over each
+transport that can run here. `train` rows: one training step of the preset (every
 all-reduce compressed for codecs other than none, as bench/train_step.py). The JSON also
 keeps the 25 longest kernel names per row, so a class can be checked by hand; the plot has
 one stacked bar per row (compute, compression, exposed comm, idle; overlapped comm hatched
@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from collections import defaultdict
 
@@ -42,13 +41,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from bench.common import env_facts, jit_loop, print_table, write_json  # noqa: E402
+from bench.common import env_facts, print_table, write_json
 
 MIB = 1 << 20
 CLASSES = ("compute", "compression", "comm")
-_COMM = re.compile(r"nccl", re.I)
-_COMPRESSION = re.compile(r"taco_(compress|decompress|reduce)")
+_COMM = re.compile(r"nccl|exchange", re.I)
+_COMPRESSION = re.compile(r"taco_(compress|decompress|reduce|decode_sum)")
 
 
 # -- trace analysis (pure Python; unit-tested on synthetic traces) ------------------------
@@ -168,33 +166,36 @@ def profiled(run, iters: int, device: int, keep: str | None, tag: str) -> dict:
 # -- workloads ---------------------------------------------------------------------------
 def psum_rows(args) -> list[dict]:
     import taco_jax
+    from taco_jax.collectives import fused
     n_dev = jax.device_count()
     mesh = jax.make_mesh((n_dev,), ("tp",))
+    transports = [t for t in args.transports
+                  if t != "fused" or fused.mesh_unavailable_reason(mesh) is None]
     rows = []
     for mib in args.mib:
         n = mib * MIB // 2
         cols = 4096
         x = jax.random.normal(jax.random.key(0), (n_dev * (n // cols), cols), jax.numpy.bfloat16)
         x = jax.device_put(x, NamedSharding(mesh, P("tp")))
-        configs = [("none", 0, 0)] + [(c, ch, pr) for c in args.codecs if c != "none"
-                                      for ch in args.chunks_mib
-                                      for pr in (args.programs if ch else [0])]
-        for codec, chunk, programs in configs:
-            taco_jax.collectives.OVERLAP_PROGRAMS = programs
+        configs = [("none", "lax")] + [(c, t) for c in args.codecs if c != "none"
+                                       for t in transports]
+        for codec, transport in configs:
             if codec == "none":
                 def body(v):
                     return jax.lax.psum(v, "tp")
             else:
-                def body(v, codec=codec, chunk=chunk):
-                    return taco_jax.psum(v, "tp", codec=codec, min_bytes=0,
-                                         chunk_bytes=chunk * MIB)
-            fn = jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P())
-            loop = jit_loop(fn, x, args.iters)
-            jax.block_until_ready(loop(x))                          # compile + warm up
-            row = profiled(lambda: jax.block_until_ready(loop(x)), args.iters, args.device,
-                           args.keep_trace, f"psum-{mib}-{codec}-{chunk}-{programs}")
+                def body(v, codec=codec, transport=transport):
+                    return taco_jax.psum(v, "tp", codec=codec, min_bytes=0, transport=transport)
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P()))
+            jax.block_until_ready(fn(x))                              # compile + warm up
+
+            def run(fn=fn):
+                outs = [fn(x) for _ in range(args.iters)]
+                jax.block_until_ready(outs)
+            row = profiled(run, args.iters, args.device, args.keep_trace,
+                           f"psum-{mib}-{codec}-{transport}")
             rows.append({"workload": "psum", "mib_per_device": mib, "codec": codec,
-                         "chunk_mib": chunk, "max_programs": programs, **row})
+                         "transport": transport, **row})
             print_table(rows[-1:], COLS)
     return rows
 
@@ -234,7 +235,7 @@ def train_rows(args) -> list[dict]:
     return rows
 
 
-COLS = ["workload", "codec", "chunk_mib", "max_programs", "wall_us", "compute_us", "compression_us", "comm_us",
+COLS = ["workload", "codec", "transport", "wall_us", "compute_us", "compression_us", "comm_us",
         "comm_overlap_us", "comm_exposed_us", "idle_us"]
 
 
@@ -244,9 +245,8 @@ def plot(rows: list[dict], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     labels = [(f"{r['preset']} {r['codec']}" if r["workload"] == "train" else
-               f"{r['mib_per_device']} MiB {r['codec']}"
-               + (f" /{r['chunk_mib']}" if r.get("chunk_mib") else "")
-               + (f" p{r['max_programs']}" if r.get("max_programs") else "")) for r in rows]
+               f"{r['mib_per_device']} MiB {r['codec']} {r.get('transport', '')}")
+              for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
     bottom = np.zeros(len(rows))
     for key, col, lab in (("compute_us", "tab:blue", "compute"),
@@ -275,10 +275,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", choices=("psum", "train"))
     ap.add_argument("--mib", type=int, nargs="+", default=[256])
-    ap.add_argument("--chunks-mib", type=int, nargs="+", default=[0, 64])
     ap.add_argument("--codecs", nargs="+", default=["taco"])
-    ap.add_argument("--programs", type=int, nargs="+", default=[0],
-                    help="chunked rows: cap the kernels' grid (collectives.OVERLAP_PROGRAMS)")
+    ap.add_argument("--transports", nargs="+", default=["xla", "fused"])
     ap.add_argument("--presets", nargs="+", default=["comm_heavy", "small"])
     ap.add_argument("--variants", nargs="+", default=["none", "taco"])
     ap.add_argument("--set", nargs="*", default=[], help="config overrides (train)")

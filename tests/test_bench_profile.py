@@ -70,7 +70,7 @@ def test_breakdown_of_nothing_is_an_error():
 
 
 def test_plot_writes_png(tmp_path):
-    rows = [{"workload": "psum", "mib_per_device": 256, "codec": c, "chunk_mib": 0,
+    rows = [{"workload": "psum", "mib_per_device": 256, "codec": c, "transport": "xla",
              "compute_us": 1.0, "compression_us": 2.0, "comm_exposed_us": 3.0, "idle_us": 0.5,
              "comm_overlap_us": 1.0} for c in ("none", "taco")]
     out = profile.plot(rows, str(tmp_path / "b.png"))
