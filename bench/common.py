@@ -7,16 +7,13 @@ import subprocess
 
 import jax
 
-# The timers live in taco_jax.tuning. time_loop (a while loop: constant memory, but XLA's
-# GPU while loop adds 16–20 µs per trip) serves the collectives and the library's
-# calibration, where a psum takes ~1 ms and the cost is the same on both sides of a ratio.
-# time_calls (straight-line calls, no loop overhead; memory grows with the number of calls)
-# serves the kernel benchmark, whose fractions of the roofline it would otherwise inflate.
+# The host timer is the library's (calibration uses it too): calls back to back in
+# straight-line code, each on its own input buffer.
 from taco_jax.calibrate import time_calls  # noqa: F401
 
 
 def env_facts() -> dict:
-    commit = os.environ.get("GIT_COMMIT")       # the device machine's copy has no usable git
+    commit = os.environ.get("GIT_COMMIT")       # a copied tree on a GPU machine has no git
     if not commit:
         try:
             commit = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], text=True,

@@ -375,7 +375,7 @@ def test_int8_beats_fp8_codes_on_iid_data(kind):
 
 
 def test_alpha_cancels_with_block_absmax():
-    """DESIGN_NOTES §1: with per-block absmax scaling α cancels in exact arithmetic, so
+    """With per-block absmax scaling α cancels in exact arithmetic, so
     "taco" and "taco-1scale" emit the same codes except for fp32 rounding ties."""
     out = errors("student_t3")[1]
     a, b = out["taco"][0][:, :256], out["taco-1scale"][0][:, :256]
