@@ -11,6 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import taco_jax
 from taco_jax import telemetry
 
+from meshes import per_device
+
 AXES = ("data", "tp")
 
 
@@ -23,29 +25,19 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def run_1d(fn, x, p=4, vma=False):
-    """fn on each device's slice of x (p, ...); every device's result stacked."""
-    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
-    with jax.set_mesh(mesh):
-        xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("tp")))
-        f = jax.shard_map(lambda b: fn(b[0])[None], mesh=mesh, in_specs=P("tp"),
-                          out_specs=P("tp"), check_vma=vma)
-        return np.asarray(jax.jit(f)(xs))
-
-
 # -- recipe ---------------------------------------------------------------------------------
 def test_recipe_sets_codec_and_threshold_and_calls_override():
     x = gauss((4, 6, 256))
-    exact = run_1d(lambda v: lax.psum(v, "tp"), x)
+    exact = per_device(lambda v: lax.psum(v, "tp"), x)
     with taco_jax.config(min_bytes=0):
-        lossy = run_1d(lambda v: taco_jax.psum(v, "tp"), x)           # recipe codec: taco
+        lossy = per_device(lambda v: taco_jax.psum(v, "tp"), x)           # recipe codec: taco
         with taco_jax.config(codec="none"):                           # nested: codec only
             assert taco_jax.recipe.current().min_bytes == 0
-            np.testing.assert_array_equal(run_1d(lambda v: taco_jax.psum(v, "tp"), x), exact)
-            override = run_1d(lambda v: taco_jax.psum(v, "tp", codec="taco-int8"), x)
+            np.testing.assert_array_equal(per_device(lambda v: taco_jax.psum(v, "tp"), x), exact)
+            override = per_device(lambda v: taco_jax.psum(v, "tp", codec="taco-int8"), x)
     assert 1e-4 < rel(lossy[0], exact[0]) < 0.05
     assert 1e-5 < rel(override[0], exact[0]) < 0.014
-    np.testing.assert_array_equal(run_1d(lambda v: taco_jax.psum(v, "tp"), x), exact)  # default
+    np.testing.assert_array_equal(per_device(lambda v: taco_jax.psum(v, "tp"), x), exact)  # default
     assert taco_jax.recipe.current() == taco_jax.Recipe()
 
 
@@ -60,7 +52,7 @@ def test_recipe_rejects_bad_fields():
         with taco_jax.config(min_bytes=-1):
             pass
     with taco_jax.config(codec="tacoo"), pytest.raises(ValueError, match="tacoo"):
-        run_1d(lambda v: taco_jax.psum(v, "tp"), gauss((4, 8)))
+        per_device(lambda v: taco_jax.psum(v, "tp"), gauss((4, 8)))
 
 
 # -- tuples of axes ---------------------------------------------------------------------------
@@ -196,9 +188,9 @@ def test_unreduced_input_goes_through_as_lax():
 def test_site_report_says_what_was_compressed_and_why():
     telemetry.clear_sites()
     x = gauss((4, 3, 256))
-    run_1d(lambda v: taco_jax.psum(v, "tp", min_bytes=0), x)
-    run_1d(lambda v: taco_jax.psum(v, "tp", min_bytes=1 << 20), x)
-    run_1d(lambda v: taco_jax.psum(v.astype(jnp.int32), "tp").astype(jnp.float32), x)
+    per_device(lambda v: taco_jax.psum(v, "tp", min_bytes=0), x)
+    per_device(lambda v: taco_jax.psum(v, "tp", min_bytes=1 << 20), x)
+    per_device(lambda v: taco_jax.psum(v.astype(jnp.int32), "tp").astype(jnp.float32), x)
     sites = {(s.compressed, s.reason.split(" ")[0]): s for s, _ in telemetry.sites()}
     assert (True, "") in sites
     assert sites[(True, "")].bytes_per_device == 3 * 256 * 4

@@ -16,20 +16,11 @@ import taco_jax
 from taco_jax import calibrate, codecs, telemetry
 from taco_jax.collectives import fused, two_shot
 
+from meshes import per_device
+
 
 def gauss(shape, seed=0, dtype=np.float32):
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
-def per_device(fn, x, vma=False):
-    """fn on each device's x[i] (x: (p, ...)); every device's result, stacked."""
-    p = x.shape[0]
-    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
-    with jax.set_mesh(mesh):
-        xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("tp")))
-        f = jax.shard_map(lambda b: fn(b[0])[None], mesh=mesh, in_specs=P("tp"),
-                          out_specs=P("tp"), check_vma=vma)
-        return np.asarray(jax.jit(f)(xs))
 
 
 def rel(a, b):

@@ -1,0 +1,16 @@
+"""Test helper: run a function on each simulated CPU device of a 1-D ("tp",) mesh."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def per_device(fn, x, vma=False):
+    """fn on each device's x[i] (x: (p, ...)); every device's result, stacked."""
+    p = x.shape[0]
+    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("tp")))
+        f = jax.shard_map(lambda b: fn(b[0])[None], mesh=mesh, in_specs=P("tp"),
+                          out_specs=P("tp"), check_vma=vma)
+        return np.asarray(jax.jit(f)(xs))
