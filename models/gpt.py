@@ -5,12 +5,18 @@ with axes ("data", "tp") (see models/parallel.py). Parameters that are split ove
 their partition as `pspec` metadata; every size the forward pass needs is read from the local
 parameter shapes, so the same code runs at TP = 1, 2, 4, ...
 
-Megatron's conjugate pair (paper Fig. 2, DESIGN_NOTES §3), per block:
+Megatron's conjugate pair (the TACO paper's Fig. 2), per block:
   f = taco_jax.pvary(x, "tp", codec=codec_bwd)  before QKV and MLP-up (column-parallel):
       identity forward, (compressed) all-reduce of the input gradient backward;
   g = taco_jax.psum(y, "tp", codec=codec_fwd)   after attention-out and MLP-down (row-parallel):
       (compressed) all-reduce forward, identity backward.
-So each block has two compressed all-reduces forward and two backward.
+So each block has two compressed all-reduces forward and two backward. f and g are each
+other's transpose: the forward pass sums partial outputs, the backward pass sums partial
+input gradients, and nothing else crosses devices.
+
+Codecs and the size threshold come from the `taco_jax.config` recipe active when the model
+is traced; `GPTConfig.codec_fwd` / `codec_bwd` / `codec_head` / `min_bytes`, when set,
+override it for their sites.
 
 Error feedback (`feedback=True`, Echo, docs/echo.md): the forward sites (and with
 `feedback_bwd=True` the backward ones) go through
@@ -59,25 +65,44 @@ class GPTConfig:
     d_model: int = 128
     d_ff: int = 0  # MLP hidden size; 0 means 4 * d_model
     dtype: str = "bfloat16"  # compute dtype (params are fp32); auto = fp32 on CPU, else bf16
-    codec_fwd: str = "taco"  # codec of the forward all-reduces (row-parallel outputs)
-    codec_bwd: str = "taco"  # codec of the backward all-reduces (column-parallel inputs)
+    # codec of the forward all-reduces (row-parallel outputs); "" = the recipe's
+    codec_fwd: str = ""
+    # codec of the backward all-reduces (column-parallel inputs); "" = the recipe's
+    codec_bwd: str = ""
     # codec of the LM head's backward all-reduce (its f: the cotangent every parameter's
     # gradient descends from); "" = codec_bwd
     codec_head: str = ""
     attention: str = "auto"  # jax.nn.dot_product_attention implementation: auto | xla | cudnn
-    min_bytes: int = -1  # all-reduces smaller than this stay lax.psum; -1 = taco_jax's default
+    # all-reduces smaller than this stay lax.psum; -1 = the recipe's (taco_jax's default)
+    min_bytes: int = -1
     feedback: bool = False  # Echo error feedback at the compressed forward sites (docs/echo.md)
     # also at the backward sites: more accurate per step, yet worse training (docs/echo.md)
     feedback_bwd: bool = False
 
     @property
     def comm(self) -> dict:
-        """Keyword arguments of taco_jax.psum / pvary besides the codec."""
+        """Keyword arguments of taco_jax.psum / pvary besides the codec (none: the recipe's
+        min_bytes)."""
         return {} if self.min_bytes < 0 else {"min_bytes": self.min_bytes}
 
-    def compresses(self, name: str) -> bool:
-        """Whether codec `name` ("codec_fwd" / "codec_bwd") changes the values it sums."""
-        return not is_exact(getattr(self, name))
+    # The codecs in effect, read where the model is traced: the field, or when it is empty
+    # the active taco_jax.config recipe's codec (a name or a Codec object).
+    @property
+    def fwd_codec(self):
+        return self.codec_fwd or taco_jax.recipe.current().codec
+
+    @property
+    def bwd_codec(self):
+        return self.codec_bwd or taco_jax.recipe.current().codec
+
+    @property
+    def head_codec(self):
+        """The codec of the LM head's f (model.codec_head, or the backward codec)."""
+        return self.codec_head or self.bwd_codec
+
+    def compresses(self, direction: str) -> bool:
+        """Whether the "fwd" or "bwd" codec in effect changes the values it sums."""
+        return not is_exact(self.fwd_codec if direction == "fwd" else self.bwd_codec)
 
     def attention_impl(self, dt) -> str:
         """auto: cuDNN's fused attention on GPU in 16-bit (its supported case), else XLA's."""
@@ -118,7 +143,7 @@ class GPTConfig:
             raise ValueError(f"model.attention={self.attention!r} must be auto, xla or cudnn")
         if self.min_bytes < -1:
             raise ValueError(f"model.min_bytes={self.min_bytes} must be >= 0, or -1 for the "
-                             f"taco_jax default")
+                             f"recipe's")
         if tp <= 0:
             raise ValueError(f"tp={tp} must be positive")
         for name, size in (("n_head", self.n_head), ("d_ff", self.ff),
@@ -127,7 +152,7 @@ class GPTConfig:
                 raise ValueError(f"model.{name}={size} is not divisible by tp={tp}: "
                                  f"Megatron TP splits it evenly over the 'tp' mesh axis")
         for name in ("codec_fwd", "codec_bwd", "codec_head"):  # the one place names are checked
-            if name == "codec_head" and not self.codec_head:
+            if not getattr(self, name):  # "": the recipe's, which taco_jax.config checks
                 continue
             try:
                 taco_jax.codecs.get(getattr(self, name))
@@ -135,25 +160,21 @@ class GPTConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)!r}: {e}") from None
         if self.feedback_bwd and not self.feedback:
             raise ValueError("model.feedback_bwd=True needs model.feedback=True")
-        if self.feedback and not (self.compresses("codec_fwd") or self.bwd_feedback):
-            raise ValueError(f"model.feedback=True needs a compressing codec, but "
-                             f"model.codec_fwd={self.codec_fwd!r} is exact and backward "
-                             f"feedback is {'on' if self.feedback_bwd else 'off'} "
-                             f"(model.feedback_bwd={self.feedback_bwd}, model.codec_bwd="
-                             f"{self.codec_bwd!r}): there is no error to feed back (set "
-                             f"model.feedback=false, or model.feedback_bwd=true with a "
-                             f"compressing codec_bwd)")
+        if self.feedback and not (self.compresses("fwd") or self.bwd_feedback):
+            raise ValueError(f"model.feedback=True needs a compressing codec, but the forward "
+                             f"codec {codec_name(self.fwd_codec)!r} (model.codec_fwd="
+                             f"{self.codec_fwd!r}) is exact and backward feedback is "
+                             f"{'on' if self.feedback_bwd else 'off'} (model.feedback_bwd="
+                             f"{self.feedback_bwd}, backward codec "
+                             f"{codec_name(self.bwd_codec)!r}): there is no error to feed back "
+                             f"(set model.feedback=false, or model.feedback_bwd=true with a "
+                             f"compressing backward codec)")
         return self
-
-    @property
-    def head_codec(self) -> str:
-        """The codec of the LM head's f (model.codec_head, or codec_bwd when empty)."""
-        return self.codec_head or self.codec_bwd
 
     @property
     def bwd_feedback(self) -> bool:
         """Do the backward (f) sites feed their error back?"""
-        return self.feedback and self.feedback_bwd and self.compresses("codec_bwd")
+        return self.feedback and self.feedback_bwd and self.compresses("bwd")
 
     def num_params(self) -> int:
         d, ff, v, n = self.d_model, self.ff, self.vocab_size, self.n_layer
@@ -192,8 +213,8 @@ class _TPSublayer:
 
     def __call__(self, x):  # x: (B, T, d), invariant over "tp"
         cfg, dt = self.cfg, self.cfg.compute_dtype
-        x = taco_jax.pvary(x, TP, codec=cfg.codec_bwd, **cfg.comm)  # Megatron f
-        y = taco_jax.psum(self.partial(x), TP, codec=cfg.codec_fwd, **cfg.comm)  # Megatron g
+        x = taco_jax.pvary(x, TP, codec=cfg.bwd_codec, **cfg.comm)  # Megatron f
+        y = taco_jax.psum(self.partial(x), TP, codec=cfg.fwd_codec, **cfg.comm)  # Megatron g
         return y + self.bias(dt)
 
 
@@ -248,9 +269,15 @@ class MLP(_TPSublayer, nnx.Module):
         return h @ self.down_kernel[...].astype(dt)  # partial sum over the hidden shards
 
 
-def is_exact(codec: str) -> bool:
-    """Does this codec pass values through unchanged (no error to feed back)?"""
+def is_exact(codec) -> bool:
+    """Does this codec (a name or a Codec) pass values through unchanged (no error to feed
+    back)?"""
     return getattr(taco_jax.codecs.get(codec), "is_identity", False)
+
+
+def codec_name(codec) -> str:
+    """A codec's name, for messages and summaries (a name or a Codec object)."""
+    return codec if isinstance(codec, str) else codec.name
 
 
 def f_site(x, ln, cfg: GPTConfig, state, codec: str | None = None):
@@ -259,10 +286,10 @@ def f_site(x, ln, cfg: GPTConfig, state, codec: str | None = None):
     error the later backward site left and leaves its own. The site sits *before* `ln`, on
     the stream itself, so its error lands directly in the stream's cotangent, where the next
     backward site cancels it. Without backward feedback (model.feedback_bwd=false, the
-    default, or an exact codec_bwd): plain pvary after `ln` (as without feedback), and the
-    state passes through. codec: this site's codec (default codec_bwd; the LM head passes
-    model.head_codec); an exact one also means plain pvary."""
-    codec = codec or cfg.codec_bwd
+    default, or an exact backward codec): plain pvary after `ln` (as without feedback), and
+    the state passes through. codec: this site's codec (default the backward codec; the LM
+    head passes cfg.head_codec); an exact one also means plain pvary."""
+    codec = codec or cfg.bwd_codec
     if not cfg.bwd_feedback or is_exact(codec):
         return taco_jax.pvary(ln(x), TP, codec=codec, **cfg.comm), state
     u, state = taco_jax.feedback.pvary_with_feedback(x, TP, state, codec=codec, **cfg.comm)
@@ -270,11 +297,12 @@ def f_site(x, ln, cfg: GPTConfig, state, codec: str | None = None):
 
 
 def g_site(y, cfg: GPTConfig, state):
-    """Megatron g with error feedback: all-reduce (codec_fwd) of y minus this device's share
-    of the previous site's error -> (sum, state holding this site's error share)."""
-    if not cfg.compresses("codec_fwd"):
-        return taco_jax.psum(y, TP, codec=cfg.codec_fwd, **cfg.comm), state
-    return taco_jax.feedback.psum_with_feedback(y, TP, state, codec=cfg.codec_fwd, **cfg.comm)
+    """Megatron g with error feedback: all-reduce (forward codec) of y minus this device's
+    share of the previous site's error -> (sum, state holding this site's error share)."""
+    codec = cfg.fwd_codec
+    if is_exact(codec):
+        return taco_jax.psum(y, TP, codec=codec, **cfg.comm), state
+    return taco_jax.feedback.psum_with_feedback(y, TP, state, codec=codec, **cfg.comm)
 
 
 def feedback_zeros(x) -> taco_jax.feedback.FeedbackState:

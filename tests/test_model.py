@@ -1,11 +1,13 @@
-"""models/: the TP GPT agrees across TP sizes and data parallelism, rejects bad shapes, and
-runs with Echo error feedback (model.feedback)."""
+"""models/: the TP GPT agrees across TP sizes and data parallelism, takes its codecs from
+the taco_jax.config recipe unless told otherwise, rejects bad shapes, and runs with Echo
+error feedback (model.feedback)."""
 import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
+import taco_jax
 from models import parallel
 from models.gpt import GPTConfig
 
@@ -128,6 +130,46 @@ def test_codec_head_compresses_only_the_head_site(reference):
     assert _rel(g_rest, grads0) > 1e-4 and _rel(g_all, g_rest) > 1e-4
 
 
+def test_default_codecs_follow_the_recipe():
+    """codec_fwd / codec_bwd / min_bytes left at their defaults take the active
+    taco_jax.config recipe: under codec="none" the loss is bit for bit that of a model that
+    names "none" itself. A field that is set wins over the recipe."""
+    default = dataclasses.replace(CFG, codec_fwd="", codec_bwd="")
+    assert GPTConfig().codec_fwd == GPTConfig().codec_bwd == "" and GPTConfig().min_bytes == -1
+    with taco_jax.config(codec="none"):
+        loss_recipe, grads_recipe, _ = _loss_and_grads(default, 1, 2)
+        assert default.fwd_codec == default.head_codec == "none"
+    loss_named, grads_named, _ = _loss_and_grads(CFG, 1, 2)
+    assert loss_recipe == loss_named
+    jax.tree.map(np.testing.assert_array_equal, grads_recipe, grads_named)
+    # which sites compress, from an abstract trace (nothing compiles)
+    mesh = parallel.make_mesh(1, 2)
+    x = jax.ShapeDtypeStruct((BATCH, CFG.seq_len), np.int32,
+                             sharding=jax.sharding.NamedSharding(mesh, parallel.BATCH_SPEC))
+
+    def sites(cfg):
+        model = parallel.shard_gpt(cfg, mesh)
+        before = dict(taco_jax.telemetry.sites())
+        jax.eval_shape(model.loss_and_grad_fn(), model.abstract_params(), x, x)
+        return {(s.op, s.codec, s.compressed) for s, n in taco_jax.telemetry.sites()
+                if n > before.get(s, 0)}
+
+    with taco_jax.config(codec="taco", min_bytes=0):
+        assert sites(default) == {("psum", "taco", True), ("pvary", "taco", True)}
+        assert sites(CFG) == {("psum", "none", False), ("pvary", "none", False)}
+        assert sites(dataclasses.replace(default, codec_bwd="fp8")) == {
+            ("psum", "taco", True), ("pvary", "fp8", True)}
+    with taco_jax.config(codec="taco", min_bytes=1 << 30):       # above every site here
+        assert sites(default) == {("psum", "taco", False), ("pvary", "taco", False)}
+        assert sites(dataclasses.replace(default, min_bytes=0)) == {
+            ("psum", "taco", True), ("pvary", "taco", True)}
+    with taco_jax.config(codec="none"):                         # feedback needs a codec
+        with pytest.raises(ValueError, match="model.feedback=True needs a compressing"):
+            dataclasses.replace(default, feedback=True).validate()
+    with taco_jax.config(codec="echo4"):
+        dataclasses.replace(default, feedback=True).validate()
+
+
 def test_bad_meshes_fail_clearly():
     with pytest.raises(ValueError, match="needs 16 devices but only 8"):
         parallel.mesh_shape(8, tp=16)
@@ -160,9 +202,10 @@ def echo4_runs():
 
 
 def test_feedback_off_is_bit_identical_to_before(reference, echo4_runs):
-    """feedback=False (the default) leaves the model as it was: these losses were measured
-    at commit 00fed89, before the feedback wiring, on XLA:CPU (JAX 0.11.2). If a JAX upgrade
-    changes them, re-measure at that commit before touching the values."""
+    """feedback=False (the default) adds nothing to the model's computation: the pinned
+    losses (XLA:CPU, JAX 0.11.2) are those of the model with the feedback branches of
+    GPT.__call__ and Block.__call__ removed. Should a JAX upgrade change them, recompute
+    them that way before updating the values."""
     assert ECHO4.feedback is False
     assert reference[0] == float.fromhex("0x1.0da6b60000000p+2")  # codec none, TP=1
     assert echo4_runs[False][0] == float.fromhex("0x1.0d9fd60000000p+2")  # echo4, TP=4

@@ -1,8 +1,13 @@
-"""train/: presets build, configs parse and fail clearly, a smoke run writes its artifacts,
-and a run interrupted by SIGTERM resumes bit-exactly."""
+"""train/: presets build, configs parse and fail clearly, a smoke run writes its artifacts
+(metrics with bytes on the wire and codec error, the call-site report, a profile), and a run
+interrupted by SIGTERM resumes bit-exactly."""
+import contextlib
+import io
 import json
 import re
+import shutil
 import signal
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -16,7 +21,7 @@ from train import config as config_lib
 from train import data as data_lib
 from train.metrics import read_jsonl
 
-PRESETS = sorted(config_lib.CONFIG_DIR.glob("*.yaml"))
+PRESETS = config_lib.preset_names()
 CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"  # ~50 KB of Python, on every machine
 
 
@@ -34,16 +39,27 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def full_run(cache, tmp_path_factory):
-    """6 uninterrupted steps (TACO on every all-reduce, data=2 x tp=2)."""
+def full_run_and_log(cache, tmp_path_factory):
+    """6 uninterrupted steps (TACO on every all-reduce, data=2 x tp=2; steps 2-3 profiled)
+    -> (summary, what it printed)."""
     run_dir = tmp_path_factory.mktemp("runs") / "full"
-    return train.run(config_lib.load_config("tiny", _overrides(cache, run_dir)))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = train.run(config_lib.load_config("tiny", _overrides(
+            cache, run_dir, "train.profile_steps=2:3")))
+    sys.stdout.write(out.getvalue())
+    return summary, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def full_run(full_run_and_log):
+    return full_run_and_log[0]
 
 
 # ---------------------------------------------------------------------------------------------
 # presets and config parsing
 
-@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("preset", PRESETS)
 def test_preset_builds(preset):
     """Each preset parses, fits a TP=2 mesh, and its state and train step have the right
     abstract shapes (jax.eval_shape: no 350M parameters allocated, nothing compiled)."""
@@ -53,7 +69,7 @@ def test_preset_builds(preset):
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     assert n == cfg.model.num_params()
     expected = {"tiny": (1e6, 3e6), "small": (110e6, 170e6), "350m": (330e6, 400e6),
-                "comm_heavy": (10e6, 200e6)}[preset.stem]
+                "comm_heavy": (10e6, 200e6)}[preset]
     assert expected[0] < n < expected[1], n
     # Trace one step at full width but 2 layers (tracing cost is per layer, wiring is not).
     prog = train.build(config_lib.replace(cfg, ["model.n_layer=2"]), mesh)
@@ -67,14 +83,14 @@ def test_preset_builds(preset):
     assert metrics["loss"].shape == ()
 
 
-@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("preset", PRESETS)
 def test_preset_fields_are_commented(preset):
-    """Every leaf field of a preset carries a one-line reason (STYLE.md 9), as a real YAML
-    comment: a `#` glued to the value (`x# note`) is part of the value (once made the data
-    cache dir '.cache/taco_jax# gitignored; …')."""
-    for line in preset.read_text().splitlines():
+    """Every leaf field of a preset carries a one-line reason, as a real YAML comment: a
+    `#` glued to the value (`x# note`) is part of the value (the data cache dir would read
+    '.cache/taco_jax# gitignored; …')."""
+    for line in config_lib.resolve_preset(preset).read_text().splitlines():
         if re.match(r"^\s+\w+:\s*\S", line):  # an indented `key: value` line
-            assert re.search(r"\s#", line), f"{preset.name}: no comment on {line.strip()!r}"
+            assert re.search(r"\s#", line), f"{preset}: no comment on {line.strip()!r}"
     cfg = config_lib.load_config(preset).to_dict()
     strings = [v for sec in cfg.values() if isinstance(sec, dict) for v in sec.values()
                if isinstance(v, str)]
@@ -93,24 +109,6 @@ def test_overrides_and_codec_shorthand():
     assert cfg.model.feedback is True and cfg.model.feedback_bwd is False   # preset's value
     # the dump of a config loads back to the same config
     assert config_lib.from_dict(__import__("yaml").safe_load(config_lib.dump(cfg))) == cfg
-
-
-def test_config_written_before_feedback_bwd_keeps_its_meaning(tmp_path):
-    """A saved config with `feedback: true` and no `feedback_bwd` (written when feedback ran
-    both ways) loads with feedback_bwd=true and a warning, so a resumed run is unchanged."""
-    values = __import__("yaml").safe_load(config_lib.dump(config_lib.load_config(
-        "tiny", ["codec=echo4", "model.feedback=true"])))
-    del values["model"]["feedback_bwd"]
-    old = tmp_path / "config.yaml"
-    old.write_text(__import__("yaml").safe_dump(values))
-    with pytest.warns(UserWarning, match="feedback_bwd"):
-        cfg = config_lib.load_config(old)
-    assert cfg.model.feedback_bwd is True
-    with pytest.warns(UserWarning, match="feedback_bwd"):
-        assert config_lib.from_dict(values).model.feedback_bwd is True
-    # overriding either field takes the config out of the compatibility rule
-    assert config_lib.load_config(old, ["model.feedback=false"]).model.feedback_bwd is False
-    assert config_lib.load_config(old, ["model.feedback_bwd=false"]).model.feedback_bwd is False
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -192,12 +190,78 @@ def test_smoke_run_writes_metrics_plot_checkpoint(full_run):
     assert json.loads((run_dir / "summary.json").read_text())["final_val_loss"] == \
         full_run["final_val_loss"]
     assert full_run["step_time_s"] > 0 and full_run["final_train_loss"] == rows[-1]["loss"]
+    # steps 2..3 profiled (train.profile_steps=2:3)
+    assert list((run_dir / "profile").rglob("*.xplane.pb"))
+
+
+def test_run_reports_what_compression_did(full_run_and_log):
+    """The call-site report once, after the first step compiled; bytes sent per step in
+    every row (static: the traced sites' wire bytes); the codec error at each evaluation."""
+    full_run, log = full_run_and_log
+    rows = read_jsonl(Path(full_run["run_dir"]) / "metrics.jsonl")
+    # one block: 2 psums (g) and 3 pvarys (f of the block's 2 sublayers + the LM head), each
+    # (2, 32, 32) fp32 per device = 8 KiB, all compressed (tiny preset: recipe.min_bytes=0)
+    assert full_run["sites"] == {"compressed": 5, "plain": 0}
+    assert log.count("taco_jax collectives of one train step") == 1
+    assert re.search(r"2 × psum\[tp\] float32\[2, 32, 32\] .*compressed \(taco\b", log), log
+    assert re.search(r"3 × pvary\[tp\] float32\[2, 32, 32\] .*compressed \(taco\b", log), log
+    wire = full_run["wire_bytes_per_step"]
+    assert all(r["wire_bytes"] == wire for r in rows)
+    assert 0 < wire < 5 * 2 * 8192 * 0.6        # two-shot of 8 KiB each, FP8 codes + scales
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    for r in evals:
+        assert 1e-3 < r["codec_rel_error_mean"] <= r["codec_rel_error_max"] < 0.2, r
+    assert not any("codec_rel_error_mean" in r for r in rows if "val_loss" not in r)
+    csv_head = (Path(full_run["run_dir"]) / "metrics.csv").read_text().splitlines()[0]
+    assert "wire_bytes" in csv_head and "codec_rel_error_max" in csv_head
+
+
+def _step_sites(cfg):
+    """The call sites of one train step of cfg (abstract trace: nothing compiles)."""
+    mesh = train.loop.build_mesh(cfg)
+    prog = train.build(cfg, mesh)
+    x = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), np.int32,
+                             sharding=jax.sharding.NamedSharding(mesh, parallel.BATCH_SPEC))
+    _, sites = train.loop.traced_sites(jax.eval_shape, prog.step, prog.abstract_state(), x, x)
+    return sites
+
+
+def test_recipe_and_model_fields_decide_each_site():
+    """The run's recipe (recipe.*) applies where the model leaves a field unset; a model
+    field wins at its own sites. The call-site report says why a site is not compressed."""
+    small = ["model.n_layer=1", "model.d_model=32", "model.vocab_size=512", "parallel.tp=2",
+             "parallel.data=1", "train.batch_size=2", "model.seq_len=16"]
+    sites = _step_sites(config_lib.load_config("tiny", small + ["recipe.min_bytes=1048576"]))
+    assert sites and not any(s.compressed for s, _ in sites)
+    assert all("< min_bytes=1048576" in s.reason for s, _ in sites)
+    assert "plain: " in train.loop.sites_report(sites)
+    sites = _step_sites(config_lib.load_config("tiny", small + ["recipe.min_bytes=1048576",
+                                                                "model.min_bytes=0",
+                                                                "model.codec_fwd=none",
+                                                                "recipe.codec=fp8"]))
+    by_op = {s.op: s for s, _ in sites}
+    assert by_op["psum"].reason == "codec 'none'" and not by_op["psum"].compressed
+    assert by_op["pvary"].compressed and by_op["pvary"].codec == "fp8"
+    cfg = config_lib.load_config("tiny", ["recipe.codec=echo4", "model.codec_bwd=none"])
+    assert cfg.codecs() == {"fwd": "echo4", "bwd": "none", "head": "none"}
+    with pytest.raises(ValueError, match="recipe.codec='tac0'"):
+        config_lib.load_config("tiny", ["recipe.codec=tac0"])
+    with pytest.raises(ValueError, match="recipe.backend='gpu'"):
+        config_lib.load_config("tiny", ["recipe.backend=gpu"])
+    with pytest.raises(ValueError, match="train.profile_steps='3'"):
+        config_lib.load_config("tiny", ["train.profile_steps=3"])
+    with pytest.raises(ValueError, match="train.profile_steps='4:2'"):
+        config_lib.load_config("tiny", ["train.profile_steps=4:2"])
+    assert config_lib.load_config("tiny", ["train.profile_steps=2:5"]).train.profile_range() \
+        == (2, 5)
 
 
 def test_sigterm_saves_and_resume_is_bit_exact(full_run, cache, tmp_path, monkeypatch):
     """Interrupt at step 3 with SIGTERM, resume to 6: the same losses, bit for bit."""
     run_dir = tmp_path / "interrupted"
-    cfg = config_lib.load_config("tiny", _overrides(cache, run_dir, "train.ckpt_every=0"))
+    cfg = config_lib.load_config("tiny", _overrides(cache, run_dir, "train.ckpt_every=0",
+                                                    "train.codec_error=false"))
     real_getitem = data_lib.Batches.__getitem__
 
     def getitem(self, i):  # deliver SIGTERM while step 3 is being prepared
@@ -222,14 +286,51 @@ def test_sigterm_saves_and_resume_is_bit_exact(full_run, cache, tmp_path, monkey
         assert g.get("val_loss") == w.get("val_loss")
 
 
+def _flip_a_byte(step_dir: Path) -> Path:
+    """Corrupt a checkpoint as a bad disk would: one byte of its largest array data file."""
+    data = max((f for f in (step_dir / "state").rglob("*") if f.is_file()),
+               key=lambda f: f.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return data
+
+
+def test_resume_skips_a_corrupt_checkpoint(full_run, cache, tmp_path):
+    """The newest checkpoint (step 6) has a flipped byte: resuming warns naming it, sets it
+    aside (not deleted), continues from step 3 and ends with the uninterrupted run's
+    parameters, bit for bit."""
+    from train.checkpoint import Checkpointer
+    src = Path(full_run["run_dir"])
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(src, run_dir)
+    _flip_a_byte(run_dir / "ckpt" / "6")
+    cfg = config_lib.load_config("tiny", _overrides(cache, run_dir, "train.codec_error=false"))
+    with pytest.warns(UserWarning, match=r"checkpoint step 6 .* unusable .*using step 3"):
+        out = train.run(cfg, resume=True)
+    assert out["resumed_from"] == 3 and out["step"] == 6 and not out["interrupted"]
+    assert (run_dir / "ckpt_unverified" / "6" / "state").is_dir()
+    got, want = (read_jsonl(d / "metrics.jsonl") for d in (run_dir, src))
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    like = train.build(cfg, train.loop.build_mesh(cfg)).abstract_state()
+    finals = []
+    for d in (src, run_dir):
+        ck = Checkpointer(d / "ckpt")
+        finals.append(ck.restore(6, like)[0])
+        ck.close()
+    jax.tree.map(np.testing.assert_array_equal, *finals)
+
+
 def test_echo4_with_feedback_trains(full_run, cache, tmp_path):
     """The tiny GPT with echo4 both ways and error feedback (data=2 x tp=2, every all-reduce
     compressed): finite losses that go down and track TACO's; the feedback state is per
-    forward pass, so the checkpointed codec_state slot stays empty."""
+    forward pass, so the checkpointed state holds nothing but step, params, optimizer
+    state and RNG."""
     run_dir = tmp_path / "echo4-feedback"
     cfg = config_lib.load_config("tiny", _overrides(
         cache, run_dir, "codec=echo4", "model.feedback=true", "model.min_bytes=0",
-        "train.eval_every=0", "train.ckpt_every=0"))
+        "train.eval_every=0", "train.ckpt_every=0", "train.codec_error=false"))
     summary = train.run(cfg)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     losses = [r["loss"] for r in rows]
@@ -240,7 +341,8 @@ def test_echo4_with_feedback_trains(full_run, cache, tmp_path):
     assert abs(losses[-1] - taco[-1]) < 0.02, (losses, taco)
     assert summary["feedback"] is True and summary["codec_fwd"] == "echo4"
     assert np.isfinite(summary["final_val_loss"]) and (run_dir / "ckpt" / "6").is_dir()
-    assert train.build(cfg, train.loop.build_mesh(cfg)).abstract_state()["codec_state"] == {}
+    assert set(train.build(cfg, train.loop.build_mesh(cfg)).abstract_state()) == {
+        "step", "params", "opt_state", "rng"}
 
 
 def test_plot_cli_draws_several_runs(full_run, tmp_path):
@@ -293,3 +395,18 @@ def test_select_files_cap_and_shuffle(tmp_path):
     assert mixed == data_lib.select_files(list(reversed(files)), shuffle=True)  # deterministic
     with pytest.raises(ValueError, match="max_mb"):
         config_lib.load_config("tiny", ["data.max_mb=-1"])
+
+
+def test_bench_train_step_sets_the_recipe(tmp_path):
+    """python -m bench.train_step: a variant is the run's recipe; `@default` leaves the
+    library's threshold, under which these small all-reduces stay plain."""
+    from bench import train_step
+    out = tmp_path / "train_step.json"
+    train_step.main(["--presets", "tiny", "--variants", "taco", "taco@default", "--tp", "2",
+                     "--steps", "1", "--out", str(out), "--set", "model.n_layer=1",
+                     "model.d_model=32", "model.vocab_size=512", "model.seq_len=32",
+                     "train.batch_size=4", "parallel.data=1"])
+    rows = {r["codec_fwd"] + "@" + r["min_bytes"]: r for r in json.loads(out.read_text())["rows"]}
+    taco, default = rows["taco@0"], rows["taco@default"]
+    assert taco["compressed_sites"] == 5 and default["compressed_sites"] == 0
+    assert 0 < taco["wire_mib_per_step"] < default["wire_mib_per_step"]

@@ -1,4 +1,4 @@
-"""python -m train [--config configs/<name>.yaml] [--resume [RUN_DIR]] [key=value ...]
+"""python -m train [--config PRESET_OR_YAML] [--resume [RUN_DIR]] [key=value ...]
 
 Multi-process (one process per host or per GPU group):
     python -m train --coordinator HOST:PORT --num-processes N --process-id I [...]
@@ -28,14 +28,13 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 codec=none")
     args = p.parse_args(argv)
 
-    import yaml
     from train import config as config_lib
 
     if args.resume:  # continue that run: its saved config, then the command line's overrides
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").exists():
             p.error(f"--resume {args.resume}: no config.yaml in that directory")
-        cfg = config_lib.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()),
+        cfg = config_lib.from_dict(config_lib.read_yaml((run_dir / "config.yaml").read_text()),
                                    [*args.overrides, f"train.run_dir={run_dir}"])
     else:
         cfg = config_lib.load_config(args.config, args.overrides)

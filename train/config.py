@@ -1,6 +1,7 @@
-"""Run configuration: frozen dataclasses, YAML presets in configs/, dotted CLI overrides.
+"""Run configuration: frozen dataclasses, YAML presets (the `configs` package), dotted CLI
+overrides.
 
-    cfg = load_config("configs/tiny.yaml", ["model.n_layer=2", "codec=none"])
+    cfg = load_config("tiny", ["model.n_layer=2", "codec=none"])   # or a YAML path
 
 `codec=X` is shorthand for `model.codec_fwd=X model.codec_bwd=X`. Values are parsed as YAML
 (`train.steps=50`, `data.paths=[a.txt, b/]`). Unknown keys and mistyped values raise ValueError
@@ -8,16 +9,47 @@ naming them; `Config.validate` checks everything that does not need devices.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import warnings
+import importlib.resources
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
-from models.gpt import GPTConfig
+import taco_jax
+from models.gpt import GPTConfig, codec_name
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+class _Loader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, except that YAML 1.1's base-60 numbers stay text: `2:3` is
+    the step range "2:3", not the integer 123."""
+
+
+def _no_base_60(constructor):
+    def construct(loader, node):
+        return node.value if ":" in node.value else constructor(loader, node)
+    return construct
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int",
+                        _no_base_60(yaml.constructor.SafeConstructor.construct_yaml_int))
+_Loader.add_constructor("tag:yaml.org,2002:float",
+                        _no_base_60(yaml.constructor.SafeConstructor.construct_yaml_float))
+
+
+def read_yaml(text: str) -> Any:
+    """Parse a config file or an override's value (safe YAML, no base-60 numbers)."""
+    return yaml.load(text, Loader=_Loader)
+
+
+PRESET_PACKAGE = "configs"  # the presets ship inside the wheel as this package's data
+
+
+def preset_names() -> list[str]:
+    """Names of the packaged presets ("tiny", "small", ...)."""
+    return sorted(f.name[:-5] for f in importlib.resources.files(PRESET_PACKAGE).iterdir()
+                  if f.name.endswith(".yaml"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +57,38 @@ class ParallelConfig:
     tp: int = 0  # tensor-parallel size; 0 = all devices not used by `data`
     data: int = 1  # data-parallel size; 0 = all devices not used by `tp`
     cpu_devices: int = 4  # simulated CPU devices when JAX runs on CPU (set before backend start)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeConfig:
+    """The `taco_jax.config` recipe every jitted function of the run is traced under; the
+    model's codec_* and min_bytes fields, when set, override it per site."""
+
+    codec: str = "taco"  # codec of the all-reduces whose model.codec_* is ""
+    min_bytes: int = -1  # all-reduces smaller than this stay lax.psum; -1 = taco_jax's default
+    # kernels: auto (Pallas on GPU, jnp elsewhere) | pallas | interpret | reference
+    backend: str = "auto"
+
+    def fields(self) -> dict:
+        """Keyword arguments of taco_jax.config."""
+        return {"codec": self.codec, "min_bytes": None if self.min_bytes < 0 else self.min_bytes,
+                "backend": self.backend}
+
+    def context(self) -> contextlib.AbstractContextManager:
+        return taco_jax.config(**self.fields())
+
+    def validate(self) -> "RecipeConfig":
+        try:
+            taco_jax.codecs.get(self.codec)
+        except ValueError as e:
+            raise ValueError(f"recipe.codec={self.codec!r}: {e}") from None
+        if self.min_bytes < -1:
+            raise ValueError(f"recipe.min_bytes={self.min_bytes} must be >= 0, or -1 for the "
+                             f"taco_jax default")
+        if self.backend not in taco_jax.recipe.BACKENDS:
+            raise ValueError(f"recipe.backend={self.backend!r} must be one of "
+                             f"{list(taco_jax.recipe.BACKENDS)}")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +129,28 @@ class TrainConfig:
     run_dir: str = ""  # explicit run directory; empty = out_dir/<name>-<timestamp>
     halt_at: int = 0  # stop at this step as if interrupted (checkpoint + exit); 0 = never
     progress: bool = True  # tqdm progress bar
+    codec_error: bool = True  # at each evaluation: relative error of the compressed all-reduces
+    profile_steps: str = ""  # "A:B": jax.profiler trace of steps A..B into <run_dir>/profile/
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """(A, B) of profile_steps, or None when empty."""
+        if not self.profile_steps:
+            return None
+        a, sep, b = self.profile_steps.partition(":")
+        try:
+            first, last = int(a), int(b)
+        except ValueError:
+            first = last = 0
+        if not sep or not 1 <= first <= last:
+            raise ValueError(f"train.profile_steps={self.profile_steps!r} must look like "
+                             f"'A:B' with 1 <= A <= B (steps A to B, inclusive)")
+        return first, last
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "tiny"  # preset name, prefix of run directories
+    recipe: RecipeConfig = RecipeConfig()
     model: GPTConfig = GPTConfig()
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
@@ -78,7 +159,8 @@ class Config:
 
     def validate(self) -> "Config":
         """Device-independent checks (the mesh-dependent ones are in models.parallel)."""
-        self.model.validate(tp=self.parallel.tp or 1)
+        with self.recipe.validate().context():  # the model's "" codecs are the recipe's
+            self.model.validate(tp=self.parallel.tp or 1)
         t, o, d = self.train, self.optim, self.data
         for name in ("steps", "batch_size", "log_every", "eval_batches", "keep"):
             if getattr(t, name) <= 0:
@@ -103,7 +185,15 @@ class Config:
             raise ValueError(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
         if d.max_mb < 0:
             raise ValueError(f"data.max_mb={d.max_mb} must be >= 0 (0 = no cap)")
+        t.profile_range()
         return self
+
+    def codecs(self) -> dict:
+        """Names of the codecs in effect at the model's sites: {"fwd", "bwd", "head"}."""
+        with self.recipe.context():
+            m = self.model
+            return {"fwd": codec_name(m.fwd_codec), "bwd": codec_name(m.bwd_codec),
+                    "head": codec_name(m.head_codec)}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -171,7 +261,7 @@ def parse_overrides(overrides: Iterable[str]) -> dict:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value (e.g. train.steps=50)")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw else ""
+        value = read_yaml(raw) if raw else ""
         if key == "codec":  # shorthand: both directions
             _set_dotted(tree, "model.codec_fwd", value)
             _set_dotted(tree, "model.codec_bwd", value)
@@ -187,48 +277,33 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def resolve_preset(path: str | Path) -> Path:
-    """A path, or a preset name looked up in configs/ ("tiny" -> configs/tiny.yaml)."""
+def resolve_preset(path: str | Path):
+    """A YAML path, or the name of a packaged preset ("tiny" or "tiny.yaml") -> a readable
+    file (a Path, or an importlib.resources Traversable inside the installed package)."""
     p = Path(path)
-    if p.exists():
+    if p.is_file():
         return p
-    for cand in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
-        if cand.exists():
-            return cand
-    raise ValueError(f"config {str(path)!r} not found (presets: "
-                     f"{sorted(q.stem for q in CONFIG_DIR.glob('*.yaml'))})")
+    name = p.name[:-5] if p.name.endswith(".yaml") else p.name
+    if p.parent == Path(".") or p.parent == Path(PRESET_PACKAGE):  # "tiny", configs/tiny.yaml
+        preset = importlib.resources.files(PRESET_PACKAGE) / f"{name}.yaml"
+        if preset.is_file():
+            return preset
+    raise ValueError(f"config {str(path)!r} not found: neither a file nor a preset "
+                     f"(presets: {preset_names()})")
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (),
                 validate: bool = True) -> Config:
-    """Preset YAML (default configs/tiny.yaml) + dotted overrides -> validated Config."""
+    """Preset name or YAML path (default the tiny preset) + dotted overrides -> Config."""
     p = resolve_preset(path or "tiny")
-    values = yaml.safe_load(p.read_text()) or {}
-    values.setdefault("name", p.stem)
-    cfg = _build(Config, _compat(values, _merge(values, parse_overrides(overrides)), p))
+    values = read_yaml(p.read_text()) or {}
+    values.setdefault("name", p.name[:-5] if p.name.endswith(".yaml") else p.name)
+    cfg = _build(Config, _merge(values, parse_overrides(overrides)))
     return cfg.validate() if validate else cfg
 
 
 def from_dict(values: dict, overrides: Iterable[str] = ()) -> Config:
-    merged = _merge(values, parse_overrides(overrides))
-    return _build(Config, _compat(values, merged, "a config dict")).validate()
-
-
-def _compat(written: dict, merged: dict, source) -> dict:
-    """Configs written before backward error feedback became opt-in (model.feedback_bwd,
-    session 3) meant feedback in both directions by `model.feedback: true`: keep that
-    meaning for them (a run resumed or reloaded must not change), and say so. `written`:
-    the file's values (is feedback_bwd missing there?); `merged`: with the overrides."""
-    model, final = written.get("model"), merged.get("model")
-    if (isinstance(model, dict) and model.get("feedback") is True
-            and "feedback_bwd" not in model and isinstance(final, dict)
-            and final.get("feedback") is True and "feedback_bwd" not in final):
-        warnings.warn(f"{source}: model.feedback: true without model.feedback_bwd was written "
-                      f"when feedback ran in both directions; keeping that meaning "
-                      f"(model.feedback_bwd=true). Set model.feedback_bwd explicitly to "
-                      f"silence this; the default is now false (docs/echo.md).", stacklevel=3)
-        merged = {**merged, "model": {**final, "feedback_bwd": True}}
-    return merged
+    return _build(Config, _merge(values, parse_overrides(overrides))).validate()
 
 
 def replace(cfg: Config, overrides: Iterable[str]) -> Config:

@@ -5,10 +5,14 @@
 
 For benchmarks, `make_train_step(cfg, mesh) -> (init_state_fn, step_fn)` gives the jitted step
 without the loop (see docs/training.md).
+
+Every jitted function is traced under the run's `taco_jax.config` recipe (`cfg.recipe`), so
+the model's sites that leave their codec or threshold unset take the recipe's.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import signal
@@ -25,13 +29,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import parallel
 from models.parallel import ShardedGPT
+from taco_jax import telemetry
 from train import config as config_lib
 from train.checkpoint import Checkpointer
 from train.config import Config
 from train.data import load_corpus, split_batches
 from train.metrics import MetricsWriter, plot_runs
+from train.multihost import agree_any
 
-State = dict  # {"step", "params", "opt_state", "rng", "codec_state"}: one pytree, checkpointed
+State = dict  # {"step", "params", "opt_state", "rng"}: one pytree, checkpointed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +99,7 @@ class Program:
         params = self.model.abstract_params()
         state = {"step": jax.ShapeDtypeStruct((), np.int32), "params": params,
                  "opt_state": jax.eval_shape(self.tx.init, params),
-                 "rng": jax.ShapeDtypeStruct((2,), np.uint32), "codec_state": {}}
+                 "rng": jax.ShapeDtypeStruct((2,), np.uint32)}
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             state, self.state_shardings)
 
@@ -101,11 +107,22 @@ class Program:
         return parallel.put_batch(x, self.mesh)
 
 
+def under_recipe(cfg: Config, fn: Callable) -> Callable:
+    """fn entering `cfg.recipe`'s taco_jax.config around its body: jitted, the recipe is in
+    effect wherever and whenever jax traces it."""
+    @functools.wraps(fn)
+    def traced(*args):
+        with cfg.recipe.context():
+            return fn(*args)
+    return traced
+
+
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
     """Validate `cfg` on `mesh` and build the jitted init / train step / eval loss.
     Raises ValueError before anything compiles if the config does not fit the mesh."""
     cfg.validate()
-    model = parallel.shard_gpt(cfg.model, mesh)
+    with cfg.recipe.context():  # the model's checks read the codecs the recipe gives it
+        model = parallel.shard_gpt(cfg.model, mesh)
     parallel.check_batch(cfg.train.batch_size, cfg.model.seq_len, cfg.model, mesh)
     tx, schedule = make_optimizer(cfg)
     replicated = NamedSharding(mesh, P())
@@ -115,7 +132,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding))
     state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh,
-                "rng": replicated, "codec_state": {}}
+                "rng": replicated}
     loss_and_grad = model.loss_and_grad_fn()
 
     init_opt = jax.jit(tx.init, out_shardings=opt_sh)
@@ -125,12 +142,12 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
         # rng: raw threefry key data of jax.random.key(seed). Consumers (dropout, stochastic
         # codecs) derive per-step keys as fold_in(wrap_key_data(rng), step): stateless, so
         # resuming at any step reproduces them.
+        # Codecs keep no state across steps: TACO has none, and Echo's feedback state lives
+        # for one forward pass (docs/training.md "Error feedback").
         rng = np.array([0, seed & 0xFFFFFFFF], np.uint32)
         return {"step": jax.device_put(np.zeros((), np.int32), replicated),
                 "params": params, "opt_state": init_opt(params),
-                "rng": jax.device_put(rng, replicated),
-                "codec_state": {}}  # slot for codec state across steps; empty: TACO has none,
-        # and Echo's feedback state lives one forward pass (docs/training.md "Error feedback")
+                "rng": jax.device_put(rng, replicated)}
 
     def step(state: State, tokens, targets) -> tuple[State, dict]:
         loss, grads = loss_and_grad(state["params"], tokens, targets)
@@ -139,13 +156,14 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state["step"])}
         new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
-               "rng": state["rng"], "codec_state": state["codec_state"]}
+               "rng": state["rng"]}
         return new, metrics
 
     batch_sh = NamedSharding(mesh, parallel.BATCH_SPEC)
-    step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh, batch_sh),
+    step_fn = jax.jit(under_recipe(cfg, step), in_shardings=(state_sh, batch_sh, batch_sh),
                       out_shardings=(state_sh, replicated), donate_argnums=0)
-    eval_fn = jax.jit(model.loss_fn(), in_shardings=(param_sh, batch_sh, batch_sh))
+    eval_fn = jax.jit(under_recipe(cfg, model.loss_fn()),
+                      in_shardings=(param_sh, batch_sh, batch_sh))
     return Program(cfg, mesh, model, init, step_fn, eval_fn, state_sh, tx)
 
 
@@ -212,11 +230,95 @@ def evaluate(prog: Program, params, batches, n: int) -> float:
     return float(np.mean([_host(x) for x in losses]))
 
 
+# ---------------------------------------------------------------------------------------------
+# What compression did: call sites, bytes on the wire, codec error
+
+def traced_sites(fn: Callable, *args) -> tuple[Any, list[tuple[telemetry.Site, int]]]:
+    """-> (fn(*args), [(site, calls)] of the taco_jax collectives traced by this call): the
+    difference of telemetry.sites() around it, so sites traced earlier in the process (an
+    earlier run, another function) do not count. Empty when fn was already traced."""
+    before = dict(telemetry.sites())
+    out = fn(*args)
+    return out, [(site, n - before.get(site, 0)) for site, n in telemetry.sites()
+                 if n > before.get(site, 0)]
+
+
+def sites_report(sites: list[tuple[telemetry.Site, int]]) -> str:
+    """telemetry.site_report()'s lines, for these sites."""
+    if not sites:
+        return "no taco_jax collective traced"
+    return "\n".join(f"{n:>4} × {s.describe()}" for s, n in sites)
+
+
+def step_wire_bytes(sites: list[tuple[telemetry.Site, int]]) -> int:
+    """Bytes one device sends per train step through these sites."""
+    return sum(telemetry.wire_bytes(s) * n for s, n in sites)
+
+
+class CodecErrorProbe:
+    """The relative error of the compressed all-reduces, measured on demand: a loss and
+    gradient of its own (the train step is untouched), traced inside telemetry.collect(),
+    whose records then come from every call. Each all-reduce it measures adds an exact fp32
+    psum and a host callback, hence its use at evaluations only."""
+
+    def __init__(self, prog: Program):
+        sh = NamedSharding(prog.mesh, parallel.BATCH_SPEC)
+        self._fn = jax.jit(under_recipe(prog.cfg, prog.model.loss_and_grad_fn()),
+                           in_shardings=(prog.model.shardings, sh, sh))
+        self._put = prog.put_batch
+        self._log = None
+
+    def __call__(self, params, x: np.ndarray, y: np.ndarray) -> dict:
+        """{"codec_rel_error_mean", "codec_rel_error_max"} over the compressed all-reduces
+        of one forward and backward pass on (x, y); {} if nothing is compressed."""
+        args = (params, self._put(x), self._put(y))
+        if self._log is None:
+            with telemetry.collect() as log:
+                out = self._fn(*args)  # the first call traces: inside the block
+            self._log = log
+        else:
+            out = self._fn(*args)
+        jax.block_until_ready(out)
+        jax.effects_barrier()  # the records arrive by host callbacks
+        errors = [r["rel_error"] for r in self._log.records]
+        self._log.records.clear()
+        if not errors:
+            return {}
+        return {"codec_rel_error_mean": float(np.mean(errors)),
+                "codec_rel_error_max": float(np.max(errors))}
+
+
+class _Profile:
+    """jax.profiler trace of steps first..last (train.profile_steps) into `directory`."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: Path):
+        self.steps, self.directory, self.active = steps, directory, False
+
+    def before(self, step: int) -> None:
+        if self.steps and not self.active and self.steps[0] <= step <= self.steps[1]:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, outputs) -> None:
+        if self.active and step >= self.steps[1]:
+            self.stop(outputs)
+
+    def stop(self, outputs=None) -> None:
+        if self.active:
+            jax.block_until_ready(outputs)  # the traced steps' device work, complete
+            jax.profiler.stop_trace()
+            self.active = False
+
+
+# ---------------------------------------------------------------------------------------------
+
 def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     """Train per `config` (a Config, a dict like the YAML presets, or a preset name/path).
 
     resume=True continues the run in `train.run_dir` (or the newest `<name>-*` in out_dir)
-    from its latest checkpoint. Returns a summary dict (also written to summary.json).
+    from its newest checkpoint that restores and verifies (a corrupt newer one is reported
+    and set aside). Returns a summary dict (also written to summary.json).
     """
     if isinstance(config, (str, Path)):
         cfg = config_lib.load_config(config)
@@ -228,6 +330,8 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     mesh = build_mesh(cfg)
     prog = build(cfg, mesh)
     t_cfg, lead = cfg.train, jax.process_index() == 0
+    multi = jax.process_count() > 1
+    codecs = cfg.codecs()
 
     corpus = load_corpus(cfg.data, cfg.model.vocab_size, verbose=lead)
     if corpus.vocab_size > cfg.model.vocab_size:
@@ -240,22 +344,26 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(run_dir / "ckpt", keep=t_cfg.keep, async_save=t_cfg.async_ckpt)
     state = prog.init(t_cfg.seed)
-    start = 0
-    latest = ckpt.latest_step() if resume else None
-    if latest is not None:
-        state, meta = ckpt.restore(latest, state)
+    start, resumed_from = 0, None
+    try:
+        restored = ckpt.restore_latest(state, name=cfg.name) if resume else None
+    except BaseException:
+        ckpt.close()
+        raise
+    if restored is not None:
+        state, meta, resumed_from = restored
         start = int(meta["data_pos"])
     if lead:
         (run_dir / "config.yaml").write_text(config_lib.dump(cfg))
-    writer = MetricsWriter(run_dir, truncate_after=start if latest is not None else None,
+    writer = MetricsWriter(run_dir, truncate_after=start if resumed_from is not None else None,
                            enabled=lead)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
     if lead:
         print(f"[train] {cfg.name}: {n_params / 1e6:.2f}M params, mesh data={mesh.shape['data']}"
               f" x tp={mesh.shape['tp']} on {jax.devices()[0].platform}, codec fwd="
-              f"{cfg.model.codec_fwd} bwd={cfg.model.codec_bwd}"
+              f"{codecs['fwd']} bwd={codecs['bwd']} head={codecs['head']}"
               + (", error feedback" if cfg.model.feedback else "") + f", run dir {run_dir}"
-              + (f", resumed at step {start}" if latest is not None else ""), flush=True)
+              + (f", resumed at step {start}" if resumed_from is not None else ""), flush=True)
 
     def save(step: int) -> None:
         ckpt.save(step, state, {"data_pos": step, "name": cfg.name, "time": time.time()})
@@ -263,6 +371,10 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     tokens_per_step = t_cfg.batch_size * seq
     step_times, compile_s, row = [], None, {}
     last_loss = val_loss = None
+    step_sites, wire_bytes = None, None  # the train step's collectives, from its first trace
+    probe = CodecErrorProbe(prog) if t_cfg.codec_error else None
+    profile = _Profile(t_cfg.profile_range(), run_dir / "profile"
+                       / (f"process{jax.process_index()}" if multi else ""))
     t0 = t_prev = time.perf_counter()
     pending = 0  # steps since the last host sync
     bar = None
@@ -270,18 +382,41 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
         from tqdm import tqdm
         bar = tqdm(total=t_cfg.steps, initial=start, desc=cfg.name, unit="step",
                    dynamic_ncols=True)
-    step = start
+    say = bar.write if bar is not None else functools.partial(print, flush=True)
+    step, stopped = start, False
     with _StopFlag() as stop:
         try:
             for step in range(start + 1, t_cfg.steps + 1):
                 x, y = train_batches[step - 1]
-                state, metrics = prog.step(state, prog.put_batch(x), prog.put_batch(y))
+                profile.before(step)
+                batch = (prog.put_batch(x), prog.put_batch(y))
+                if step_sites is None:  # traces and compiles the step
+                    (state, metrics), step_sites = traced_sites(prog.step, state, *batch)
+                    wire_bytes = step_wire_bytes(step_sites)
+                    if probe is not None and not any(s.compressed for s, _ in step_sites):
+                        probe = None  # nothing compressed: no error to measure
+                    if lead:
+                        say(f"[train] taco_jax collectives of one train step "
+                            f"({wire_bytes / 2**20:.3g} MiB sent per device):\n"
+                            + sites_report(step_sites))
+                else:
+                    state, metrics = prog.step(state, *batch)
+                profile.after(step, metrics)
                 pending += 1
                 last = step == t_cfg.steps
-                halt = step == t_cfg.halt_at or stop.signum is not None
                 is_eval = bool(t_cfg.eval_every and step % t_cfg.eval_every == 0) or last
-                is_ckpt = bool(t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last or halt
-                if step % t_cfg.log_every == 0 or is_eval or is_ckpt:
+                every_ckpt = bool(t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last
+                is_log = step % t_cfg.log_every == 0 or is_eval or every_ckpt
+                # Stop on a signal only when every process does: with several, the flags are
+                # compared at the log steps (the host waits for the step there anyway), so
+                # all processes save the same step and none is left in a collective alone.
+                signalled = stop.signum is not None
+                if multi:
+                    signalled = agree_any(signalled) if is_log else False
+                stopped = stopped or signalled
+                halt = step == t_cfg.halt_at or signalled
+                is_ckpt = every_ckpt or halt
+                if is_log or halt:
                     m = jax.tree.map(_host, metrics)  # syncs: the interval's time is real
                     now = time.perf_counter()
                     dt = (now - t_prev) / pending
@@ -293,12 +428,15 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
                     last_loss = float(m["loss"])
                     row = {"step": step, "loss": last_loss, "lr": float(m["lr"]),
                            "grad_norm": float(m["grad_norm"]), "step_time_s": dt,
-                           "tokens_per_s": tokens_per_step / dt, "elapsed_s": now - t0}
+                           "tokens_per_s": tokens_per_step / dt, "elapsed_s": now - t0,
+                           "wire_bytes": wire_bytes}
                     if not math.isfinite(last_loss):
                         raise FloatingPointError(f"loss became {last_loss} at step {step}")
                     if is_eval:
                         val_loss = row["val_loss"] = evaluate(prog, state["params"], val_batches,
                                                               t_cfg.eval_batches)
+                        if probe is not None:
+                            row.update(probe(state["params"], *val_batches[0]))
                     writer.write(row)
                     if bar is not None:
                         bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
@@ -314,6 +452,7 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
                 if halt:
                     break
         finally:
+            profile.stop()
             if bar is not None:
                 bar.close()
             ckpt.close()
@@ -325,19 +464,23 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     step_time = statistics.median(step_times) if step_times else None
     summary = {
         "run_dir": str(run_dir), "name": cfg.name, "step": step, "steps": t_cfg.steps,
-        "interrupted": interrupted, "final_train_loss": last_loss, "final_val_loss": val_loss,
+        "interrupted": interrupted, "resumed_from": resumed_from,
+        "final_train_loss": last_loss, "final_val_loss": val_loss,
         "step_time_s": step_time,
         "tokens_per_s": tokens_per_step / step_time if step_time else None,
         "compile_s": compile_s, "params": n_params,
         "mesh": {"data": mesh.shape["data"], "tp": mesh.shape["tp"]},
         "platform": jax.devices()[0].platform, "devices": jax.device_count(),
-        "codec_fwd": cfg.model.codec_fwd, "codec_bwd": cfg.model.codec_bwd,
-        "feedback": cfg.model.feedback,
+        "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
+        "feedback": cfg.model.feedback, "wire_bytes_per_step": wire_bytes,
+        "sites": {"compressed": sum(n for s, n in step_sites or () if s.compressed),
+                  "plain": sum(n for s, n in step_sites or () if not s.compressed)},
     }
     if lead:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if interrupted:
-            why = f"signal {stop.signum}" if stop.signum is not None else "train.halt_at"
+            why = (("signal " + str(stop.signum)) if stop.signum is not None
+                   else "a signal to another process") if stopped else "train.halt_at"
             print(f"[train] stopped at step {step} ({why}); checkpoint saved. Continue with: "
                   f"python -m train --resume {run_dir}", flush=True)
     return summary

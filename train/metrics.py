@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
-           "elapsed_s")
+           "elapsed_s", "wire_bytes", "codec_rel_error_mean", "codec_rel_error_max")
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -102,8 +102,10 @@ def _label(run: Path) -> str:
     cfg_file = run / "config.yaml"
     if cfg_file.exists():
         import yaml
-        m = (yaml.safe_load(cfg_file.read_text()) or {}).get("model", {})
-        fwd, bwd = m.get("codec_fwd"), m.get("codec_bwd")
+        values = yaml.safe_load(cfg_file.read_text()) or {}
+        m, recipe = values.get("model", {}), values.get("recipe", {})
+        fwd = m.get("codec_fwd") or recipe.get("codec")   # "": the recipe's codec
+        bwd = m.get("codec_bwd") or recipe.get("codec")
         codec = fwd if fwd == bwd else f"{fwd}/{bwd}"
         return f"{run.name} [{codec}]"
     return run.name
