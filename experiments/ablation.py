@@ -1,6 +1,8 @@
-"""python -m train.ablation: the convergence ablation of issue 7 (TACO paper Table 4 idea).
+"""python -m experiments.ablation: does compressing the TP all-reduces change how a GPT
+trains? Final validation loss per codec against the uncompressed run, over seeds (the
+idea of the TACO paper's Table 4).
 
-    python -m train.ablation [--config small] [--steps 2000] [--tp 2] [--seed 0]
+    python -m experiments.ablation [--config small] [--steps 2000] [--tp 2] [--seed 0]
         [--variants none fp8 ... taco+feedback none@seed1] [--set k=v ...]
         [--out-dir runs/ablation-<preset>] [--json bench/results/ablation.json]
         [--plot docs/ablation.png] [--budget-s 540] [--workers N]
@@ -10,7 +12,7 @@ with every all-reduce compressed (model.min_bytes=0), forward and backward, at T
 variant is `codec`, `fwd:codec` / `bwd:codec` (one direction compressed, the other exact),
 `fwdcodec/bwdcodec` (e.g. `taco/taco-int8`),
 `codec+feedback` (model.feedback=true: Echo error feedback at the
-forward sites; `--set model.feedback_bwd=true` adds the backward ones, as in session 2) or
+forward sites; `--set model.feedback_bwd=true` adds the backward ones) or
 `none@seedN` (the baseline with another seed: the noise floor every degradation is read
 against). Each run has its own run dir `<out-dir>/<variant>`; the driver is resumable:
 finished runs are read back, not re-run; interrupted ones resume from their checkpoint;
@@ -53,6 +55,8 @@ from train import config as config_lib
 from train.loop import setup_backend
 from train.metrics import read_jsonl
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout holding experiments/
+
 VARIANTS = ("none", "fp8", "block-fp8", "hadamard-fp8", "taco", "taco-1scale", "taco-e5m2",
             "taco-int8", "echo4", "echo4+feedback", "taco+feedback", "none@seed1")
 
@@ -60,7 +64,7 @@ VARIANTS = ("none", "fp8", "block-fp8", "hadamard-fp8", "taco", "taco-1scale", "
 def parse_variant(v: str, seed: int) -> dict:
     """"taco+feedback" / "none@seed1" / "fwd:taco" / "fp8" -> {"name", "codec", "feedback",
     "seed", "direction"}. `fwd:` compresses only the forward all-reduces (codec_bwd=none),
-    `bwd:` only the backward ones (as in bench/grad_error.py); default both. "taco/taco-int8"
+    `bwd:` only the backward ones (as in experiments.grad_error); default both. "taco/taco-int8"
     names the forward and the backward codec."""
     body, _, seed_part = v.partition("@")
     direction, _, body = body.rpartition(":")
@@ -77,11 +81,6 @@ def parse_variant(v: str, seed: int) -> dict:
     return {"name": v, "codec": codec, "feedback": fb == "feedback",
             "seed": int(seed_part[4:]) if seed_part else seed,
             "direction": direction or "both"}
-
-
-def has_feedback_field() -> bool:
-    from models.gpt import GPTConfig
-    return "feedback" in GPTConfig.__dataclass_fields__
 
 
 def _device() -> str:
@@ -264,8 +263,8 @@ def paired_summary(rows: list[dict]) -> list[dict]:
     """Each configuration against the `none` run of the same seed, over every seed it ran.
 
     A final validation loss of one run carries the trajectory's noise: the same bf16 run
-    repeated on the GPU (nondeterministic reductions) ended 0.41% apart in ablation v3, and
-    seeds 0 and 1 1.5% apart. So a configuration's degradation is read as the mean of its
+    repeated on a GPU (nondeterministic reductions) ended 0.41% apart, and seeds 0 and 1
+    1.5% apart (small preset, 2000 steps, bench/results/ablation.json). So a configuration's degradation is read as the mean of its
     paired differences (same seed, same data order, same validation windows) over seeds,
     and a repeated `none` (none@seed0 beside none) gives the rerun noise directly.
     -> [{"config", "runs", "seeds", "paired_pct": [...], "mean_pct", "spread_pct",
@@ -470,14 +469,16 @@ def _run_workers(pending: list[dict], records: dict, args, cfg0, order: list[str
     n = min(args.workers, len(pending))
     groups = [pending[i::n] for i in range(n)]
     tmp = Path(tempfile.mkdtemp(prefix="ablation-workers-"))
-    env = dict(os.environ, GIT_COMMIT=args.commit or "")
+    # the children import this checkout's experiments package, wherever they start
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, GIT_COMMIT=args.commit or "", PYTHONPATH=path)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / n:.2f}")
     procs = []
     for i, group in enumerate(groups):
         wjson = tmp / f"worker{i}.json"
         if args.json and Path(args.json).exists():
             wjson.write_text(Path(args.json).read_text())
-        cmd = [sys.executable, "-m", "train.ablation", "--config", args.config,
+        cmd = [sys.executable, "-m", "experiments.ablation", "--config", args.config,
                "--steps", str(args.steps), "--tp", str(args.tp), "--seed", str(args.seed),
                "--variants", *[v["name"] for v in group], "--out-dir", args.out_dir,
                "--json", str(wjson), "--plot", "", "--budget-s", str(args.budget_s),
@@ -508,7 +509,7 @@ def _run_workers(pending: list[dict], records: dict, args, cfg0, order: list[str
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m train.ablation", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.ablation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny", help="preset name or YAML (default tiny)")
     p.add_argument("--steps", type=int, default=None, help="default: the preset's train.steps")
@@ -536,10 +537,6 @@ def main(argv=None) -> dict:
     args.steps = args.steps or cfg0.train.steps
     args.out_dir = args.out_dir or f"runs/ablation-{cfg0.name}"
     variants = [parse_variant(v, args.seed) for v in args.variants]
-    if any(v["feedback"] for v in variants) and not has_feedback_field():
-        print("[ablation] model.feedback is not in this checkout's GPTConfig: skipping "
-              + ", ".join(v["name"] for v in variants if v["feedback"]), flush=True)
-        variants = [v for v in variants if not v["feedback"]]
     if "none" not in [v["name"] for v in variants]:
         print("[ablation] no 'none' variant: degradations need the baseline", flush=True)
 

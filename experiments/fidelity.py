@@ -1,6 +1,6 @@
-"""Codec fidelity on the real tensors of tensor-parallel GPT training (issue 7, part 1).
+"""Codec fidelity on the real tensors of tensor-parallel GPT training.
 
-    python bench/fidelity.py [--config tiny] [--steps 200] [--capture-at 20 100 200]
+    python -m experiments.fidelity [--config tiny] [--steps 200] [--capture-at 20 100 200]
         [--tp 2] [--train-codec none] [--load RUN_DIR] [--codecs ...] [--set k=v ...]
 
 Trains a GPT (train.build: same data, init and optimizer as `python -m train`) with
@@ -28,22 +28,19 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from bench.common import env_facts, write_json  # noqa: E402
-from taco_jax import codecs, telemetry  # noqa: E402
-from taco_jax.numerics import hadamard  # noqa: E402
-from taco_jax.numerics import quant  # noqa: E402
-from train import config as config_lib  # noqa: E402
-from train.checkpoint import Checkpointer  # noqa: E402
-from train.data import Batches, load_corpus  # noqa: E402
-from train.loop import build, build_mesh, setup_backend  # noqa: E402
+from bench.common import env_facts, write_json
+from taco_jax import codecs, telemetry
+from taco_jax.numerics import hadamard, quant
+from train import config as config_lib
+from train.checkpoint import Checkpointer
+from train.data import Batches, load_corpus
+from train.loop import build, build_mesh, setup_backend
 
 KINDS = ("fwd", "bwd")
 E4M3_MIN_SUB = 2.0 ** -9        # smallest E4M3 subnormal; |y| < 2^-10 rounds to 0
@@ -258,9 +255,11 @@ def main(argv=None) -> dict:
     steps = cfg.train.steps
     if args.load:
         ck = Checkpointer(Path(args.load) / "ckpt")
-        start = ck.latest_step()
-        state, _ = ck.restore(start, state)
+        restored = ck.restore_latest(state, name=cfg.name, set_aside=False)
         ck.close()
+        if restored is None:
+            raise FileNotFoundError(f"no checkpoint under {Path(args.load) / 'ckpt'}")
+        state, _, start = restored
         capture_at = [start]
     else:
         start = 0

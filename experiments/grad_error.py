@@ -1,7 +1,7 @@
 """Loss and gradient error of compressed TP all-reduces against the exact ones, at the
 parameters of a trained run (one forward + backward per batch, no update).
 
-    python bench/grad_error.py --load RUN_DIR [--variants exact echo4 echo4+feedback ...]
+    python -m experiments.grad_error --load RUN_DIR [--variants exact echo4 echo4+feedback ...]
         [--batches 4] [--set k=v ...] [--out bench/results/grad_error.json]
 
 A variant is `exact` (codec none), `CODEC`, `CODEC+feedback`, or a one-direction form
@@ -18,25 +18,24 @@ gradient from an effect that only builds up over steps.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from bench.common import env_facts, print_table, write_json  # noqa: E402
-from train import ablation, config as config_lib  # noqa: E402
-from train.checkpoint import Checkpointer  # noqa: E402
-from train.data import Batches, load_corpus  # noqa: E402
-from train.loop import build, build_mesh, setup_backend  # noqa: E402
+from bench.common import env_facts, print_table, write_json
+from experiments import ablation
+from train import config as config_lib
+from train.checkpoint import Checkpointer
+from train.data import Batches, load_corpus
+from train.loop import build, build_mesh, setup_backend
 
 DEFAULT = ["exact", "echo4", "echo4+feedback", "fwd:echo4", "fwd:echo4+feedback",
            "bwd:echo4", "bwd:echo4+feedback", "taco", "taco+feedback"]
 
 
 def overrides(variant: str) -> list[str]:
-    """'bwd:echo4+feedback' -> config overrides (the variant grammar of train.ablation;
+    """'bwd:echo4+feedback' -> config overrides (the variant grammar of experiments.ablation;
     here +feedback means every compressing site, the backward ones included)."""
     if variant == "exact":
         return ["codec=none", "model.feedback=false"]
@@ -127,11 +126,12 @@ def main(argv=None) -> dict:
         prog = build(cfg, mesh)
         if params is None:
             ck = Checkpointer(run / "ckpt")
-            step = ck.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"no checkpoint under {run / 'ckpt'}")
-            state, _ = ck.restore(step, prog.init(cfg.train.seed))
+            restored = ck.restore_latest(prog.init(cfg.train.seed), name=cfg.name,
+                                         set_aside=False)
             ck.close()
+            if restored is None:
+                raise FileNotFoundError(f"no checkpoint under {run / 'ckpt'}")
+            state, _, step = restored
             params = state["params"]
         fn = jax.jit(prog.model.loss_and_grad_fn())
         outs = []

@@ -1,5 +1,6 @@
 """Fidelity tooling: telemetry.capture hands the real all-reduce tensors to the host (and
-costs nothing when off); bench/fidelity.py's metrics; train.ablation's driver (tiny smoke)."""
+costs nothing when off); experiments.fidelity's metrics; experiments.ablation's driver and
+experiments.grad_error (tiny smoke runs)."""
 import json
 import math
 import sysconfig
@@ -117,17 +118,18 @@ def test_capture_off_adds_nothing():
 
 
 # ---------------------------------------------------------------------------------------------
-# train.ablation: 2 variants x 3 steps of a very small GPT, resumable, JSON + plot
+# experiments.ablation: 2 variants x 3 steps of a very small GPT, resumable, JSON + plot
 
 def _small(cache):
     return ["model.vocab_size=512", "model.seq_len=32", "model.n_layer=1", "model.n_head=4",
             "model.d_model=32", f"data.paths=[{CORPUS}]", f"data.cache_dir={cache}",
             "train.batch_size=4", "train.eval_every=0", "train.ckpt_every=0",
-            "train.eval_batches=1", "optim.warmup_steps=1", "train.async_ckpt=false"]
+            "train.eval_batches=1", "optim.warmup_steps=1", "train.async_ckpt=false",
+            "train.codec_error=false"]
 
 
 def test_ablation_smoke(tmp_path, capsys):
-    from train import ablation
+    from experiments import ablation
     args = ["--steps", "3", "--variants", "none", "taco+feedback", "--out-dir",
             str(tmp_path / "runs"), "--json", str(tmp_path / "a.json"), "--plot",
             str(tmp_path / "a.png"), "--set", *_small(tmp_path / "cache")]
@@ -156,7 +158,7 @@ def test_ablation_smoke(tmp_path, capsys):
 def test_ablation_workers(tmp_path, capsys):
     """--workers 2: two child drivers train the variants at once; their rows are merged into
     one JSON and table, each with the parent's commit; a re-run trains nothing."""
-    from train import ablation
+    from experiments import ablation
     args = ["--steps", "2", "--variants", "none", "taco", "fwd:taco", "--workers", "2",
             "--out-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "a.json"),
             "--plot", str(tmp_path / "a.png"), "--set", *_small(tmp_path / "cache")]
@@ -177,7 +179,7 @@ def test_ablation_workers(tmp_path, capsys):
 
 
 def _row(variant, loss, seed=None):
-    from train.ablation import parse_variant
+    from experiments.ablation import parse_variant
     v = parse_variant(variant, 0)
     return {"variant": variant, "codec": v["codec"], "feedback": v["feedback"],
             "seed": v["seed"] if seed is None else seed, "final_val_loss": loss}
@@ -186,7 +188,7 @@ def _row(variant, loss, seed=None):
 def test_ablation_paired_summary():
     """Each configuration is compared with the none run of its own seed; the plain "none"
     is the baseline even when its rerun none@seed0 comes first; diverged runs are left out."""
-    from train.ablation import paired_summary, seed_baselines
+    from experiments.ablation import paired_summary, seed_baselines
     rows = [_row("none@seed0", 2.2), _row("none", 2.0), _row("none@seed1", 4.0),
             _row("taco", 2.02), _row("taco@seed1", 3.96), _row("fp8", float("nan")),
             _row("echo4+feedback", 2.1)]
@@ -211,7 +213,7 @@ def test_ablation_old_records_keep_unrequested_rows(tmp_path):
     here is left to be read back or resumed; another preset's JSON is ignored."""
     import json
     import types
-    from train.ablation import old_records, run_dir_of
+    from experiments.ablation import old_records, run_dir_of
     out = tmp_path / "runs"
     rows = [_row("none", 2.0), _row("taco@seed2", 2.1), _row("fp8", 2.2)]
     js = tmp_path / "a.json"
@@ -230,7 +232,7 @@ def test_ablation_old_records_keep_unrequested_rows(tmp_path):
 
 
 def test_ablation_variant_parsing():
-    from train.ablation import VARIANTS, parse_variant
+    from experiments.ablation import VARIANTS, parse_variant
     assert parse_variant("echo4+feedback", 0) == {"name": "echo4+feedback", "codec": "echo4",
                                                   "feedback": True, "seed": 0,
                                                   "direction": "both"}
@@ -244,7 +246,7 @@ def test_ablation_variant_parsing():
     with pytest.raises(ValueError, match="fwd or bwd"):
         parse_variant("up:taco", 0)
     from train import config as config_lib
-    from train.ablation import variant_overrides
+    from experiments.ablation import variant_overrides
     with pytest.raises(ValueError, match="pair"):
         parse_variant("fwd:taco/taco-int8", 0)
     for v, fwd, bwd in (("fwd:taco", "taco", "none"), ("bwd:taco", "none", "taco"),
@@ -252,14 +254,14 @@ def test_ablation_variant_parsing():
         o = variant_overrides(parse_variant(v, 0), 2, 5, "runs/x", False)
         m = config_lib.load_config("tiny", o).model
         assert (m.codec_fwd, m.codec_bwd, m.min_bytes) == (fwd, bwd, 0), v
-    from train.ablation import run_dir_of
+    from experiments.ablation import run_dir_of
     assert run_dir_of("runs/a", "taco/taco-int8").name == "taco__taco-int8"
     assert len(VARIANTS) == 12 and VARIANTS.count("none") == 1
 
 
 def test_fidelity_metrics_on_known_tensors():
     """codec_rows: rel_l2 and SNR agree, none is exact, underflow counts zeros."""
-    import bench.fidelity as fid
+    from experiments import fidelity as fid
     rng = np.random.default_rng(0)
     recs = [{"kind": "fwd", "site": 0, "value": rng.standard_normal((64, 256), np.float32)},
             {"kind": "bwd", "site": 0, "value": np.where(rng.random((64, 256)) < 0.5, 1e-6,
@@ -275,10 +277,9 @@ def test_fidelity_metrics_on_known_tensors():
 
 
 def test_grad_error_tool(tmp_path):
-    """bench/grad_error.py on a 3-step run: exact has zero error, echo4 a real one, and the
+    """experiments.grad_error on a 3-step run: exact has zero error, echo4 a real one, and the
     direction forms leave the other direction exact."""
-    from bench import grad_error
-    from train import ablation
+    from experiments import ablation, grad_error
     ablation.main(["--steps", "3", "--variants", "none", "--out-dir", str(tmp_path / "runs"),
                    "--json", "", "--plot", "", "--set", *_small(tmp_path / "cache")])
     out = grad_error.main(["--load", str(tmp_path / "runs" / "none"), "--batches", "1",
@@ -305,7 +306,7 @@ def test_grad_error_tool(tmp_path):
 def test_error_persistence_measures():
     """err_cos / err_mean_ratio: 1 / 1 for a repeated error, ≈ 0 / 1/sqrt(n) for independent
     ones; group_errors pools per group."""
-    from bench import grad_error
+    from experiments import grad_error
     rng = np.random.default_rng(0)
     exact = [(0.0, [rng.standard_normal(50), rng.standard_normal(30)]) for _ in range(16)]
     bias = [rng.standard_normal(50), rng.standard_normal(30)]
