@@ -105,11 +105,15 @@ def wire_bytes(site: Site) -> int:
     n = math.prod(site.shape)
     halves = 2 if site.op in ("psum", "pvary") else 1
     if not site.compressed:
+        if site.op == "ppermute":
+            return site.bytes_per_device
         per_half = site.bytes_per_device * (p - 1)
         return halves * (per_half if site.op == "all_gather" else per_half // p)
     c = codecs.get(site.codec)
     if site.op == "all_gather":
         return (p - 1) * c.wire_bytes(n)
+    if site.op == "ppermute":
+        return c.wire_bytes(n)
     seg_rows = max(1, -(-n // (p * c.block_size)))
     return halves * (p - 1) * seg_rows * c.row_bytes
 

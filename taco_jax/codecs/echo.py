@@ -5,6 +5,10 @@ B values gets the grid {(q − z)·s : q = 0..15} over [min(x, 0), max(x, 0)] wi
 *integer* zero point z, so x = 0 maps to code z and decodes to exactly 0 (a float offset at
 min(x), the "naive zero point", does not, and Echo measures it worse).
 "int4-sym" is the "symmetric grid" ablation: {(q − 8)·s : q = 1..15}, s = max|x| / 7.
+"tah4" is the pipeline-activation codec of TAH-Quant's kind: groups of 128 along the channel
+dimension (the flattened tensor's last axis, when its size is a multiple of 128), an
+orthonormal Hadamard transform of each group against channel outliers, then echo4's
+zero-aware 4-bit grid per group.
 
 Wire row (little-endian, like the TACO codecs' rows): B/2 bytes of codes — element 2i in
 the low nibble of byte i, element 2i+1 in the high nibble — then fp32 s and, for echo4,
@@ -82,6 +86,7 @@ class Echo(WireCodec):
     name: str = "echo4"
     block_size: int = 128           # Echo's group size
     symmetric: bool = False         # True: the "symmetric grid" ablation
+    hadamard: bool = False          # True: rotate each group first (tah4)
 
     has_kernel = False
 
@@ -100,6 +105,8 @@ class Echo(WireCodec):
         """(rows, B) float → (rows, row_bytes) uint8."""
         x = x.astype(jnp.float32)
         bad = quant.nonfinite_rows(x)
+        if self.hadamard:
+            x = jnp.where(bad, 0.0, hadamard.forward(jnp.where(bad, 0.0, x)))
         s, z = (sym_params if self.symmetric else asym_params)(x, bad)
         q = quantize4(jnp.where(bad, 0.0, x), s, z)
         scales = [s] if self.symmetric else [s, z]
@@ -110,8 +117,12 @@ class Echo(WireCodec):
         half = self.block_size // 2
         scales = quant.unpack_scales(w[:, half:], self.n_scales)
         z = jnp.float32(SYM_QMAX + 1) if self.symmetric else scales[1]
-        return dequantize4(unpack_nibbles(w[:, :half]), scales[0], z).astype(out_dtype)
+        x = dequantize4(unpack_nibbles(w[:, :half]), scales[0], z)
+        if self.hadamard:     # a NaN scale (non-finite group) spreads to the whole group
+            x = hadamard.inverse(x)
+        return x.astype(out_dtype)
 
 
 register("echo4", lambda **kw: Echo(**{"name": "echo4", **kw}))
 register("int4-sym", lambda **kw: Echo(**{"name": "int4-sym", "symmetric": True, **kw}))
+register("tah4", lambda **kw: Echo(**{"name": "tah4", "hadamard": True, **kw}))

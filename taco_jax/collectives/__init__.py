@@ -2,13 +2,15 @@
 
 `psum` ↔ `pvary` (Megatron's g and f) and `all_gather` ↔ `psum_scatter` are `custom_vjp`
 pairs whose backward passes are themselves compressed collectives; all four rest on the
-one two-shot implementation in `two_shot`. `feedback` adds error feedback along a
+one two-shot implementation in `two_shot`; `ppermute` (pipeline stages) is
+its own inverse's transpose. `feedback` adds error feedback along a
 residual stream."""
 from taco_jax.collectives import feedback
 from taco_jax.collectives.allreduce import psum, pvary
 from taco_jax.collectives.axes import UnboundAxisError
 from taco_jax.collectives.call import DEFAULT_MIN_BYTES
 from taco_jax.collectives.gather import all_gather, psum_scatter
+from taco_jax.collectives.permute import ppermute
 
-__all__ = ["psum", "pvary", "all_gather", "psum_scatter", "feedback", "UnboundAxisError",
+__all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "feedback", "UnboundAxisError",
            "DEFAULT_MIN_BYTES"]

@@ -1,0 +1,85 @@
+"""`ppermute`, compressed: the pipeline stages' send/receive of activations and cotangents.
+
+Each device encodes its tensor once, lax.ppermute moves the wire bytes, the receiver decodes
+them: one quantization per element. Devices that receive nothing get zeros, as with lax.
+The backward pass is the compressed permutation of the cotangent in reverse."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from taco_jax import codecs
+from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives.call import Call
+from taco_jax.kernels import dispatch
+
+
+def _receivers(perm, p: int) -> jax.Array:
+    got = [False] * p
+    for _, dst in perm:
+        got[dst] = True
+    return jnp.asarray(got)
+
+
+def _complete(perm, p: int) -> tuple:
+    """A full permutation that extends a partial one (lax.ppermute under jax.vmap takes only
+    full ones); what the added pairs deliver is masked to zeros."""
+    free_src = [i for i in range(p) if i not in {s for s, _ in perm}]
+    free_dst = [i for i in range(p) if i not in {d for _, d in perm}]
+    return tuple(perm) + tuple(zip(free_src, free_dst))
+
+
+def _lax_ppermute(v, axis, perm, p: int, emulated: bool):
+    if not emulated or len(perm) == p:
+        return lax.ppermute(v, axis, perm)
+    y = lax.ppermute(v, axis, _complete(perm, p))
+    return jnp.where(_receivers(perm, p)[lax.axis_index(axis)], y, jnp.zeros_like(y))
+
+
+def _permute(x, axis, codec, p, perm):
+    blocks = codecs.to_blocks(x, codec.block_size)                   # (nb, B)
+    wire = lax.ppermute(dispatch.compress(blocks, codec), axis, _complete(perm, p))
+    y = codecs.from_blocks(dispatch.decompress(wire, codec, x.dtype), x.shape)
+    # an all-zero wire row decodes to 0/0 for α: keep lax's zeros where nothing arrives
+    return jnp.where(_receivers(perm, p)[lax.axis_index(axis)], y, jnp.zeros_like(y))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _ppermute(x, axis, codec, p, perm):
+    return _permute(x, axis, codec, p, perm)
+
+
+def _ppermute_fwd(x, axis, codec, p, perm):
+    return _ppermute(x, axis, codec, p, perm), None
+
+
+def _ppermute_bwd(axis, codec, p, perm, _, g):
+    back = tuple((dst, src) for src, dst in perm)
+    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+        return (_ppermute(g, axis, codec, p, back),)
+
+
+_ppermute.defvjp(_ppermute_fwd, _ppermute_bwd)
+
+
+def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None):
+    """`lax.ppermute` with compressed payloads (one quantization per element); backward: the
+    compressed reverse permutation. codec "none" (and leaves below `min_bytes`, non-float
+    leaves) is lax.ppermute itself, bit for bit."""
+    op = Call.make("ppermute", axis_name, codec, min_bytes, "xla")
+    perm = tuple((int(s), int(d)) for s, d in perm)
+    srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts) or any(
+            not 0 <= i < op.p for i in srcs + dsts):
+        raise ValueError(f"taco_jax.ppermute: perm={perm!r} must pair distinct sources with "
+                         f"distinct destinations in [0, {op.p})")
+
+    def leaf(v):
+        v = jnp.asarray(v)
+        if op.route(v) == "lax":
+            return _lax_ppermute(v, op.axis, perm, op.p, axes_lib.emulated(op.axes))
+        return _ppermute(v, op.axis, op.codec, op.p, perm)
+    return jax.tree.map(leaf, x)
