@@ -6,11 +6,11 @@
 """
 from taco_jax import calibrate, codecs, telemetry
 from taco_jax.collectives import (DEFAULT_MIN_BYTES, UnboundAxisError, all_gather, feedback,
-                                  ppermute, psum, psum_scatter, pvary)
+                                  ppermute, psum, psum_scatter, psum_two_level, pvary)
 from taco_jax.collectives.feedback import (FeedbackState, psum_with_feedback,
                                            pvary_with_feedback)
 from taco_jax.recipe import Recipe, config
 
-__all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "psum_with_feedback",
+__all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "psum_two_level", "psum_with_feedback",
            "pvary_with_feedback", "FeedbackState", "feedback", "config", "Recipe", "codecs",
            "telemetry", "calibrate", "UnboundAxisError", "DEFAULT_MIN_BYTES"]

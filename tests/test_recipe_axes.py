@@ -204,3 +204,52 @@ def test_site_report_says_what_was_compressed_and_why():
     assert any(s.reason == "dtype int32" for s in plain)
     report = telemetry.site_report()
     assert "compressed (taco, xla)" in report and "plain: 3072 B < min_bytes=1048576" in report
+
+
+# -- invariant all_gather; the two-level all-reduce --------------------------------------------
+def test_all_gather_to_invarying_matches_lax():
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+    x = gauss((4 * 3, 256), seed=12)
+    w = jnp.asarray(gauss((12, 256), seed=13))
+
+    def run(fn):
+        with jax.set_mesh(mesh):
+            xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("tp")))
+            sm = jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=P(), check_vma=True)
+            return (np.asarray(jax.jit(sm)(xs)),
+                    np.asarray(jax.jit(jax.grad(lambda v: jnp.sum(sm(v) * w)))(xs)))
+    y, g = run(lambda v: taco_jax.all_gather(v, "tp", tiled=True, to="invarying",
+                                             min_bytes=0))
+    y0, g0 = run(lambda v: lax.all_gather(v, "tp", tiled=True, to="invarying"))
+    assert 1e-4 < rel(y, y0) < 0.05
+    np.testing.assert_array_equal(g, g0)        # the backward is a slice: exact
+    with pytest.raises(ValueError, match="to='everywhere'"):
+        run(lambda v: taco_jax.all_gather(v, "tp", to="everywhere"))
+
+
+@pytest.mark.parametrize("vma", [True, False])
+def test_psum_two_level_matches_psum_over_both_axes(vma):
+    mesh = jax.make_mesh((2, 4), ("hosts", "local"))
+    x = gauss((8, 5, 333), seed=14)
+    w = jnp.asarray(gauss((5, 333), seed=15))
+    spec = P(("hosts", "local"))
+
+    def run(fn):
+        with jax.set_mesh(mesh):
+            xs = jax.device_put(jnp.asarray(x).reshape(8 * 5, 333), NamedSharding(mesh, spec))
+            sm = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=P() if vma else spec,
+                               check_vma=vma)
+            y = np.asarray(jax.jit(sm)(xs))
+            ww = w if vma else jnp.tile(w, (8, 1)) / 8     # per-device copies, same weight
+            g = np.asarray(jax.jit(jax.grad(lambda v: jnp.sum(sm(v) * ww)))(xs))
+            return y, g
+    y, g = run(lambda v: taco_jax.psum_two_level(v, "local", "hosts", min_bytes=0))
+    y0, g0 = run(lambda v: lax.psum(v, ("hosts", "local")))
+    assert 1e-4 < rel(y, y0) < 0.15            # 8-bit within a host, 4-bit across hosts
+    assert rel(g, g0) < 0.15
+    yn, gn = run(lambda v: taco_jax.psum_two_level(v, "local", "hosts", inner_codec="none",
+                                                   outer_codec="none"))
+    np.testing.assert_allclose(yn, y0, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(gn, g0, rtol=1e-6, atol=1e-5)
+    if not vma:
+        assert all((y[i * 5:(i + 1) * 5] == y[:5]).all() for i in range(8))

@@ -10,7 +10,8 @@ from taco_jax.collectives.allreduce import psum, pvary
 from taco_jax.collectives.axes import UnboundAxisError
 from taco_jax.collectives.call import DEFAULT_MIN_BYTES
 from taco_jax.collectives.gather import all_gather, psum_scatter
+from taco_jax.collectives.hierarchical import psum_two_level
 from taco_jax.collectives.permute import ppermute
 
-__all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "feedback", "UnboundAxisError",
+__all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "psum_two_level", "feedback", "UnboundAxisError",
            "DEFAULT_MIN_BYTES"]

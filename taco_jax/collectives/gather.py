@@ -16,14 +16,43 @@ from taco_jax.kernels import dispatch
 
 
 def _gather(x, axis, codec, p, dim: int, tiled: bool, transport: str):
+    return _gathered(x, axis, codec, p, dim, tiled, transport, False)
+
+
+def _gathered(x, axis, codec, p, dim: int, tiled: bool, transport: str, invariant: bool):
     """Every device decodes the same bytes, its own part included, so all copies agree."""
     blocks = codecs.to_blocks(x, codec.block_size)                   # (nb, B)
-    dec = gather_decoded(dispatch.compress(blocks, codec), axis, codec, p, x.dtype, vma=False,
-                         move=transport_move(transport))
+    dec = gather_decoded(dispatch.compress(blocks, codec), axis, codec, p, x.dtype,
+                         vma=invariant, move=transport_move(transport))
     parts = jax.vmap(lambda b: codecs.from_blocks(b, x.shape))(
         dec.reshape(p, blocks.shape[0], codec.block_size))           # (P, *x.shape)
     y = jnp.moveaxis(parts, 0, dim) if not tiled else jnp.concatenate(list(parts), axis=dim)
-    return axes_lib.per_member(y, axes_lib.as_tuple(axis))
+    return y if invariant else axes_lib.per_member(y, axes_lib.as_tuple(axis))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _all_gather_invariant(x, axis, codec, p, dim, tiled, transport):
+    return _gathered(x, axis, codec, p, dim, tiled, transport, True)
+
+
+def _agi_fwd(x, axis, codec, p, dim, tiled, transport):
+    return _all_gather_invariant(x, axis, codec, p, dim, tiled, transport), None
+
+
+def _agi_bwd(axis, codec, p, dim, tiled, transport, _, g):
+    # every device holds the whole (invariant) cotangent: its own part is a slice of it
+    me = lax.axis_index(axis)
+    if tiled:
+        n = g.shape[dim] // p
+        part = lax.dynamic_slice_in_dim(g, me * n, n, dim)
+    else:
+        part = lax.dynamic_index_in_dim(g, me, dim, keepdims=False)
+    if not axes_lib.varying(part, axes_lib.as_tuple(axis)):
+        part = lax.pcast(part, axis, to="varying")
+    return (part,)
+
+
+_all_gather_invariant.defvjp(_agi_fwd, _agi_bwd)
 
 
 def _scatter(x, axis, codec, p, dim: int, tiled: bool, transport: str):
@@ -60,18 +89,24 @@ def _bwd(other, axis, codec, p, dim, tiled, transport, _, g):
 _all_gather, _psum_scatter = _transpose_pair(_gather, _scatter)
 
 
-def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, codec=None,
-               min_bytes: int | None = None, transport: str | None = None):
-    """`lax.all_gather` with compressed payloads (signature and layout as lax's, result
-    varying). Gradient: the compressed `psum_scatter`."""
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, to: str = "varying",
+               codec=None, min_bytes: int | None = None, transport: str | None = None):
+    """`lax.all_gather` with compressed payloads (signature, layouts and `to` as lax's).
+    Gradient: the compressed `psum_scatter` (to="varying"); with to="invarying" (check_vma
+    only: the result is the same on every device) each device's own slice of the cotangent."""
     op = Call.make("all_gather", axis_name, codec, min_bytes, transport)
+    if to not in ("varying", "invarying"):
+        raise ValueError(f"taco_jax.all_gather: to={to!r} must be 'varying' or 'invarying'")
+    invariant = to == "invarying" and op.vma
 
     def leaf(v):
         v = jnp.asarray(v)
         ax = axis if axis >= 0 else axis + v.ndim + (0 if tiled else 1)
         route = op.route(v)
         if route == "lax":
-            return lax.all_gather(v, op.axis, axis=ax, tiled=tiled)
+            return lax.all_gather(v, op.axis, axis=ax, tiled=tiled, to=to)
+        if invariant:
+            return _all_gather_invariant(v, op.axis, op.codec, op.p, ax, tiled, route)
         return _all_gather(v, op.axis, op.codec, op.p, ax, tiled, route)
     return jax.tree.map(leaf, x)
 

@@ -1,16 +1,82 @@
-"""The one place that chooses between the Pallas kernels and the jnp references.
+"""The one place that chooses how each codec kernel runs.
 
-The recipe's backend (`taco_jax.config(backend=...)`): "auto" runs the Pallas kernels on
-GPU and the references elsewhere; "interpret" runs the kernels through Pallas' interpreter
-(CPU tests); "reference" uses jnp everywhere. Codecs without kernels (per-tensor scales,
-Echo) always use their references, which XLA fuses."""
+Backend — the recipe's `taco_jax.config(backend=...)`: "auto" runs the GPU kernels on GPU
+and the jnp references elsewhere; "pallas" the GPU kernels; "interpret" the Pallas-Triton
+kernels through Pallas' interpreter (CPU tests); "reference" jnp everywhere. Codecs without
+kernels (per-tensor scales, Echo) always use their references, which XLA fuses.
+
+Implementation — per kernel, on GPU: "triton" (Pallas-Triton: every codec with kernels,
+block size and dtype), "mosaic" (Pallas Mosaic GPU: the B = 256 Hadamard codecs with FP8
+codes, bf16/f16 data, rows a multiple of 64; `mosaic.unsupported` says what else) or
+"auto": `DEFAULT_IMPL[kernel]` where that covers the call, else Triton. `DEFAULT_IMPL` is
+the faster of the two per kernel, measured side by side on one H200 by
+`python -m bench.kernels` (bench/results/kernels.json). Choose per call (`impl=`), for
+code traced inside `kernel_impl(compress="mosaic", ...)`, or with the environment variable
+TACO_JAX_KERNEL_IMPL="compress=mosaic,decompress=triton". Mosaic GPU kernels do not run
+in the interpreter: asking for them there is an error.
+"""
 from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 
 from taco_jax import recipe
-from taco_jax.kernels import compress as _c, decompress as _d, reduce as _r
+from taco_jax.kernels import compress as _c, decompress as _d, mosaic as _m, reduce as _r
+
+IMPLS = ("auto", "triton", "mosaic")
+KERNELS = ("compress", "decompress", "reduce")
+# What "auto" picks on GPU where Mosaic covers the call (bench/results/kernels.json).
+DEFAULT_IMPL = {"compress": "triton", "decompress": "triton", "reduce": "triton"}
+
+_state = threading.local()
+
+
+def _check_impls(impls: dict) -> dict:
+    for k, v in impls.items():
+        if k not in KERNELS:
+            raise ValueError(f"kernel_impl: unknown kernel {k!r} (kernels: {KERNELS})")
+        if v not in IMPLS:
+            raise ValueError(f"kernel_impl: {k}={v!r} is not one of {IMPLS}")
+    return impls
+
+
+def _env_impls() -> dict:
+    text = os.environ.get("TACO_JAX_KERNEL_IMPL", "").strip()
+    if not text:
+        return {}
+    pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"TACO_JAX_KERNEL_IMPL={text!r}: expected kernel=impl[,kernel=impl]")
+    return _check_impls({k.strip(): v.strip() for k, v in pairs})
+
+
+def current_impls() -> dict:
+    """kernel → implementation in effect here (innermost `kernel_impl`, else the
+    environment, else "auto")."""
+    stack = getattr(_state, "stack", None)
+    if stack:
+        return stack[-1]
+    return {**{k: "auto" for k in KERNELS}, **_env_impls()}
+
+
+@contextlib.contextmanager
+def kernel_impl(**impls: str) -> Iterator[dict]:
+    """Choose implementations (compress=, decompress=, reduce=) for the code traced inside.
+    A jitted function traced earlier keeps the choice it was traced with."""
+    merged = {**current_impls(), **_check_impls(impls)}
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(merged)
+    try:
+        yield merged
+    finally:
+        stack.pop()
 
 
 def backend_for(codec) -> str:
@@ -23,29 +89,58 @@ def backend_for(codec) -> str:
     return name
 
 
-def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None):
-    """(rows, B) float → (rows, row_bytes) uint8. Rows [skip_start, skip_start + skip_rows)
-    of the output may be left unwritten (the kernel skips them; the reference does not).
-    cfg: the kernels' KernelConfig (None: default; references ignore it)."""
+def impl_for(kernel: str, codec, shape, dtype, impl: str | None = None) -> str:
+    """How `kernel` runs for this call: 'reference', 'interpret' (Triton, interpreted),
+    'triton' or 'mosaic'. dtype: compress's input, decompress's output, reduce's own data."""
     mode = backend_for(codec)
+    choice = impl or current_impls()[kernel]
+    if choice not in IMPLS:
+        raise ValueError(f"{kernel}: impl={choice!r} is not one of {IMPLS}")
     if mode == "reference":
+        return "reference"
+    if mode == "interpret":
+        if choice == "mosaic":
+            raise ValueError(f"{kernel}: Mosaic GPU kernels do not run in the interpreter "
+                             f"(backend='interpret'); use impl='triton' or a GPU")
+        return "interpret"
+    why = _m.unsupported(kernel, codec, shape, dtype)
+    if choice == "mosaic":
+        if why is not None:
+            raise ValueError(f"{kernel}: impl='mosaic' does not cover this call: {why}")
+        return "mosaic"
+    if choice == "auto" and DEFAULT_IMPL[kernel] == "mosaic" and why is None:
+        return "mosaic"
+    return "triton"
+
+
+def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | None = None):
+    """(rows, B) float → (rows, row_bytes) uint8. Rows [skip_start, skip_start + skip_rows)
+    of the output may be left unwritten (the kernels skip them; the reference does not).
+    cfg: the chosen kernel's config (KernelConfig for Triton, MosaicConfig for Mosaic;
+    None: its default; references ignore it)."""
+    how = impl_for("compress", codec, x.shape, x.dtype, impl)
+    if how == "reference":
         return codec.compress_reference(x)
-    return _c.compress(x, codec, cfg=cfg, interpret=mode == "interpret",
+    if how == "mosaic":
+        return _m.compress(x, codec, cfg=cfg, skip_start=skip_start, skip_rows=skip_rows)
+    return _c.compress(x, codec, cfg=cfg, interpret=how == "interpret",
                        skip_start=skip_start, skip_rows=skip_rows)
 
 
-def decompress(w, codec, out_dtype=jnp.float32, cfg=None):
+def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = None):
     """(rows, row_bytes) uint8 → (rows, B) out_dtype."""
-    mode = backend_for(codec)
-    if mode == "reference":
+    how = impl_for("decompress", codec, w.shape, out_dtype, impl)
+    if how == "reference":
         return codec.decompress_reference(w, out_dtype)
-    return _d.decompress(w, codec, out_dtype=out_dtype, cfg=cfg, interpret=mode == "interpret")
+    if how == "mosaic":
+        return _m.decompress(w, codec, out_dtype=out_dtype, cfg=cfg)
+    return _d.decompress(w, codec, out_dtype=out_dtype, cfg=cfg, interpret=how == "interpret")
 
 
-def reduce(recv, own, me, codec, own_row0=0, cfg=None):
+def reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
     """The owner's step: compress(own[own_row0:][:n] + Σ_{p ≠ me} decompress(recv[p]))."""
-    mode = backend_for(codec)
-    if mode == "reference":
+    how = impl_for("reduce", codec, recv.shape[1:], own.dtype, impl)
+    if how == "reference":
         return _r.reduce_reference(recv, own, me, codec, own_row0)
-    return _r.reduce(recv, own, me, codec, cfg=cfg, interpret=mode == "interpret",
+    return _r.reduce(recv, own, me, codec, cfg=cfg, interpret=how == "interpret",
                      own_row0=own_row0)
