@@ -158,7 +158,7 @@ def report(op: str, x, y, axis, codec, wire_bytes: int) -> None:
 
 # -- tensor capture -------------------------------------------------------------------------
 # Hands the real tensors at the all-reduce sites to the host, for the fidelity study
-# (bench/fidelity.py). Off by default and free when off: like `collect`, the flag is read at
+# (experiments/fidelity.py). Off by default and free when off: like `collect`, the flag is read at
 # trace time, so programs traced outside the block contain no callback.
 #
 #     with taco_jax.telemetry.capture() as cap:

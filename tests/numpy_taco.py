@@ -18,7 +18,7 @@ import functools
 import numpy as np
 
 TAU, EPS, ALPHA_MIN, ALPHA_MAX = 448.0, 1e-6, 1e-3, 1e3      # eqs. 6–7, public code
-SCALE_MIN = 2.0 ** -100   # the spec's smallest scale (taco_jax/ops/quant.py says why)
+SCALE_MIN = 2.0 ** -100   # the spec's smallest scale (taco_jax/numerics/quant.py says why)
 
 
 @dataclasses.dataclass(frozen=True)
