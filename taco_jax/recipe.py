@@ -32,6 +32,12 @@ class Recipe:
     # stores into the peers' memory; GPUs of one process) or "auto" (the calibration's
     # choice per size, else "xla")
     transport: str = "auto"
+    # Under jax.vmap(axis_name=...) (tensor parallelism emulated on one device): False, the
+    # collectives follow vmap's own convention (as shard_map's check_vma=False); True, they
+    # behave as under shard_map's check_vma=True: psum's result is replicated and its
+    # backward passes the cotangent through, pvary's backward is the (compressed)
+    # all-reduce. True reproduces a check_vma=True model's compression points exactly.
+    vmap_check_vma: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

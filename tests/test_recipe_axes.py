@@ -253,3 +253,52 @@ def test_psum_two_level_matches_psum_over_both_axes(vma):
     np.testing.assert_allclose(gn, g0, rtol=1e-6, atol=1e-5)
     if not vma:
         assert all((y[i * 5:(i + 1) * 5] == y[:5]).all() for i in range(8))
+
+
+# -- emulation with the check_vma convention: a Megatron block as on the mesh -----------------
+def _megatron(x, w_up, w_down, t, codec):
+    """One device's shard of an MLP block: f = pvary, column-parallel up, row-parallel
+    down, g = psum; a loss on the (replicated) output."""
+    h = jnp.tanh(taco_jax.pvary(x, "tp", codec=codec, min_bytes=0) @ w_up)
+    y = x + taco_jax.psum(h @ w_down, "tp", codec=codec, min_bytes=0)
+    return jnp.mean((y - t) ** 2)
+
+
+@pytest.mark.parametrize("codec", ["none", "taco"])
+def test_vmap_with_check_vma_convention_equals_the_mesh(codec):
+    """Under taco_jax.config(vmap_check_vma=True) a block written for shard_map(check_vma=
+    True) gives, under jax.vmap, the mesh's loss and gradients: the same tensors are
+    compressed at the same sites (f backward, g forward)."""
+    p, d, ff = 4, 64, 256
+    x, t = jnp.asarray(gauss((32, d), 20)), jnp.asarray(gauss((32, d), 21))
+    w_up = jnp.asarray(gauss((p, d, ff // p), 22) / 8)
+    w_down = jnp.asarray(gauss((p, ff // p, d), 23) / 8)
+    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+
+    def mesh_loss(x, wu, wd, t):
+        sm = jax.shard_map(lambda x, wu, wd, t: _megatron(x, wu[0], wd[0], t, codec),
+                           mesh=mesh, in_specs=(P(), P("tp"), P("tp"), P()), out_specs=P(),
+                           check_vma=True)
+        return sm(x, wu, wd, t)
+
+    def vmap_loss(x, wu, wd, t):
+        per = jax.vmap(lambda wu, wd: _megatron(x, wu, wd, t, codec), axis_name="tp")(wu, wd)
+        return per[0]                      # the loss is replicated: every member's is equal
+
+    with jax.set_mesh(mesh):
+        sh = NamedSharding(mesh, P("tp"))
+        l0, g0 = jax.jit(jax.value_and_grad(mesh_loss, (0, 1, 2)))(
+            x, jax.device_put(w_up, sh), jax.device_put(w_down, sh), t)
+    with taco_jax.config(vmap_check_vma=True):
+        l1, g1 = jax.jit(jax.value_and_grad(vmap_loss, (0, 1, 2)))(x, w_up, w_down, t)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    for a, b in zip(g1, g0):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    if codec == "taco":   # compression happened, in both directions
+        with taco_jax.config(vmap_check_vma=True):
+            _, ge = jax.jit(jax.value_and_grad(
+                lambda *a: jax.vmap(lambda wu, wd: _megatron(a[0], wu, wd, a[3], "none"),
+                                    axis_name="tp")(a[1], a[2])[0], (0, 1, 2)))(
+                x, w_up, w_down, t)
+        assert rel(g1[0], ge[0]) > 1e-4 and rel(g1[1], ge[1]) > 1e-4

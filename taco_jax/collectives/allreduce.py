@@ -40,9 +40,12 @@ def _psum_fwd(x, axis, codec, p, vma, transport):
 def _psum_bwd(axis, codec, p, vma, transport, _, g):
     # lax.psum's transpose: under check_vma the cotangent of an invariant output is
     # broadcast to the varying input; without it (and under vmap) it is psum(g).
+    axes = axes_lib.as_tuple(axis)
     if vma:
+        if axes_lib.emulated(axes):     # the shared result's cotangent, to every member
+            return (g,)
         return (lax.pcast(g, axis, to="varying"),)
-    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+    with axes_lib.bound(axes, p):
         return (_psum(g, axis, codec, p, vma, transport),)
 
 
@@ -82,6 +85,9 @@ def psum(x, axis_name, *, codec=None, min_bytes: int | None = None,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _pvary(x, axis, codec, p, vma, transport):
+    axes = axes_lib.as_tuple(axis)
+    if axes_lib.emulated(axes):       # each member's cotangent must reach the backward
+        return axes_lib.per_member(x, axes, force=True)
     return lax.pcast(x, axis, to="varying") if vma else x
 
 
@@ -90,7 +96,14 @@ def _pvary_fwd(x, axis, codec, p, vma, transport):
 
 
 def _pvary_bwd(axis, codec, p, vma, transport, _, g):
-    return (_psum(g, axis, codec, p, vma, transport),)   # only reached with check_vma=True
+    # only reached with check_vma=True (or the recipe's vmap_check_vma)
+    axes = axes_lib.as_tuple(axis)
+    if not axes_lib.emulated(axes):
+        return (_psum(g, axis, codec, p, vma, transport),)
+    with axes_lib.bound(axes, p):
+        total = _psum(g, axis, codec, p, vma, transport)
+        # vmap sums the members' cotangents of a shared input: give the total to one
+        return (jnp.where(lax.axis_index(axis) == 0, total, jnp.zeros_like(total)),)
 
 
 
@@ -112,11 +125,11 @@ def pvary(x, axis_name, *, codec=None, min_bytes: int | None = None,
         v = jnp.asarray(v)
         if not op.vma:
             return v
-        if axes_lib.varying(v, op.axes):
+        if axes_lib.varying(v, op.axes) and not axes_lib.emulated(op.axes):
             raise ValueError(f"taco_jax.pvary: x is already varying over {op.axis!r}")
         route = op.route(v)
         if route == "lax":
-            y = lax.pcast(v, op.axis, to="varying")
+            y = v if axes_lib.emulated(op.axes) else lax.pcast(v, op.axis, to="varying")
         else:
             y = _pvary(v, op.axis, op.codec, op.p, op.vma, route)
         if telemetry.capturing() and op.taps(v):   # backward all-reduces y's cotangent

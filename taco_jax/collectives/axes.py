@@ -53,13 +53,20 @@ def _mat(x):
 
 def check_vma(axes: tuple) -> bool:
     """Is shard_map's check_vma in effect for `axes`? Under it, axis_index varies over its
-    axis; with check_vma=False (and under vmap) nothing is marked varying."""
+    axis; with check_vma=False nothing is marked varying. Under vmap: the recipe's
+    `vmap_check_vma`."""
+    if emulated(axes):
+        from taco_jax import recipe
+        return recipe.current().vmap_check_vma
     mat = _mat(lax.axis_index(name(axes)))
     return mat is not None and bool(set(axes) & set(mat.varying))
 
 
 def varying(x, axes: tuple) -> bool:
-    """Does x vary over every one of `axes` (check_vma=True)?"""
+    """Does x vary over every one of `axes` (check_vma=True)? Under vmap every input is
+    treated as varying (vmap does not tell)."""
+    if emulated(axes):
+        return True
     mat = _mat(x)
     return mat is not None and set(axes) <= set(mat.varying)
 
@@ -98,13 +105,15 @@ def emulated(axes: tuple) -> bool:
     return not set(axes) <= manual
 
 
-def per_member(y, axes: tuple):
-    """Under vmap, make y (equal on every member) batched over the axis: vmap treats the
-    unbatched result of an all-gather as one value shared by all members, so cotangents
-    would reach a backward rule already summed over them, and the backward all-reduce,
-    compressed on a mesh, would be skipped. With a batched result each member's cotangent
-    arrives on its own, as on a mesh. Identity elsewhere."""
-    if not emulated(axes):
+def per_member(y, axes: tuple, force: bool = False):
+    """Under vmap (with vmap's own convention, or `force`), make y (equal on every member)
+    batched over the axis: vmap treats the unbatched result of an all-gather as one value
+    shared by all members, so cotangents would reach a backward rule already summed over
+    them, and the backward all-reduce, compressed on a mesh, would be skipped. With a
+    batched result each member's cotangent arrives on its own, as on a mesh. Under the
+    check_vma convention a psum's result stays shared: its cotangent is the total, which
+    its backward passes through. Identity elsewhere."""
+    if not emulated(axes) or (check_vma(axes) and not force):
         return y
     idx = lax.axis_index(name(axes))
     return y + (idx * 0).astype(y.dtype)

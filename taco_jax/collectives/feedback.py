@@ -158,7 +158,7 @@ def pvary_with_feedback(x, axis_name, state: FeedbackState, *, codec="echo4",
     x, c, compress = _setup(x, axis_name, state, codec, min_bytes, "pvary_with_feedback")
     if not c.vma:
         return x, state
-    if axes_lib.varying(x, c.axes):
+    if axes_lib.varying(x, c.axes) and not axes_lib.emulated(c.axes):
         raise ValueError(f"taco_jax.pvary_with_feedback: x is already varying over "
                          f"{c.axis!r}")
     y, r = _pvary_fb(x, state.residual, c.axis, c.codec, c.p, compress)

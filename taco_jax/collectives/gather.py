@@ -27,7 +27,7 @@ def _gathered(x, axis, codec, p, dim: int, tiled: bool, transport: str, invarian
     parts = jax.vmap(lambda b: codecs.from_blocks(b, x.shape))(
         dec.reshape(p, blocks.shape[0], codec.block_size))           # (P, *x.shape)
     y = jnp.moveaxis(parts, 0, dim) if not tiled else jnp.concatenate(list(parts), axis=dim)
-    return y if invariant else axes_lib.per_member(y, axes_lib.as_tuple(axis))
+    return y if invariant else axes_lib.per_member(y, axes_lib.as_tuple(axis), force=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))

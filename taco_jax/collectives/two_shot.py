@@ -33,7 +33,8 @@ def lax_exchange(send, axis, p: int, *, gather: bool, vma: bool):
     """gather: (…) → (P, …), row j from device j (identical on every device). Else send
     (P, …) → (P, …), row j = device j's send[me]."""
     if gather:
-        return lax.all_gather(send, axis, to="invarying" if vma else "varying")
+        shared = vma and not axes_lib.emulated(axes_lib.as_tuple(axis))   # vmap: no types
+        return lax.all_gather(send, axis, to="invarying" if shared else "varying")
     return lax.all_to_all(send, axis, 0, 0)
 
 

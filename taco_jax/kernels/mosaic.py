@@ -88,10 +88,21 @@ OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Launch shape: `ctas_per_sm` blocks of one warpgroup per multiprocessor (each loops
-    over tiles of ROWS rows), `steps` tiles of input in flight per block (TMA pipeline)."""
+    """Launch shape and work split. `ctas_per_sm` blocks of one warpgroup per
+    multiprocessor, each looping over tiles of ROWS rows with `steps` input tiles in flight
+    (TMA pipeline). `parts`: a tile's columns done in 1 or 2 passes of 128 coefficients
+    each — 2 halves the registers a thread holds (64 instead of 128 values), so more blocks
+    fit per multiprocessor; compress then computes the first half twice (its row statistics
+    are needed before either half is quantized). `tma_store`: outputs staged in shared
+    memory and written by TMA (contiguous lines) instead of stored from registers."""
     ctas_per_sm: int = 2
     steps: int = 2
+    parts: int = 1
+    tma_store: bool = False
+
+    def __post_init__(self):
+        if self.parts not in (1, 2):
+            raise ValueError(f"MosaicConfig.parts={self.parts} must be 1 or 2")
 
     def grid(self, n_tiles: int) -> int:
         return max(1, min(n_tiles, _sm_count() * self.ctas_per_sm))
@@ -106,13 +117,16 @@ def _sm_count() -> int:
 
 
 # -- register layouts -----------------------------------------------------------------------
-def _wire_tiled(vec: int) -> fa.TiledLayout:
-    """(64, 256): rows as in the WGMMA layout (warp w: rows 16w..16w+15; lane l: rows
-    l//4 and l//4 + 8); columns 16c .. 16c+15 for the four c = 8j + 2(l%4) + e (j, e ∈
-    {0, 1}) of lane l, as 16/vec vectors of vec consecutive elements."""
-    return fa.TiledLayout(
-        fa.Tiling(((64, 256), (16, 256), (8, 256), (128,), (32,), (16,), (vec,))),
-        warp_dims=(-10,), lane_dims=(-6, -4), vector_dim=-1)
+def _wire_tiled(vec: int, width: int = BLOCK) -> fa.TiledLayout:
+    """(64, width), width 256 or 128: rows as in the WGMMA layout (warp w: rows
+    16w..16w+15; lane l: rows l//4 and l//4 + 8); columns 16c .. 16c+15 for the c =
+    8j + 2(l%4) + e (e ∈ {0, 1}, j < width/128) of lane l, as 16/vec vectors of vec
+    consecutive elements."""
+    tiles = ((64, width), (16, width), (8, width)) + (((128,),) if width == 256 else ()) \
+        + ((32,), (16,), (vec,))
+    extra = 1 if width == 256 else 0
+    return fa.TiledLayout(fa.Tiling(tiles), warp_dims=(-9 - extra,),
+                          lane_dims=(-5 - extra, -4), vector_dim=-1)
 
 
 def _scale_tiled(width: int) -> fa.TiledLayout:
@@ -133,18 +147,25 @@ def _code_vec(codec) -> int:
     return 8 if codec.row_bytes % 8 == 0 else 4
 
 
-def wire_layout(codec):
-    """Pallas layout of encode_tile's codes (see `_wire_tiled`)."""
-    return _pallas_layout(_wire_tiled(_code_vec(codec)))
+def wire_layout(codec, parts: int = 1):
+    """Pallas layout of each of encode_tile's code parts (see `_wire_tiled`)."""
+    return _pallas_layout(_wire_tiled(_code_vec(codec), BLOCK // parts))
 
 
 def scale_layout(codec):
     return _pallas_layout(_scale_tiled(4 * codec.n_scales))
 
 
-def value_layout():
-    """Pallas layout of decode_tile's values (16-byte vectors of bf16)."""
-    return _pallas_layout(_wire_tiled(8))
+def _value_vec(dtype) -> int:
+    return 16 // jnp.dtype(dtype).itemsize          # 16-byte vectors
+
+
+def value_layout(dtype=jnp.float32, parts: int = 1):
+    """Pallas layout of each of decode_tile's value parts (vectors of 16 bytes)."""
+    return _pallas_layout(_wire_tiled(_value_vec(dtype), BLOCK // parts))
+
+
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)      # (64,) per-row values, as WGMMA rows
 
 
 # -- what is covered ------------------------------------------------------------------------
@@ -210,22 +231,33 @@ def _butterfly(vs: list) -> list:
 
 
 def _slices(arr) -> np.ndarray:
-    """(64, 256) WGMMA-layout array → registers [slice, half, row half]: slice k holds
-    columns 16k .. 16k+15, half j its columns 8j .. 8j+7 (vector<2> per register)."""
-    return arr.registers.reshape(BLOCK // 8, 2).reshape(FACTOR, 2, 2)
+    """(64, 16·n) WGMMA-layout accumulator of 16 slices of n columns → registers
+    [slice, j, row half] (vector<2> each; slice s holds columns n·s + 8j .. n·s + 8j + 7)."""
+    n8 = arr.shape[1] // 8 // FACTOR
+    return arr.registers.reshape(arr.shape[1] // 8, 2).reshape(FACTOR, n8, 2)
 
 
-def _assemble(parts, vec: int, dtype) -> fa.FragmentedArray:
-    """parts[k][i][j]: vector<2> holding, for this thread's row half i and slice half j,
-    the value at minor index k (the element 16c + k of the wire / value layout). Builds
-    the `_wire_tiled(vec)` array; only register names move."""
-    layout = _wire_tiled(vec)
-    regs = np.empty(layout.registers_shape((ROWS, BLOCK)), dtype=object)
-    view = regs.reshape(2, 2, 2, FACTOR // vec)          # (i, j, e, h)
+def _transformed(acc) -> list:
+    """Butterfly across the 16 slices: [row half][j] → 16 vectors (index: minor k)."""
+    sl = _slices(acc)
+    return [[_butterfly([sl[r, j, i] for r in range(FACTOR)]) for j in range(sl.shape[1])]
+            for i in range(2)]
+
+
+def _assemble(z, vec: int, dtype, scale=None) -> fa.FragmentedArray:
+    """z[i][j][k]: vector<2> of this thread's row half i, slice half j, minor index k
+    (element 16c + k of the wire / value layout, c = 8j + 2(lane%4) + e), times scale[i]
+    if given. Builds the `_wire_tiled` array: only register names move."""
+    nj = len(z[0])
+    layout = _wire_tiled(vec, 128 * nj)
+    regs = np.empty(layout.registers_shape((ROWS, 128 * nj)), dtype=object)
+    view = regs.reshape(2, nj, 2, FACTOR // vec)          # (i, j, e, h)
     vty = ir.VectorType.get((vec,), dtype)
-    for i, j, e, h in np.ndindex(view.shape):
-        vals = [_elem(parts[h * vec + m][i][j], e) for m in range(vec)]
-        view[i, j, e, h] = vector.from_elements(vty, vals)
+    for i, j in np.ndindex(2, nj):
+        vals = z[i][j] if scale is None else [arith.mulf(v, scale[i]) for v in z[i][j]]
+        for e, h in np.ndindex(2, FACTOR // vec):
+            view[i, j, e, h] = vector.from_elements(
+                vty, [_elem(vals[h * vec + m], e) for m in range(vec)])
     return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
 
@@ -244,16 +276,46 @@ def _row_stats(vals):
     return ss, m
 
 
-def _encode_regs(y, codec):
-    """y: (64, 256) f32 WGMMA array, y[:, 16r + c] = (X H/256)[r, c] per block row.
-    → codes (wire layout, uint8), scale bytes (scale layout)."""
+def _row_array(vals) -> fa.FragmentedArray:
+    """Two f32 scalars (row halves of this thread) → a (64,) array in the row layout."""
+    layout = ROW_LAYOUT.to_mgpu()
+    regs = np.empty(layout.registers_shape((ROWS,)), dtype=object)
+    vty = ir.VectorType.get((1,), ir.F32Type.get())
+    for i, v in enumerate(vals):
+        regs.reshape(2)[i] = vector.from_elements(vty, [v])
+    return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+
+def _row_values(arr) -> list:
+    return [_elem(r, 0) for r in arr.registers.reshape(2)]
+
+
+def _stats_regs(acc):
+    z = _transformed(acc)
+    stats = [_row_stats([v for j in z[i] for v in j]) for i in range(2)]
+    return _row_array([a for a, _ in stats]), _row_array([b for _, b in stats])
+
+
+def _codes(z, mult, codec):
+    zq = _assemble(z, _code_vec(codec), ir.F32Type.get(), mult)
+    code_ty = mgpu_utils.dtype_to_ir_type(CODE_FORMATS[codec.fmt])
+    return zq.astype(code_ty).bitcast(ir.IntegerType.get_signless(8), output_is_signed=False)
+
+
+def _quantize_regs(acc, ss0, m0, codec):
+    """acc: a part's accumulator (z0 = H·x/256 in slices); ss0, m0: the row statistics of
+    the other parts (None if none). → codes of this part, scale bytes, code multiplier."""
     f32 = ir.F32Type.get()
-    sl = _slices(y)
-    parts = [[[None, None] for _ in range(2)] for _ in range(FACTOR)]
-    row_scales = []
+    z = _transformed(acc)
+    width = 4 * codec.n_scales
+    slay = _scale_tiled(width)
+    sregs = np.empty(slay.registers_shape((ROWS, width)), dtype=object)
+    mults = []
     for i in range(2):
-        z = {j: _butterfly([sl[r, j, i] for r in range(FACTOR)]) for j in range(2)}
-        ss, m = _row_stats([v for j in z for v in z[j]])          # Σz0² = mean(x²)
+        ss, m = _row_stats([v for j in z[i] for v in j])           # Σz0² = mean(x²)
+        if ss0 is not None:
+            ss = arith.addf(ss, _row_values(ss0)[i])
+            m = arith.maximumf(m, _row_values(m0)[i])
         nan = _f32(np.nan)
         bad = arith.ori(arith.cmpf(arith.CmpFPredicate.UNO, ss, ss),
                         arith.cmpf(arith.CmpFPredicate.UGE, m, _f32(np.inf)))
@@ -268,86 +330,135 @@ def _encode_regs(y, codec):
         s = arith.maximumf(arith.mulf(arith.mulf(m, g), _f32(1.0 / codec.qmax)),
                            _f32(quant.SCALE_MIN))                  # eq. 9
         s = arith.select(bad, nan, s)
-        mult = vector.broadcast(ir.VectorType.get((2,), f32),
-                                arith.mulf(g, _ptx_f32("rcp.approx.ftz.f32", s)))
-        for j in range(2):
-            for k in range(FACTOR):
-                parts[k][i][j] = arith.mulf(z[j][k], mult)         # eqs. 8, 10
-        row_scales.append([s] if gain is None else [s, gain])
-    zq = _assemble(parts, _code_vec(codec), f32)
-    code_ty = mgpu_utils.dtype_to_ir_type(CODE_FORMATS[codec.fmt])
-    codes = zq.astype(code_ty).bitcast(ir.IntegerType.get_signless(8), output_is_signed=False)
-    width = 4 * codec.n_scales
-    slay = _scale_tiled(width)
-    sregs = np.empty(slay.registers_shape((ROWS, width)), dtype=object)
-    for i, vals in enumerate(row_scales):
+        mults.append(arith.mulf(g, _ptx_f32("rcp.approx.ftz.f32", s)))
+        vals = [s] if gain is None else [s, gain]
         v = vector.from_elements(ir.VectorType.get((len(vals),), f32), vals)
         sregs.reshape(2)[i] = vector.bitcast(
             ir.VectorType.get((width,), ir.IntegerType.get_signless(8)), v)
-    return codes, fa.FragmentedArray(_registers=sregs, _layout=slay, _is_signed=False)
+    mult_v = [vector.broadcast(ir.VectorType.get((2,), f32), m) for m in mults]
+    codes = _codes(z, mult_v, codec)                               # eqs. 8, 10
+    return (codes, fa.FragmentedArray(_registers=sregs, _layout=slay, _is_signed=False),
+            _row_array(mults))
+
+
+def _requantize_regs(acc, mult, codec):
+    f32 = ir.F32Type.get()
+    mult_v = [vector.broadcast(ir.VectorType.get((2,), f32), m) for m in _row_values(mult)]
+    return _codes(_transformed(acc), mult_v, codec)
 
 
 def _decode_regs(acc, sbytes, codec, out_dtype):
-    """acc: (64, 256) f32 WGMMA array, acc[:, 16c + r] = Σ_r' q[16c + r'] H[r', r] per
-    row; sbytes: scale bytes. → values (value layout)."""
+    """acc: a part's accumulator, slice c holding Σ_r' q[16c + r'] H[r', r] for this
+    part's r; sbytes: scale bytes → values of this part (value layout)."""
     f32 = ir.F32Type.get()
-    sl = _slices(acc)
-    parts = [[[None, None] for _ in range(2)] for _ in range(FACTOR)]
+    gains = []
     for i in range(2):
         sv = vector.bitcast(ir.VectorType.get((codec.n_scales,), f32),
                             sbytes.registers.reshape(2)[i])
         gain = _elem(sv, 0)                                        # eq. 11
         if codec.transform == "ash":                               # eq. 13
             gain = arith.mulf(gain, _ptx_f32("rcp.approx.ftz.f32", _elem(sv, 1)))
-        gain = vector.broadcast(ir.VectorType.get((2,), f32),
-                                arith.mulf(gain, _f32(1 / np.sqrt(BLOCK))))
-        for j in range(2):
-            v = _butterfly([sl[c, j, i] for c in range(FACTOR)])    # eq. 12
-            for k in range(FACTOR):
-                parts[k][i][j] = arith.mulf(v[k], gain)
-    vals = _assemble(parts, 8, f32)
+        gains.append(vector.broadcast(ir.VectorType.get((2,), f32),
+                                      arith.mulf(gain, _f32(1 / np.sqrt(BLOCK)))))
+    vals = _assemble(_transformed(acc), _value_vec(out_dtype), f32, gains)   # eq. 12
     return vals.astype(mgpu_utils.dtype_to_ir_type(jnp.dtype(out_dtype)))
 
 
 # -- Pallas-level tile functions ---------------------------------------------------------
+def _acc_layout():
+    return plgpu.Layout.WGMMA
+
+
 @functools.cache
-def _encode_epilogue(codec):
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA,),
-        return_type=(plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.uint8, wire_layout(codec)),
-                     plgpu.ShapeDtypeStruct((ROWS, 4 * codec.n_scales), jnp.uint8,
-                                            scale_layout(codec))))
-    def epilogue(ctx, y):
+def _stats_fn(parts):
+    @plgpu.inline_mgpu(arg_types=(_acc_layout(),),
+                       return_type=(plgpu.ShapeDtypeStruct((ROWS,), jnp.float32, ROW_LAYOUT),) * 2)
+    def stats(ctx, acc):
         del ctx
-        return _encode_regs(y, codec)
-    return epilogue
+        return _stats_regs(acc)
+    return stats
 
 
 @functools.cache
-def _decode_epilogue(codec, out_dtype):
+def _quantize_fn(codec, parts):
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA, scale_layout(codec)),
-        return_type=plgpu.ShapeDtypeStruct((ROWS, BLOCK), out_dtype, value_layout()))
-    def epilogue(ctx, acc, sbytes):
+        arg_types=(_acc_layout(),) + (ROW_LAYOUT, ROW_LAYOUT) * (parts > 1),
+        return_type=(plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.uint8,
+                                            wire_layout(codec, parts)),
+                     plgpu.ShapeDtypeStruct((ROWS, 4 * codec.n_scales), jnp.uint8,
+                                            scale_layout(codec)),
+                     plgpu.ShapeDtypeStruct((ROWS,), jnp.float32, ROW_LAYOUT)))
+    def quantize(ctx, acc, ss0=None, m0=None):
+        del ctx
+        return _quantize_regs(acc, ss0, m0, codec)
+    return quantize
+
+
+@functools.cache
+def _requantize_fn(codec, parts):
+    @plgpu.inline_mgpu(
+        arg_types=(_acc_layout(), ROW_LAYOUT),
+        return_type=plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.uint8,
+                                           wire_layout(codec, parts)))
+    def requantize(ctx, acc, mult):
+        del ctx
+        return _requantize_regs(acc, mult, codec)
+    return requantize
+
+
+@functools.cache
+def _decode_fn(codec, out_dtype, parts):
+    @plgpu.inline_mgpu(
+        arg_types=(_acc_layout(), scale_layout(codec)),
+        return_type=plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), out_dtype,
+                                           value_layout(out_dtype, parts)))
+    def decode(ctx, acc, sbytes):
         del ctx
         return _decode_regs(acc, sbytes, codec, out_dtype)
-    return epilogue
+    return decode
 
 
-def encode_tile(x_smem, h_smem, codec):
-    """(64, 256) bf16/f16 SMEM tile → (codes, scales) register arrays (module docstring)."""
-    def transform(acc):
-        for r in range(FACTOR):
-            cols = pl.ds(FACTOR * r, FACTOR)
-            plgpu.wgmma(acc.at[:, cols], x_smem.at[:, cols], h_smem)
+def _factor_cols(h_smem, part: int, parts: int):
+    """Columns [n·part, n·part + n) of H (n = 16/parts) as a wgmma B operand: H is
+    symmetric, so they are rows of the SMEM copy, read transposed (K-major)."""
+    n = FACTOR // parts
+    return plgpu.transpose_ref(h_smem.at[pl.ds(n * part, n)], (1, 0))
+
+
+def _transform_part(lhs, h_smem, part: int, parts: int):
+    """acc[:, n·s + m] = Σ_k lhs(s)[:, k] · H[k, n·part + m] for the 16 slices s: one
+    wgmma (64 × n × 16) per slice; lhs(s) is an SMEM slice or a register array."""
+    n = FACTOR // parts
+    b = _factor_cols(h_smem, part, parts)
+
+    def run(acc):
+        for sl in range(FACTOR):
+            plgpu.wgmma(acc.at[:, pl.ds(n * sl, n)], lhs(sl), b)
         plgpu.wgmma_wait(0)
         return acc[...]
-    y = pl.run_scoped(transform, plgpu.ACC((ROWS, BLOCK), jnp.float32))
-    return _encode_epilogue(codec)(y)
+    return pl.run_scoped(run, plgpu.ACC((ROWS, n * FACTOR), jnp.float32))
+
+
+def encode_tile(x_smem, h_smem, codec, parts: int = 1):
+    """(64, 256) bf16/f16 SMEM tile → (code parts, scale bytes): `parts` register arrays
+    of (64, 256/parts) uint8 in wire_layout(codec, parts) covering the row bytes
+    [p·256/parts, (p+1)·256/parts), and (64, 4·n_scales) uint8 (module docstring)."""
+    def lhs(sl):
+        return x_smem.at[:, pl.ds(FACTOR * sl, FACTOR)]
+    if parts == 1:
+        codes, scales, _ = _quantize_fn(codec, 1)(_transform_part(lhs, h_smem, 0, 1))
+        return [codes], scales
+    ss0, m0 = _stats_fn(2)(_transform_part(lhs, h_smem, 0, 2))
+    codes1, scales, mult = _quantize_fn(codec, 2)(_transform_part(lhs, h_smem, 1, 2), ss0, m0)
+    codes0 = _requantize_fn(codec, 2)(_transform_part(lhs, h_smem, 0, 2), mult)
+    return [codes0, codes1], scales
 
 
 def store_wire_tile(ref, codes, scales):
-    ref.at[:, pl.ds(0, BLOCK)][...] = codes
+    """Code parts and scale bytes → a (64, row_bytes) uint8 view of 64 wire rows."""
+    width = BLOCK // len(codes)
+    for p, part in enumerate(codes):
+        ref.at[:, pl.ds(width * p, width)][...] = part
     ref.at[:, pl.ds(BLOCK, scales.shape[1])][...] = scales
 
 
@@ -359,18 +470,22 @@ def load_wire_tile(ref, codec):
     return codes, scales
 
 
-def decode_tile(codes, scales, h_smem, codec, out_dtype=jnp.float32):
-    """(codes, scales) of 64 wire rows → (64, 256) values in `value_layout()`."""
-    def transform(acc):
-        for c in range(FACTOR):
-            cols = pl.ds(FACTOR * c, FACTOR)
-            q = lax.bitcast_convert_type(codes[:, FACTOR * c:FACTOR * (c + 1)],
-                                         CODE_FORMATS[codec.fmt]).astype(jnp.float16)
-            plgpu.wgmma(acc.at[:, cols], q, h_smem)
-        plgpu.wgmma_wait(0)
-        return acc[...]
-    acc = pl.run_scoped(transform, plgpu.ACC((ROWS, BLOCK), jnp.float32))
-    return _decode_epilogue(codec, jnp.dtype(out_dtype).type)(acc, scales)
+def decode_tile(codes, scales, h_smem, codec, out_dtype=jnp.float32, parts: int = 1):
+    """(codes, scales) of 64 wire rows → value parts: `parts` (64, 256/parts) arrays in
+    value_layout(parts) covering columns [p·256/parts, (p+1)·256/parts)."""
+    fmt = CODE_FORMATS[codec.fmt]
+    q = [lax.bitcast_convert_type(codes[:, FACTOR * c:FACTOR * (c + 1)], fmt)
+         .astype(jnp.float16) for c in range(FACTOR)]
+    decode = _decode_fn(codec, jnp.dtype(out_dtype).type, parts)
+    return [decode(_transform_part(lambda c: q[c], h_smem, p, parts), scales)
+            for p in range(parts)]
+
+
+def store_values(ref, values):
+    """Value parts → a (64, 256) view."""
+    width = BLOCK // len(values)
+    for p, part in enumerate(values):
+        ref.at[:, pl.ds(width * p, width)][...] = part
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -390,56 +505,95 @@ def _tiles_of_this_block(n_tiles: int, grid: int, hole=None):
     return count, lambda i: (lambda u: jnp.where(u >= h0, u + nh, u))(blk + i * grid)
 
 
+def _lines(n_rows: int, row: int) -> int:
+    """A tile of wire rows is one contiguous run of ROWS·row bytes: rows of 264 bytes are
+    not a TMA stride (a multiple of 16), runs of 256-byte lines are."""
+    return n_rows * row // 256
+
+
+def _swizzled(dtype):
+    """Shared-memory tiling of a (64, 256) value tile for TMA: 128-byte swizzle, so the
+    16-byte vector stores of the value layout spread over the banks."""
+    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(128))
+
+
 def _compress_kernel(x, hole, codec, cfg):
-    n_rows = x.shape[0]
+    n_rows, row = x.shape[0], codec.row_bytes
     n_tiles = n_rows // ROWS
     grid = cfg.grid(n_tiles)
+    x_spec = lambda tile: plgpu.BlockSpec((ROWS, BLOCK), lambda i: (tile(i), 0),  # noqa: E731
+                                          transforms=SMEM_TRANSFORMS)
 
     def body(x_gmem, h_gmem, hole_gmem, w_gmem, h_smem, barrier):
         _load_operand(h_gmem, h_smem, barrier)
         count, tile = _tiles_of_this_block(n_tiles, grid,
                                            None if hole is None else hole_gmem)
-
-        def step(idx, x_smem):
-            codes, scales = encode_tile(x_smem, h_smem, codec)
-            store_wire_tile(w_gmem.at[pl.ds(tile(idx[0]) * ROWS, ROWS)], codes, scales)
+        if cfg.tma_store:
+            def step(idx, x_smem, w_smem):
+                store_wire_tile(w_smem.reshape(ROWS, row),
+                                *encode_tile(x_smem, h_smem, codec, cfg.parts))
+            pipeline = plgpu.emit_pipeline(
+                step, grid=(count,), max_concurrent_steps=cfg.steps, in_specs=[x_spec(tile)],
+                out_specs=[plgpu.BlockSpec((_lines(ROWS, row), 256), lambda i: (tile(i), 0))])
+            args = (x_gmem, w_gmem)
+        else:
+            def step(idx, x_smem):
+                store_wire_tile(w_gmem.at[pl.ds(tile(idx[0]) * ROWS, ROWS)],
+                                *encode_tile(x_smem, h_smem, codec, cfg.parts))
+            pipeline = plgpu.emit_pipeline(step, grid=(count,), max_concurrent_steps=cfg.steps,
+                                           in_specs=[x_spec(tile)])
+            args = (x_gmem,)
 
         @pl.when(count > 0)
         def _():
-            plgpu.emit_pipeline(
-                step, grid=(count,), max_concurrent_steps=cfg.steps,
-                in_specs=[plgpu.BlockSpec((ROWS, BLOCK), lambda i: (tile(i), 0),
-                                          transforms=SMEM_TRANSFORMS)])(x_gmem)
+            pipeline(*args)
 
+    out_shape = (_lines(n_rows, row), 256) if cfg.tma_store else (n_rows, row)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((n_rows, codec.row_bytes), jnp.uint8),
+        body, out_type=jax.ShapeDtypeStruct(out_shape, jnp.uint8),
         grid=(grid,), grid_names=("blk",), kernel_name="taco_compress_mosaic",
         scratch_types=[plgpu.SMEM((FACTOR, FACTOR), x.dtype, transforms=SMEM_TRANSFORMS),
                        plgpu.Barrier()],
         compiler_params=plgpu.CompilerParams(lowering_semantics=LANE))
-    return kernel(x, hadamard_operand("encode", x.dtype),
-                  jnp.zeros(2, jnp.int32) if hole is None else hole)
+    w = kernel(x, hadamard_operand("encode", x.dtype),
+               jnp.zeros(2, jnp.int32) if hole is None else hole)
+    return w.reshape(n_rows, row)
 
 
 def _decompress_kernel(w, codec, out_dtype, cfg):
     n_rows, row = w.shape
     n_tiles = n_rows // ROWS
     grid = cfg.grid(n_tiles)
-    # A tile of wire rows is one contiguous run of ROWS·row bytes; rows of 264 bytes are not
-    # a TMA stride (a multiple of 16), runs of 256-byte lines are.
-    lines = ROWS * row // 256
 
     def body(w_gmem, h_gmem, o_gmem, h_smem, barrier):
         _load_operand(h_gmem, h_smem, barrier)
         count, tile = _tiles_of_this_block(n_tiles, grid)
+        w_spec = plgpu.BlockSpec((_lines(ROWS, row), 256), lambda i: (tile(i), 0))
 
-        def step(idx, w_smem):
+        def values_of(w_smem):
             codes, scales = load_wire_tile(w_smem.reshape(ROWS, row), codec)
-            values = decode_tile(codes, scales, h_smem, codec, out_dtype)
-            o_gmem.at[pl.ds(tile(idx[0]) * ROWS, ROWS)][...] = values
-        plgpu.emit_pipeline(
-            step, grid=(count,), max_concurrent_steps=cfg.steps,
-            in_specs=[plgpu.BlockSpec((lines, 256), lambda i: (tile(i), 0))])(w_gmem)
+            return decode_tile(codes, scales, h_smem, codec, out_dtype, cfg.parts)
+        # 4-byte values in 16-byte vectors cannot be stored into the swizzled tile without
+        # bank conflicts (Mosaic refuses the transfer): f32 output is stored directly.
+        if cfg.tma_store and jnp.dtype(out_dtype).itemsize == 2:
+            def step(idx, w_smem, o_smem):
+                store_values(o_smem, values_of(w_smem))
+            pipeline = plgpu.emit_pipeline(
+                step, grid=(count,), max_concurrent_steps=cfg.steps, in_specs=[w_spec],
+                out_specs=[plgpu.BlockSpec((ROWS, BLOCK), lambda i: (tile(i), 0),
+                                           transforms=_swizzled(out_dtype))])
+            args = (w_gmem, o_gmem)
+        else:
+            def step(idx, w_smem):
+                store_values(o_gmem.at[pl.ds(tile(idx[0]) * ROWS, ROWS)], values_of(w_smem))
+            pipeline = plgpu.emit_pipeline(step, grid=(count,), max_concurrent_steps=cfg.steps,
+                                           in_specs=[w_spec])
+            args = (w_gmem,)
+
+        @pl.when(count > 0)
+        def _():
+            pipeline(*args)
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((n_rows, BLOCK), out_dtype),
@@ -447,7 +601,7 @@ def _decompress_kernel(w, codec, out_dtype, cfg):
         scratch_types=[plgpu.SMEM((FACTOR, FACTOR), jnp.float16, transforms=SMEM_TRANSFORMS),
                        plgpu.Barrier()],
         compiler_params=plgpu.CompilerParams(lowering_semantics=LANE))
-    return kernel(w.reshape(n_rows * row // 256, 256), hadamard_operand("decode"))
+    return kernel(w.reshape(_lines(n_rows, row), 256), hadamard_operand("decode"))
 
 
 def _check(kind, codec, shape, dtype):
