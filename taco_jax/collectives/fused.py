@@ -91,7 +91,8 @@ def _exchange_body(send_ref, recv_ref, smem, bar, sem, *, axis, p, gather, tiles
     plgpu.wait_smem_to_gmem(0)            # every store has landed before the signals
     for k in range(1, p):
         pl.semaphore_signal(sem, 1, device_id=(me + k) % p)
-    pl.semaphore_wait(sem, p - 1)
+    if p > 1:
+        pl.semaphore_wait(sem, p - 1)
 
 
 def _kernel_exchange(send, axis, p: int, gather: bool, out_mat):
