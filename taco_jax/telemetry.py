@@ -103,7 +103,8 @@ def wire_bytes(site: Site) -> int:
     if p <= 1:
         return 0
     n = math.prod(site.shape)
-    halves = 2 if site.op in ("psum", "pvary") else 1
+    halves = 2 if site.op in ("psum", "pvary", "psum_with_feedback", "pvary_with_feedback",
+                              "allreduce") else 1
     if not site.compressed:
         if site.op == "ppermute":
             return site.bytes_per_device
