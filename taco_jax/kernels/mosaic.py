@@ -22,40 +22,51 @@ through shared memory. Decompress is the same with the roles of r and c exchange
 wgmma per 16-code slice (codes converted to f16: exact), the butterfly across slices, and
 each thread then holds 16 consecutive output elements.
 
+Outputs are staged in shared memory and leave by TMA in whole lines (`MosaicConfig`): a
+wire tile of 64 rows is one contiguous run of 64·row_bytes bytes, written as 256-byte lines.
+
 The per-block math is the Triton kernel's (`compress._encode_tile`): with z0 = H·x/256,
 Σz0² = mean(x²) (Parseval) gives α; s = α·16·max|z0|/Qmax; codes = cvt(z0 · α·16/s)
 (satfinite: the cast saturates where the multiplier overshoots Qmax by an ulp); a block
 whose Σz0² is NaN or whose max|z0| is not finite gets s = α = NaN, so it decodes to NaN.
 rsqrt and the reciprocal are the GPU's approximate instructions (≤ 2 ulp), as in the
-Triton kernels' default `fast_rowmath`.
+Triton kernels' default `fast_rowmath`. Unlike the Triton kernel on bf16 data, the
+transform's intermediate stays f32 (the butterfly runs on the f32 accumulators).
 
-Tile API — for kernels that move wire rows themselves (a fused all-reduce), all inside a
+Tile API — for kernels that move wire rows themselves (a fused all-reduce), inside a
 `plgpu.kernel` with `compiler_params=plgpu.CompilerParams(lowering_semantics=LANE)`, one
-warpgroup per block of 64 rows:
+warpgroup per 64 rows. `parts` (1 or 2) splits a tile's 256 columns into that many passes
+(2 halves the registers a thread holds); each "part" below covers the columns
+[p·256/parts, (p+1)·256/parts).
 
   ROWS = 64, BLOCK = 256, SMEM_TRANSFORMS = (tiling (8, 16), 32-byte swizzle).
 
   hadamard_operand(kind, dtype) -> (16, 16) array
-      the second factor of the transform; copy it once into an SMEM ref with
-      SMEM_TRANSFORMS (`plgpu.SMEM((16, 16), dtype, transforms=SMEM_TRANSFORMS)`).
+      the transform's factor; copy it once into an SMEM ref with SMEM_TRANSFORMS
+      (`plgpu.SMEM((16, 16), dtype, transforms=SMEM_TRANSFORMS)`).
       kind="encode": H/256 in the input's dtype; kind="decode": H (±1) in f16.
 
-  encode_tile(x_smem, h_smem, codec) -> (codes, scales)
+  encode_tile(x_smem, h_smem, codec, parts=1) -> (codes, scales)
       x_smem: (64, 256) bf16 or f16 SMEM ref with SMEM_TRANSFORMS (what a TMA copy or an
       emit_pipeline BlockSpec with those transforms gives), one block per row.
-      codes: (64, 256) uint8 register array in `wire_layout(codec)`, the wire row bytes
-      [0, 256); scales: (64, 4·n_scales) uint8 in `scale_layout(codec)`, bytes
-      [256, row_bytes). Rows at 8-byte (4-byte for one scale) alignment.
+      codes: list of `parts` (64, 256/parts) uint8 register arrays in
+      wire_layout(codec, parts), the wire row bytes [0, 256); scales: (64, 4·n_scales)
+      uint8 in scale_layout(codec), the bytes [256, row_bytes).
 
   store_wire_tile(ref, codes, scales)
-      ref: a (64, row_bytes) uint8 view (GMEM or SMEM) of 64 wire rows.
+      ref: a (64, row_bytes) uint8 view of 64 wire rows: SMEM (e.g. a (64·row_bytes/256,
+      256) TMA staging buffer reshaped to (64, row_bytes)) or GMEM; 8-byte stores (4 for
+      one scale), so rows must be 8-byte aligned (4). Staging in SMEM and a TMA copy out is
+      the fast path (see MosaicConfig.tma_store).
 
   load_wire_tile(ref, codec) -> (codes, scales)
       codes (64, 256) uint8 in the WGMMA layout, scales as above, from such a view.
 
-  decode_tile(codes, scales, h_smem, codec, out_dtype=jnp.float32) -> values
-      values: (64, 256) out_dtype in `value_layout()`, block per row in natural order;
-      store with `ref[...] = values`, or add tiles of the same layout elementwise.
+  decode_tile(codes, scales, h_smem, codec, out_dtype=jnp.float32, parts=1) -> values
+      values: list of `parts` (64, 256/parts) out_dtype arrays in
+      value_layout(out_dtype, parts), blocks in natural element order; add parts of the
+      same layout elementwise, or write them with store_values(ref, values) into a
+      (64, 256) view (a 128-byte-swizzled SMEM tile for a TMA copy, or GMEM).
 """
 from __future__ import annotations
 
@@ -94,11 +105,15 @@ class MosaicConfig:
     each — 2 halves the registers a thread holds (64 instead of 128 values), so more blocks
     fit per multiprocessor; compress then computes the first half twice (its row statistics
     are needed before either half is quantized). `tma_store`: outputs staged in shared
-    memory and written by TMA (contiguous lines) instead of stored from registers."""
+    memory and written by TMA (contiguous lines) instead of stored from registers
+    (compress, and decompress to 16-bit values; f32 values are stored from registers)."""
     ctas_per_sm: int = 2
     steps: int = 2
     parts: int = 1
-    tma_store: bool = False
+    # Stores from registers put 8 (16) bytes per lane 32 (64) bytes apart: the L2 then
+    # merges partial sectors and becomes the limit (85% busy, 0.42 of the roofline
+    # measured at 256 MiB); staged tiles leave by TMA in whole lines (0.81).
+    tma_store: bool = True
 
     def __post_init__(self):
         if self.parts not in (1, 2):
