@@ -1,15 +1,22 @@
 """Shared helpers for the benchmark programs: environment facts and timing."""
 from __future__ import annotations
 
+import glob
+import gzip
 import json
 import os
+import re
+import statistics
 import subprocess
+import tempfile
+import time
 
 import jax
+import jax.numpy as jnp
 
 # The host timer is the library's (calibration uses it too): calls back to back in
 # straight-line code, each on its own input buffer.
-from taco_jax.calibrate import time_calls  # noqa: F401
+from taco_jax.calibrate import jit_calls, time_calls  # noqa: F401
 
 
 def env_facts() -> dict:
@@ -39,3 +46,84 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(f"{r.get(c, '')}".rjust(w) for c, w in zip(cols, widths)))
+
+
+# -- device time: the kernels' own durations from a profiler trace --------------------------
+def gpu_kernel_events(events: list[dict], device: int = 0) -> list[dict]:
+    """Complete ('X') events on the stream threads of '/device:GPU:<device>' in a chrome /
+    perfetto trace: one per kernel the device ran (the 'XLA Ops' and step threads repeat
+    them at op level and are left out)."""
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    pat = re.compile(rf"/device:GPU:{device}(\D|$)")
+    pids = {p for p, n in procs.items() if pat.search(n)}
+    if not pids:
+        raise ValueError(f"no '/device:GPU:{device}' process in the trace; processes: "
+                         f"{sorted(set(procs.values()))}")
+    streams = {k for k, n in threads.items() if k[0] in pids and n.lower().startswith("stream")}
+    return [e for e in events if e.get("ph") == "X" and e.get("dur") is not None
+            and (e["pid"], e.get("tid")) in streams]
+
+
+def read_trace(log_dir: str) -> list[dict]:
+    """Events of the trace that jax.profiler.trace(log_dir, create_perfetto_trace=True)
+    wrote (perfetto_trace.json.gz, else the trace viewer's *.trace.json.gz)."""
+    files = []
+    for pattern in ("perfetto_trace.json.gz", "*.trace.json.gz"):
+        files = sorted(glob.glob(os.path.join(log_dir, "plugins/profile/*", pattern)),
+                       key=os.path.getmtime)
+        if files:
+            break
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {log_dir}/plugins/profile")
+    with gzip.open(files[-1]) as f:
+        d = json.load(f)
+    return d["traceEvents"] if isinstance(d, dict) else d
+
+
+def kernel_time(events: list[dict], calls: int, device: int = 0) -> dict:
+    """µs per call summed over every kernel of the trace (the program is the only work
+    traced), and per kernel name."""
+    per_name: dict[str, float] = {}
+    for e in gpu_kernel_events(events, device):
+        per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e["dur"])
+    if not per_name:
+        raise ValueError("no GPU kernels in the trace")
+    return {"us": sum(per_name.values()) / calls,
+            "kernels": {k: round(v / calls, 3) for k, v in
+                        sorted(per_name.items(), key=lambda kv: -kv[1])}}
+
+
+def device_time(fn, x, iters: int = 10, batches: int = 3, repeats: int = 5) -> dict:
+    """fn(x) timed two ways on one compiled program: `iters` copies of x (so a call does
+    not find its input in L2) through `jit_calls`. "host_us": the host timer, median over
+    `repeats` of `batches` executions queued back to back (as `time_calls`); "us": device
+    time, the GPU kernel events of `batches` executions under jax.profiler.trace, summed,
+    per call; "kernels": that per kernel name. The host timer adds launch gaps and
+    dispatch; device time does not. Raises ValueError where the trace has no GPU."""
+    xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
+    calls = jit_calls(fn)
+    jax.block_until_ready(calls(xs))                    # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = [calls(xs) for _ in range(batches)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / (iters * batches) * 1e6)
+        del outs
+    with tempfile.TemporaryDirectory(prefix="taco_devtime_") as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            outs = [calls(xs) for _ in range(batches)]
+            jax.block_until_ready(outs)
+        del outs
+        events = read_trace(d)
+    out = {"host_us": statistics.median(times)}
+    try:
+        out.update(kernel_time(events, iters * batches))
+    except ValueError as e:
+        out.update(us=None, error=str(e)[:300])
+    return out

@@ -1,6 +1,6 @@
 """Summarize an Nsight Compute source-page CSV (SASS lines) of one kernel:
 
-    python bench/ncu_source.py bench/results/logs/s5/ncu_src_compress.csv.gz \
+    python -m bench.ncu_source bench/results/logs/s5/ncu_src_compress.csv.gz \
         [--label compress-taco] [--out bench/results/ncu_src.json] [--top 25]
 
 The CSV is what `bash bench/gpu_run.sh ncu_src` brings back (`ncu -i REPORT --page source

@@ -1,55 +1,75 @@
 """Run one kernel once at 256 MiB of bf16 input, for a kernel profiler (Nsight Compute):
 
     ncu -k regex:taco_compress -c 1 --section SpeedOfLight --section WarpStateStats \
-        python bench/one_kernel.py compress taco [--tm 8] [--warps 2] [--ieee-rowmath]
+        python -m bench.one_kernel compress taco [--impl triton|mosaic] [--tm 8] [--warps 2]
+        [--tiles 4] [--ieee-rowmath] [--ctas-per-sm 2] [--steps 2] [--parts 1] [--tma-store]
         [--roofline]
 
-GPU only (no interpreter): a profiler needs the compiled kernel.
+Kernel names: taco_compress / taco_decompress (Triton), taco_compress_mosaic… /
+taco_decompress_mosaic… (Mosaic GPU). GPU only (no interpreter): a profiler needs the
+compiled kernel. --tm/--warps/--tiles/--ieee-rowmath set the Triton KernelConfig,
+--ctas-per-sm/--steps/--parts/--tma-store the Mosaic one (default: the library's).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from taco_jax import codecs  # noqa: E402
-from taco_jax.kernels import compress, decompress, tiling as common  # noqa: E402
-
-ap = argparse.ArgumentParser()
-ap.add_argument("kernel", choices=("compress", "decompress"))
-ap.add_argument("codec", nargs="?", default="taco")
-ap.add_argument("--mib", type=int, default=256)
-ap.add_argument("--tm", type=int, default=None, help="blocks per tile (default: the library's)")
-ap.add_argument("--warps", type=int, default=None, help="default: the library's")
-ap.add_argument("--tiles", type=int, default=None,
-                help="tiles per program (default: the library's)")
-ap.add_argument("--ieee-rowmath", action="store_true", help="KernelConfig(fast_rowmath=False)")
-ap.add_argument("--roofline", action="store_true",
-                help="first, the benchmark's roofline: XLA f32 x + 1 over --mib MiB")
-a = ap.parse_args()
-if a.roofline:
-    f = jnp.ones(a.mib * (1 << 20) // 4, jnp.float32)
-    jax.block_until_ready(jax.jit(lambda v: v + 1)(f))
-    del f
-c = codecs.get(a.codec)
+from taco_jax import codecs
+from taco_jax.kernels import compress, decompress, mosaic, tiling as common
 
 
-def config(kernel):
-    """The library's default for `kernel`, with the command line's overrides."""
-    d = common.KernelConfig.default(c.block_size, kernel)
-    return dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,
-                               num_warps=a.warps or d.num_warps,
-                               fast_rowmath=not a.ieee_rowmath,
-                               tiles_per_program=a.tiles or d.tiles_per_program)
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("kernel", choices=("compress", "decompress"))
+    ap.add_argument("codec", nargs="?", default="taco")
+    ap.add_argument("--impl", choices=("triton", "mosaic"), default="triton")
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--tm", type=int, default=None, help="Triton: blocks per tile")
+    ap.add_argument("--warps", type=int, default=None, help="Triton: warps per program")
+    ap.add_argument("--tiles", type=int, default=None, help="Triton: tiles per program")
+    ap.add_argument("--ieee-rowmath", action="store_true", help="Triton: fast_rowmath=False")
+    ap.add_argument("--ctas-per-sm", type=int, default=None, help="Mosaic: blocks per SM")
+    ap.add_argument("--steps", type=int, default=None, help="Mosaic: input tiles in flight")
+    ap.add_argument("--parts", type=int, default=None, help="Mosaic: column passes (1, 2)")
+    ap.add_argument("--tma-store", action="store_true", help="Mosaic: outputs through TMA")
+    ap.add_argument("--roofline", action="store_true",
+                    help="first, the benchmark's roofline: XLA f32 x + 1 over --mib MiB")
+    a = ap.parse_args(argv)
+    if a.roofline:
+        f = jnp.ones(a.mib * (1 << 20) // 4, jnp.float32)
+        jax.block_until_ready(jax.jit(lambda v: v + 1)(f))
+        del f
+    c = codecs.get(a.codec)
+
+    def triton_cfg(kernel):
+        d = common.KernelConfig.default(c.block_size, kernel)
+        return dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,
+                                   num_warps=a.warps or d.num_warps,
+                                   fast_rowmath=not a.ieee_rowmath,
+                                   tiles_per_program=a.tiles or d.tiles_per_program)
+
+    d = mosaic.MosaicConfig()
+    mcfg = mosaic.MosaicConfig(ctas_per_sm=a.ctas_per_sm or d.ctas_per_sm,
+                               steps=a.steps or d.steps, parts=a.parts or d.parts,
+                               tma_store=a.tma_store or d.tma_store)
+    n = a.mib * (1 << 20) // 2 // c.block_size
+    x = (jax.random.normal(jax.random.key(0), (n, c.block_size)) * 0.02).astype(jnp.bfloat16)
+    if a.impl == "mosaic":
+        w = jax.block_until_ready(mosaic.compress(x, c, mcfg) if a.kernel == "compress"
+                                  else compress.compress(x, c))
+        if a.kernel == "decompress":
+            jax.block_until_ready(mosaic.decompress(w, c, jnp.bfloat16, mcfg))
+    else:
+        w = jax.block_until_ready(compress.compress(x, c, triton_cfg("compress")))
+        if a.kernel == "decompress":
+            jax.block_until_ready(decompress.decompress(w, c, jnp.bfloat16,
+                                                        triton_cfg("decompress")))
+    print("ok", a)
 
 
-n = a.mib * (1 << 20) // 2 // c.block_size
-x = (jax.random.normal(jax.random.key(0), (n, c.block_size)) * 0.02).astype(jnp.bfloat16)
-w = jax.block_until_ready(compress.compress(x, c, config("compress")))
-if a.kernel == "decompress":
-    jax.block_until_ready(decompress.decompress(w, c, jnp.bfloat16, config("decompress")))
-print("ok", a)
+if __name__ == "__main__":
+    main()
