@@ -57,6 +57,9 @@ class ParallelConfig:
     tp: int = 0  # tensor-parallel size; 0 = all devices not used by `data`
     data: int = 1  # data-parallel size; 0 = all devices not used by `tp`
     cpu_devices: int = 4  # simulated CPU devices when JAX runs on CPU (set before backend start)
+    # > 0: tensor parallelism of this size emulated on each device (jax.vmap over the shards,
+    # the same compression sites as on that many devices); the mesh is then data only
+    emulate_tp: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +162,14 @@ class Config:
 
     def validate(self) -> "Config":
         """Device-independent checks (the mesh-dependent ones are in models.parallel)."""
+        pa = self.parallel
+        if pa.emulate_tp < 0:
+            raise ValueError(f"parallel.emulate_tp={pa.emulate_tp} must be >= 0")
+        if pa.emulate_tp and pa.tp not in (0, 1):
+            raise ValueError(f"parallel.emulate_tp={pa.emulate_tp} emulates tensor parallelism "
+                             f"on each device; it cannot be combined with parallel.tp={pa.tp}")
         with self.recipe.validate().context():  # the model's "" codecs are the recipe's
-            self.model.validate(tp=self.parallel.tp or 1)
+            self.model.validate(tp=pa.emulate_tp or pa.tp or 1)
         t, o, d = self.train, self.optim, self.data
         for name in ("steps", "batch_size", "log_every", "eval_batches", "keep"):
             if getattr(t, name) <= 0:

@@ -53,8 +53,11 @@ def setup_backend(cfg: Config) -> None:
 
 
 def build_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
-    """The ("data", "tp") mesh `cfg.parallel` asks for, on the default backend's devices."""
+    """The ("data", "tp") mesh `cfg.parallel` asks for, on the default backend's devices
+    (with parallel.emulate_tp: a ("data",) mesh, tensor parallelism emulated per device)."""
     devices = list(jax.devices() if devices is None else devices)
+    if cfg.parallel.emulate_tp:
+        return parallel.make_emulation_mesh(cfg.parallel.data or len(devices), devices)
     data, tp = parallel.mesh_shape(len(devices), cfg.parallel.tp, cfg.parallel.data)
     return parallel.make_mesh(data, tp, devices)
 
@@ -122,7 +125,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
     Raises ValueError before anything compiles if the config does not fit the mesh."""
     cfg.validate()
     with cfg.recipe.context():  # the model's checks read the codecs the recipe gives it
-        model = parallel.shard_gpt(cfg.model, mesh)
+        model = parallel.shard_gpt(cfg.model, mesh, emulate_tp=cfg.parallel.emulate_tp)
     parallel.check_batch(cfg.train.batch_size, cfg.model.seq_len, cfg.model, mesh)
     tx, schedule = make_optimizer(cfg)
     replicated = NamedSharding(mesh, P())
@@ -360,7 +363,8 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
     if lead:
         print(f"[train] {cfg.name}: {n_params / 1e6:.2f}M params, mesh data={mesh.shape['data']}"
-              f" x tp={mesh.shape['tp']} on {jax.devices()[0].platform}, codec fwd="
+              f" x tp={prog.model.tp}{' (emulated)' if prog.model.emulate_tp else ''} on "
+              f"{jax.devices()[0].platform}, codec fwd="
               f"{codecs['fwd']} bwd={codecs['bwd']} head={codecs['head']}"
               + (", error feedback" if cfg.model.feedback else "") + f", run dir {run_dir}"
               + (f", resumed at step {start}" if resumed_from is not None else ""), flush=True)
@@ -469,7 +473,8 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
         "step_time_s": step_time,
         "tokens_per_s": tokens_per_step / step_time if step_time else None,
         "compile_s": compile_s, "params": n_params,
-        "mesh": {"data": mesh.shape["data"], "tp": mesh.shape["tp"]},
+        "mesh": {"data": mesh.shape["data"], "tp": prog.model.tp,
+                 "emulated_tp": bool(prog.model.emulate_tp)},
         "platform": jax.devices()[0].platform, "devices": jax.device_count(),
         "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
         "feedback": cfg.model.feedback, "wire_bytes_per_step": wire_bytes,
