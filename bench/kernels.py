@@ -129,7 +129,7 @@ def _compare(wk, wr, c, dk, dr):
             "nan_rows_match": bool(np.array_equal(np.isnan(dk).any(1), np.isnan(dr).any(1)))}
 
 
-def check_triton(out_rows):
+def check_triton(out_rows, save=None):
     rng = np.random.default_rng(0)
     cases = [(n, b, d, {}) for n, b, d in itertools.product(
         ["taco", "taco-1scale", "taco-e5m2", "taco-int8", "block-fp8"],
@@ -160,6 +160,8 @@ def check_triton(out_rows):
                                     np.max(np.abs(rr[rfin]))),
             "reduce_nan_match": bool(np.array_equal(np.isnan(rk), np.isnan(rr)))})
         print(out_rows[-1], flush=True)
+        if save:          # a run stopped by a time limit keeps the cases it checked
+            save()
 
 
 def check_mosaic(out_rows):
@@ -331,7 +333,7 @@ def main(argv=None):
             check_mosaic(result["check"])
             write_json(args.out, result)
         if "triton" in args.impls:
-            check_triton(result["check"])
+            check_triton(result["check"], lambda: write_json(args.out, result))
         result["check_done"] = True
         cols = list(dict.fromkeys(k for r in result["check"] for k in r))
         print_table(result["check"], cols)
