@@ -129,7 +129,9 @@ def _compare(wk, wr, c, dk, dr):
             "nan_rows_match": bool(np.array_equal(np.isnan(dk).any(1), np.isnan(dr).any(1)))}
 
 
-def check_triton(out_rows, save=None):
+def check_triton(out_rows, save=None, shard=(0, 1)):
+    """Every Triton case; shard=(i, n): cases i, i + n, … (several processes share a GPU,
+    each compiling its own cases)."""
     rng = np.random.default_rng(0)
     cases = [(n, b, d, {}) for n, b, d in itertools.product(
         ["taco", "taco-1scale", "taco-e5m2", "taco-int8", "block-fp8"],
@@ -138,7 +140,7 @@ def check_triton(out_rows, save=None):
     # the IEEE per-block math (fast_rowmath=False), not the default
     cases += [("taco", b, d, {"fast_rowmath": False}) for b in (32, 256)
               for d in (jnp.bfloat16, jnp.float32)]
-    for name, b, dtype, over in cases:
+    for name, b, dtype, over in cases[shard[0]::shard[1]]:
         c = codecs.get(name, block_size=b)
         cfg = {k: dataclasses.replace(common.KernelConfig.default(b, k), **over) for k in KINDS}
         x = _check_input(rng, 4099, b, dtype)
@@ -294,10 +296,21 @@ def main(argv=None):
                     choices=["triton", "mosaic"])
     ap.add_argument("--codecs", nargs="+", default=["taco"])
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--check-shard", default="0/1", metavar="I/N",
+                    help="check only cases I, I+N, ... (and no timings when N > 1)")
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default="bench/results/kernels.json")
     args = ap.parse_args(argv)
+    shard = tuple(int(v) for v in args.check_shard.split("/"))
+    if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+        ap.error(f"--check-shard {args.check_shard!r}: want I/N with 0 <= I < N")
+    if shard[1] > 1:            # one shard of the check: no timings, no Mosaic check twice
+        result = {**env_facts(), "check_shard": args.check_shard, "check": []}
+        check_triton(result["check"], lambda: write_json(args.out, result), shard)
+        result["check_done"] = True
+        write_json(args.out, result)
+        return result
     facts = env_facts()
     result = {**facts, "custom_calls": hlo_custom_calls()}
     print(facts, "custom calls:", result["custom_calls"], flush=True)
