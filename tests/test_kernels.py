@@ -182,6 +182,11 @@ def test_default_config_per_kernel():
     assert common.KernelConfig.default(512, "compress").blocks_per_program == 4
     with pytest.raises(ValueError, match="'compres'"):
         common.KernelConfig.default(256, "compres")
+    # small inputs: many one-warp programs; large ones: the tile loop
+    small = common.KernelConfig.default(256, "compress", n_rows=common.SMALL_ELEMENTS // 256)
+    assert (small.blocks_per_program, small.num_warps, small.tiles_per_program) == (4, 1, 1)
+    assert common.KernelConfig.default(256, "compress", n_rows=1 << 20).tiles_per_program == 4
+    assert common.KernelConfig.default(256, "decompress", n_rows=16).num_warps == 2
 
 
 def test_tiles_per_program_is_bit_identical():

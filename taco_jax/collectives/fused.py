@@ -32,7 +32,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax.collectives import axes as axes_lib
 
-TILE_BYTES = 32 << 10        # bytes per TMA copy (shared memory per program)
+LINE = 256                   # bytes per row of the byte view (TMA copies ≤ 256 per dim)
+TILE_ROWS = 128              # rows per TMA copy: 32 KiB of shared memory per program
+TILE_BYTES = TILE_ROWS * LINE
 MAX_PROGRAMS = 132           # one program per SM of an H100 / H200
 
 
@@ -71,9 +73,10 @@ def mesh_unavailable_reason(mesh) -> str | None:
 
 # -- the communication kernel -----------------------------------------------------------
 def _exchange_body(send_ref, recv_ref, smem, bar, sem, *, axis, p, gather, tiles, nprog):
-    """Program b copies tiles b, b + nprog, …: for each peer, through shared memory into
-    the peer's receive buffer (slot `me`); then signals that peer's program b and waits for
-    all P − 1 peers' program b. When every program has passed its wait, recv is complete."""
+    """Program b copies tiles b, b + nprog, … (TILE_ROWS rows of LINE bytes): for each peer,
+    through shared memory into the peer's receive buffer (slot `me`); then signals that
+    peer's program b and waits for all P − 1 peers' program b. When every program has
+    passed its wait, recv is complete."""
     me = lax.axis_index(axis)
     b = lax.axis_index("prog")
     for k in range(p):                       # k = 0: this device's own slot, locally
@@ -83,10 +86,10 @@ def _exchange_body(send_ref, recv_ref, smem, bar, sem, *, axis, p, gather, tiles
 
         @pl.loop(b, tiles, step=nprog)
         def _(i):
-            sl = pl.ds(pl.multiple_of(i * TILE_BYTES, TILE_BYTES), TILE_BYTES)
-            plgpu.copy_gmem_to_smem(src.at[sl], smem, bar)
+            rows = pl.ds(pl.multiple_of(i * TILE_ROWS, TILE_ROWS), TILE_ROWS)
+            plgpu.copy_gmem_to_smem(src.at[rows], smem, bar)
             plgpu.barrier_wait(bar)
-            plgpu.copy_smem_to_gmem(smem, out.at[me, sl])
+            plgpu.copy_smem_to_gmem(smem, out.at[me, rows])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # smem reusable
     plgpu.wait_smem_to_gmem(0)            # every store has landed before the signals
     for k in range(1, p):
@@ -98,18 +101,20 @@ def _exchange_body(send_ref, recv_ref, smem, bar, sem, *, axis, p, gather, tiles
 def _kernel_exchange(send, axis, p: int, gather: bool, out_mat):
     """send (m,) or (P, m) uint8, m a multiple of TILE_BYTES → (P, m)."""
     m = send.shape[-1]
+    lines = send.reshape(*send.shape[:-1], m // LINE, LINE)         # (…, rows, LINE)
     tiles = m // TILE_BYTES
     nprog = min(MAX_PROGRAMS, tiles)
     body = functools.partial(_exchange_body, axis=axis, p=p, gather=gather, tiles=tiles,
                              nprog=nprog)
-    out = (jax.ShapeDtypeStruct((p, m), jnp.uint8) if out_mat is None else
-           jax.ShapeDtypeStruct((p, m), jnp.uint8, manual_axis_type=out_mat))
+    shape = (p, m // LINE, LINE)
+    out = (jax.ShapeDtypeStruct(shape, jnp.uint8) if out_mat is None else
+           jax.ShapeDtypeStruct(shape, jnp.uint8, manual_axis_type=out_mat))
     kernel = plgpu.kernel(
         body, out_type=out,
-        scratch_types=[plgpu.SMEM((TILE_BYTES,), jnp.uint8), plgpu.Barrier(),
+        scratch_types=[plgpu.SMEM((TILE_ROWS, LINE), jnp.uint8), plgpu.Barrier(),
                        plgpu.SemaphoreType.REGULAR],
         grid=(nprog,), grid_names=("prog",))
-    return kernel(send)
+    return kernel(lines).reshape(p, m)
 
 
 def exchange(send, axis, p: int, *, gather: bool, vma: bool):

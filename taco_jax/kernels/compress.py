@@ -99,7 +99,7 @@ def compress(x, codec, cfg=None, interpret=False, skip_start=0, skip_rows=0):
     n_rows, b = x.shape
     if b != codec.block_size or not codec.has_kernel:
         raise ValueError(f"compress kernel: got {x.shape=} for {codec}")
-    cfg = (cfg or tiling.KernelConfig.default(b, "compress")).resolve(
+    cfg = (cfg or tiling.KernelConfig.default(b, "compress", n_rows)).resolve(
         wide=x.dtype != jnp.bfloat16, interpret=interpret)
     h1, h2 = tiling.hadamard_operands(b, scaled=True)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
