@@ -6,14 +6,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from taco_jax import calibrate, codecs, recipe, telemetry
+from taco_jax import codecs, recipe, routes, telemetry
 from taco_jax.collectives import axes as axes_lib, fused
 from taco_jax.collectives.two_shot import lax_exchange
 
 # Below this many bytes per device, lax's collective is used: the conservative threshold
-# when no calibration is given. On 2×H200 NVLink the compressed two-shot only breaks even
-# from ~1 GiB per device (docs/results.md); slower links break even far lower, see
-# `taco_jax.calibrate`.
+# when this machine has no calibration (`taco_jax.routes`). On 2×H200 NVLink the compressed
+# two-shot only breaks even from ~1 GiB per device (docs/results.md); slower links break
+# even far lower: `python -m taco_jax.calibrate` measures it.
 DEFAULT_MIN_BYTES = 512 << 20
 
 
@@ -98,7 +98,7 @@ class Call:
             candidates = ("xla", "fused")
         cal = None
         if self.min_bytes is None and not axes_lib.emulated(self.axes):
-            cal = calibrate.lookup(self.p, self.codec.name)
+            cal = routes.lookup(self.p, self.codec.name)
         if cal is not None:                  # the measured routes of this machine
             route = cal.route(nbytes, candidates)
             return route, (None if route != "lax" else
