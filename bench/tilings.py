@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,12 @@ def main(argv=None):
     ap.add_argument("--kernels", nargs="+", default=["compress", "decompress"])
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[16, 64, 256])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--candidates", default=None,
+                    help='JSON list of KernelConfig overrides, e.g. \'[{}, {"num_stages": 2}]\' '
+                         '({} is the default); default: CANDIDATES')
     ap.add_argument("--out", default="bench/results/kernels_tilings.json")
     a = ap.parse_args(argv)
+    candidates = json.loads(a.candidates) if a.candidates else CANDIDATES
     c = codecs.get("taco")
     roof = device_time(lambda v: v + 1, jnp.ones(256 * MIB // 4, jnp.float32))["us"]
     roof_gbs = 2 * 256 * MIB / roof / 1e3
@@ -42,7 +47,7 @@ def main(argv=None):
         x = (jax.random.normal(jax.random.key(0), (n // c.block_size, c.block_size)) * 0.02
              ).astype(jnp.bfloat16)
         w = compress.compress(x, c)
-        for over in CANDIDATES:
+        for over in candidates:
             cfg = dataclasses.replace(tiling.KernelConfig.default(c.block_size, kind), **over)
             if kind == "compress":
                 fn, arg, nbytes = (lambda v, cfg=cfg: compress.compress(v, c, cfg)), x, \
