@@ -174,18 +174,20 @@ def test_ieee_rowmath_matches_reference(name, b, dt):
 
 
 def test_default_config_per_kernel():
-    """Compress loops over 4 tiles per program by default (measured, docs/results.md);
-    decompress and reduce take one; an unknown kernel name is an error naming it."""
-    assert common.KernelConfig.default(256, "compress").tiles_per_program == 4
+    """Compress loops over 8 tiles per program on one warp (measured, docs/results.md);
+    decompress and reduce take one tile on 2 warps; an unknown kernel name is an error."""
+    assert common.KernelConfig.default(256, "compress").tiles_per_program == 8
     for k in (None, "decompress", "reduce"):
         assert common.KernelConfig.default(256, k).tiles_per_program == 1
-    assert common.KernelConfig.default(512, "compress").blocks_per_program == 4
+    assert common.KernelConfig.default(512, "compress").blocks_per_program == 2
+    assert common.KernelConfig.default(512, "decompress").blocks_per_program == 4
     with pytest.raises(ValueError, match="'compres'"):
         common.KernelConfig.default(256, "compres")
-    # small inputs: many one-warp programs; large ones: the tile loop
-    small = common.KernelConfig.default(256, "compress", n_rows=common.SMALL_ELEMENTS // 256)
-    assert (small.blocks_per_program, small.num_warps, small.tiles_per_program) == (4, 1, 1)
-    assert common.KernelConfig.default(256, "compress", n_rows=1 << 20).tiles_per_program == 4
+    # compress: one warp, 8 tiles; smaller programs up to MID_ELEMENTS
+    mid = common.MID_ELEMENTS // 256
+    for n_rows, blocks in ((mid, 2), (mid + 1, 4), (None, 4)):
+        cfg = common.KernelConfig.default(256, "compress", n_rows=n_rows)
+        assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (blocks, 1, 8)
     assert common.KernelConfig.default(256, "decompress", n_rows=16).num_warps == 2
 
 

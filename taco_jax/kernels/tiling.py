@@ -14,7 +14,7 @@ from jax.experimental.pallas import triton as plgpu
 from taco_jax.numerics import hadamard
 
 
-SMALL_ELEMENTS = 8 << 20         # 16 MiB of bf16: below, compress uses small programs
+MID_ELEMENTS = 32 << 20          # 64 MiB of bf16: up to it, compress runs smaller programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,19 +41,20 @@ class KernelConfig:
     @staticmethod
     def default(block_size: int, kernel: str | None = None,
                 n_rows: int | None = None) -> "KernelConfig":
-        """2048 elements per tile (1024 per warp), at least 4 blocks; compress loops over 4
-        tiles per program, which lets Triton pipeline the next tile's loads (decompress and
-        reduce are faster with one tile per program). Compress of at most SMALL_ELEMENTS
-        (n_rows blocks) runs many small programs instead, 4 blocks on one warp each: the
-        grid then has enough programs to fill the GPU (device time on the H200 at 16 MiB:
-        11.0 vs 12.5 µs; from 64 MiB the loop wins)."""
+        """decompress, reduce: 2048 elements per tile (1024 per warp, 2 warps), at least 4
+        blocks, one tile per program. compress: one warp per program looping over 8 tiles
+        (Triton pipelines the next tile's loads under this one's transform) of 1024 elements,
+        512 for inputs up to MID_ELEMENTS (n_rows blocks), where more, smaller programs fill
+        the GPU. Device time on the H200, fraction of the roofline, against 8 blocks × 2 warps
+        × 4 tiles: 0.56 vs 0.48 at 16 MiB, 0.77 vs 0.72 at 64 MiB, 0.90 vs 0.87 at 256 MiB,
+        0.82 vs 0.79 at 1 GiB (bench/results/kernels_tilings.json)."""
         if kernel not in (None, "compress", "decompress", "reduce"):
             raise ValueError(f"KernelConfig.default: unknown kernel {kernel!r}")
-        if (kernel == "compress" and n_rows is not None
-                and n_rows * block_size <= SMALL_ELEMENTS):
-            return KernelConfig(blocks_per_program=max(2, 1024 // block_size), num_warps=1)
-        return KernelConfig(blocks_per_program=max(4, 2048 // block_size),
-                            tiles_per_program=4 if kernel == "compress" else 1)
+        if kernel == "compress":
+            small = n_rows is not None and n_rows * block_size <= MID_ELEMENTS
+            return KernelConfig(blocks_per_program=max(1, (512 if small else 1024) // block_size),
+                                num_warps=1, tiles_per_program=8)
+        return KernelConfig(blocks_per_program=max(4, 2048 // block_size))
 
     def resolve(self, wide: bool, interpret: bool = False) -> "KernelConfig":
         """Fix `precise` for data that is (wide=True) or is not wider than bf16, and note
