@@ -147,11 +147,14 @@ def codec_pair(var: dict) -> tuple[str, str]:
 
 
 def variant_overrides(var: dict, tp: int, steps: int, run_dir, progress: bool,
-                      extra=()) -> list[str]:
-    """Config overrides of one variant: every all-reduce compressed (min_bytes 0)."""
+                      extra=(), emulate: bool = False) -> list[str]:
+    """Config overrides of one variant: every all-reduce compressed (min_bytes 0). emulate:
+    TP of size `tp` emulated on one device (parallel.emulate_tp, parallel.data=1)."""
     fwd, bwd = codec_pair(var)
+    mesh = (["parallel.tp=0", "parallel.data=1", f"parallel.emulate_tp={tp}"] if emulate
+            else [f"parallel.tp={tp}"])
     overrides = [f"model.codec_fwd={fwd}", f"model.codec_bwd={bwd}", "model.min_bytes=0",
-                 f"parallel.tp={tp}", f"train.steps={steps}", f"train.seed={var['seed']}",
+                 *mesh, f"train.steps={steps}", f"train.seed={var['seed']}",
                  f"train.run_dir={run_dir}", f"train.progress={str(progress).lower()}",
                  *extra]
     if var["feedback"]:
@@ -201,7 +204,8 @@ def run_variant(var: dict, args, budget: _Budget) -> dict | None:
         return rec
     run_dir = run_dir_of(args.out_dir, var["name"])
     diverged_f = run_dir / "diverged.json"
-    overrides = variant_overrides(var, args.tp, args.steps, run_dir, args.progress, args.set)
+    overrides = variant_overrides(var, args.tp, args.steps, run_dir, args.progress, args.set,
+                                  emulate=getattr(args, "emulate", False))
     cfg = config_lib.load_config(args.config, overrides)
     resume = (run_dir / "ckpt").exists()
     print(f"[ablation] {var['name']}: {'resuming' if resume else 'training'} in {run_dir}",
