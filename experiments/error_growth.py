@@ -358,7 +358,6 @@ def main(argv=None) -> dict:
            "batch_size": cfg.train.batch_size, "rows": rows, "spread": spreads, "env": facts}
     if args.json:
         write_json(args.json, out)
-        print(f"wrote {args.json}")
     if args.plot:
         title = (f"error growth with P: {cfg.name} GPT ({cfg.model.n_layer}x{cfg.model.d_model},"
                  f" {first.dtype}) after {step} steps, partials of a TP{args.tp_max} "

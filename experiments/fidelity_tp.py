@@ -33,8 +33,9 @@ Resumable: finished runs (and their scores, `val_eval.json` in the run dir) are 
 an interrupted run resumes from its checkpoint; diverged runs (NaN loss) are recorded once.
 Rows already in the JSON whose run dir is not on this machine are kept (a study spread over
 several machines or calls), if they were made with the same preset, steps, TP and corpus.
-`--budget-s S` stops cleanly after S seconds, and does not start a run that the time left
-cannot finish (estimated from the wall time of finished runs of the same codec).
+`--budget-s S` stops cleanly S seconds after the driver starts (tokenizing the corpus
+included), and does not start a run that the time left cannot finish (estimated from the
+wall time of finished runs of the same codec, else of any).
 Error feedback (`+feedback`) is not supported under emulated TP: such runs are listed under
 `not_run`, with the reason.
 
@@ -337,6 +338,7 @@ def main(argv=None) -> dict:
     p.add_argument("--progress", action="store_true", help="tqdm bar per run")
     args = p.parse_args(argv)
     t_start = time.monotonic()
+    budget = ablation._Budget(args.budget_s)    # counts from here: tokenizing included
     args.commit = ablation._commit()
     args.trained_here, args.old_meta, args.emulate = False, None, True
     args.config = args.preset
@@ -369,7 +371,6 @@ def main(argv=None) -> dict:
     not_run = [{"config": c, "reason": "model.feedback is not supported with emulated TP "
                                        "(parallel.emulate_tp); run it on a TP mesh"}
                for c in dict.fromkeys(v["name"].partition("@")[0] for v in runs if v["feedback"])]
-    budget = ablation._Budget(args.budget_s)
     stopped = False
     for var in runs:
         if var["feedback"]:
