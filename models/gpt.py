@@ -53,6 +53,7 @@ import taco_jax
 
 TP = "tp"  # mesh axis of tensor parallelism
 DATA = "data"  # mesh axis of data parallelism
+PIPE = "pipe"  # mesh axis of pipeline parallelism (models/pipeline.py)
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -333,36 +334,54 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """`rngs`: nnx.Rngs (jax.random init) or a numpy Generator (host init, no compilation)."""
+    """`rngs`: nnx.Rngs (jax.random init) or a numpy Generator (host init, no compilation).
+    `layers`: the blocks this module holds (default model.n_layer); a pipeline's module of
+    embeddings and head holds none, its blocks living in stacked per-stage arrays
+    (models/parallel.py)."""
 
-    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs | np.random.Generator):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs | np.random.Generator,
+                 layers: int | None = None):
         self.cfg = cfg
         self.wte = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02))
         self.wpe = nnx.Param(_normal(rngs, (cfg.seq_len, cfg.d_model), 0.01))
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
+        n = cfg.n_layer if layers is None else layers
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(n)])
         self.ln_f = LayerNorm(cfg)
         self.lm_head = nnx.Param(_normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02),
                                  pspec=(None, TP))
 
+    def embed(self, tokens):
+        """tokens (B, T) int32 -> the residual stream (B, T, d) fp32, as in AMP."""
+        t = tokens.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} > model.seq_len={self.cfg.seq_len}")
+        return self.wte[...][tokens] + self.wpe[...][:t]
+
+    def head(self, x):
+        """Stream (B, T, d) -> local logits (B, T, V/tp) fp32: final LayerNorm, the LM
+        head's f, the vocab-parallel matmul."""
+        x = taco_jax.pvary(self.ln_f(x), TP, codec=self.cfg.head_codec, **self.cfg.comm)
+        return self.logits(x)
+
+    def logits(self, x):
+        """f's output (B, T, d), varying over "tp" -> this device's vocab shard of logits."""
+        return jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(self.cfg.compute_dtype),
+                          preferred_element_type=jnp.float32)
+
     def __call__(self, tokens):
         """tokens (B, T) int32 -> local logits (B, T, V/tp) fp32, vocab shard of this device."""
-        cfg, dt = self.cfg, self.cfg.compute_dtype
-        t = tokens.shape[1]
-        if t > cfg.seq_len:
-            raise ValueError(f"sequence length {t} > model.seq_len={cfg.seq_len}")
-        x = self.wte[...][tokens] + self.wpe[...][:t]  # (B, T, d) fp32, as in AMP
+        cfg = self.cfg
+        x = self.embed(tokens)
         if cfg.feedback:  # per-pass state: zeros here, dropped at the end (docs/training.md)
             state = feedback_zeros(x)
             for block in self.blocks:
                 x, state = block(x, state)
             # f of the LM head: first backward site
             x, _ = f_site(x, self.ln_f, cfg, state, codec=cfg.head_codec)
-        else:
-            for block in self.blocks:
-                x = block(x)
-            x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.head_codec, **cfg.comm)  # f, LM head
-        return jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(dt),
-                          preferred_element_type=jnp.float32)
+            return self.logits(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
     def loss(self, tokens, targets):
         """Mean next-token cross-entropy over this device's tokens (invariant over "tp")."""

@@ -8,6 +8,10 @@ the last stage holds every output. Autodiff of the scan runs the schedule backwa
 cotangents travel from stage s + 1 to s through ppermute's transpose (the reverse
 permutation, compressed alike). Idle ticks (the bubble: (S − 1)/(M + S − 1) of the
 ticks) compute on zeros and are masked out of the result.
+
+The tick body is traced once and runs M + S − 1 times per call; `telemetry.sites()` counts
+traced calls, so the sites traced inside it are counted M + S − 1 times (the call-site
+report and the bytes a step sends then count what really runs).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import taco_jax
+from taco_jax import telemetry
 
 PIPE = "pipe"
 
@@ -27,11 +32,36 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def _varying(x, axis: str):
+def vma(x) -> frozenset:
+    """The mesh axes x varies over (empty outside shard_map or with check_vma=False)."""
     mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    if mat is None or axis in mat.varying:       # check_vma off, or already varying
+    return frozenset() if mat is None else frozenset(mat.varying)
+
+
+def vary(x, axes) -> jax.Array:
+    """x made varying over `axes` (those it does not vary over yet; identity with
+    check_vma=False, where nothing is marked varying)."""
+    if getattr(jax.typeof(x), "manual_axis_type", None) is None:
         return x
-    return lax.pcast(x, axis, to="varying")
+    missing = tuple(a for a in axes if a not in vma(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _count_sites(fn: Callable, times: int) -> Callable:
+    """fn, whose taco_jax sites are counted `times` per trace instead of once."""
+    if times <= 1:
+        return fn
+
+    def counted(*args):
+        before = dict(telemetry.sites())
+        out = fn(*args)
+        for s, n in telemetry.sites():
+            for _ in range((n - before.get(s, 0)) * (times - 1)):
+                telemetry.note_site(s.op, s.shape, s.dtype, s.axes, s.codec,
+                                    None if s.compressed else s.reason, s.p,
+                                    s.transport or "lax")
+        return out
+    return counted
 
 
 def gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], params, microbatches: jax.Array,
@@ -40,12 +70,17 @@ def gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], params, microbatches:
 
     microbatches: (M, *shape), read by stage 0 (every stage may hold them). Returns
     (M, *shape): the last stage's outputs on the last stage, zeros on the others (so a
-    psum over `axis` of anything computed from it counts it once)."""
+    psum over `axis` of anything computed from it counts it once).
+
+    Under check_vma the hand-offs vary over `axis` and over the axes `microbatches` varies
+    over; `stage_fn`'s output may vary over fewer (a psum inside it: it is cast up), not
+    over more (make the micro-batches vary over those axes first)."""
     n_stages, stage = lax.axis_size(axis), lax.axis_index(axis)
     m = microbatches.shape[0]
     perm = [(i, i + 1) for i in range(n_stages - 1)]
     last = stage == n_stages - 1
-    zero = jnp.zeros(microbatches.shape[1:], microbatches.dtype)
+    carry_axes = tuple(sorted(vma(microbatches) | vma(stage), key=str))
+    zero = vary(jnp.zeros(microbatches.shape[1:], microbatches.dtype), carry_axes)
 
     def tick(carry, t):
         arriving, outs = carry
@@ -54,6 +89,12 @@ def gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], params, microbatches:
                                             keepdims=False)
         x = jnp.where(stage == 0, first_in, arriving)
         y = stage_fn(params, x)
+        extra = vma(y) - set(carry_axes)
+        if extra:
+            raise ValueError(f"gpipe: the stage's output varies over {sorted(extra)}, its "
+                             f"input over {sorted(carry_axes)} only: make the micro-batches "
+                             f"vary over those axes too (lax.pcast(..., to='varying'))")
+        y = vary(y, carry_axes)
         valid = (mb >= 0) & (mb < m)
         slot = jnp.clip(mb, 0, m - 1)
         kept = lax.dynamic_index_in_dim(outs, slot, 0, keepdims=False)
@@ -62,6 +103,7 @@ def gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], params, microbatches:
                                  min_bytes=min_bytes)
         return (sent, outs), None
 
-    init = (_varying(zero, axis), _varying(jnp.zeros_like(microbatches), axis))
-    (_, outs), _ = lax.scan(tick, init, jnp.arange(m + n_stages - 1))
+    ticks = m + n_stages - 1
+    init = (zero, vary(jnp.zeros_like(microbatches), carry_axes))
+    (_, outs), _ = lax.scan(_count_sites(tick, ticks), init, jnp.arange(ticks))
     return outs

@@ -152,7 +152,7 @@ def test_default_codecs_follow_the_recipe():
         before = dict(taco_jax.telemetry.sites())
         jax.eval_shape(model.loss_and_grad_fn(), model.abstract_params(), x, x)
         return {(s.op, s.codec, s.compressed) for s, n in taco_jax.telemetry.sites()
-                if n > before.get(s, 0)}
+                if n > before.get(s, 0) and s.axes == ("tp",)}
 
     with taco_jax.config(codec="taco", min_bytes=0):
         assert sites(default) == {("psum", "taco", True), ("pvary", "taco", True)}
@@ -177,8 +177,12 @@ def test_bad_meshes_fail_clearly():
         parallel.mesh_shape(8, tp=4, data=3)
     with pytest.raises(ValueError, match="needs 16 devices but only 8 cpu devices"):
         parallel.make_mesh(4, 4)
-    assert parallel.mesh_shape(8, tp=0, data=2) == (2, 4)
-    assert parallel.mesh_shape(8, tp=2, data=0) == (4, 2)
+    assert parallel.mesh_shape(8, tp=0, data=2) == (2, 1, 4)    # (data, pipe, tp)
+    assert parallel.mesh_shape(8, tp=2, data=0) == (4, 1, 2)
+    assert parallel.mesh_shape(8, tp=0, data=2, pipe=2) == (2, 2, 2)
+    assert parallel.mesh_shape(8, tp=2, data=0, pipe=2) == (2, 2, 2)
+    with pytest.raises(ValueError, match="mesh data=2 x pipe=2 x tp=4 needs 16 devices"):
+        parallel.mesh_shape(8, tp=4, data=2, pipe=2)
     with pytest.raises(ValueError, match="model.n_head=4 is not divisible by tp=8"):
         parallel.shard_gpt(CFG, parallel.make_mesh(1, 8))
     with pytest.raises(ValueError, match="train.batch_size=3 must be a positive multiple of"

@@ -3,7 +3,9 @@ overrides.
 
     cfg = load_config("tiny", ["model.n_layer=2", "codec=none"])   # or a YAML path
 
-`codec=X` is shorthand for `model.codec_fwd=X model.codec_bwd=X`. Values are parsed as YAML
+`codec=X` is shorthand for every axis at once: `model.codec_fwd=X model.codec_bwd=X` (tensor
+parallelism), `recipe.codec_pp=X` (pipeline hand-offs) and `recipe.codec_dp=X` (data-parallel
+gradients), so `codec=none` is the exact baseline. Values are parsed as YAML
 (`train.steps=50`, `data.paths=[a.txt, b/]`). Unknown keys and mistyped values raise ValueError
 naming them; `Config.validate` checks everything that does not need devices.
 """
@@ -19,6 +21,7 @@ import yaml
 
 import taco_jax
 from models.gpt import GPTConfig, codec_name
+from models.parallel import check_pipeline
 
 
 class _Loader(yaml.SafeLoader):
@@ -54,8 +57,10 @@ def preset_names() -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    tp: int = 0  # tensor-parallel size; 0 = all devices not used by `data`
-    data: int = 1  # data-parallel size; 0 = all devices not used by `tp`
+    tp: int = 0  # tensor-parallel size; 0 = all devices not used by `data` and `pipe`
+    data: int = 1  # data-parallel size; 0 = all devices not used by `tp` and `pipe`
+    pipe: int = 1  # pipeline stages (GPipe); model.n_layer must be divisible by it
+    microbatches: int = 1  # GPipe micro-batches per data shard's batch (with pipe > 1)
     cpu_devices: int = 4  # simulated CPU devices when JAX runs on CPU (set before backend start)
     # > 0: tensor parallelism of this size emulated on each device (jax.vmap over the shards,
     # the same compression sites as on that many devices); the mesh is then data only
@@ -67,10 +72,24 @@ class RecipeConfig:
     """The `taco_jax.config` recipe every jitted function of the run is traced under; the
     model's codec_* and min_bytes fields, when set, override it per site."""
 
-    codec: str = "taco"  # codec of the all-reduces whose model.codec_* is ""
-    min_bytes: int = -1  # all-reduces smaller than this stay lax.psum; -1 = taco_jax's default
+    codec: str = "taco"  # the default codec: TP sites whose model.codec_* is "", and below
+    codec_pp: str = ""  # pipeline stage hand-offs (activations, cotangents); "" = codec
+    # data-parallel gradient all-reduce; "" = codec. Exact unless asked: gradients feed the
+    # optimizer directly, and runs saved before the field existed resume unchanged
+    codec_dp: str = "none"
+    min_bytes: int = -1  # collectives smaller than this stay lax's; -1 = taco_jax's default
     # kernels: auto (Pallas on GPU, jnp elsewhere) | pallas | interpret | reference
     backend: str = "auto"
+
+    @property
+    def pp_codec(self) -> str:
+        """The codec of the pipeline hand-offs in effect."""
+        return self.codec_pp or self.codec
+
+    @property
+    def dp_codec(self) -> str:
+        """The codec of the data-parallel gradient all-reduce in effect."""
+        return self.codec_dp or self.codec
 
     def fields(self) -> dict:
         """Keyword arguments of taco_jax.config."""
@@ -81,10 +100,13 @@ class RecipeConfig:
         return taco_jax.config(**self.fields())
 
     def validate(self) -> "RecipeConfig":
-        try:
-            taco_jax.codecs.get(self.codec)
-        except ValueError as e:
-            raise ValueError(f"recipe.codec={self.codec!r}: {e}") from None
+        for name in ("codec", "codec_pp", "codec_dp"):
+            if not getattr(self, name) and name != "codec":
+                continue
+            try:
+                taco_jax.codecs.get(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"recipe.{name}={getattr(self, name)!r}: {e}") from None
         if self.min_bytes < -1:
             raise ValueError(f"recipe.min_bytes={self.min_bytes} must be >= 0, or -1 for the "
                              f"taco_jax default")
@@ -168,8 +190,12 @@ class Config:
         if pa.emulate_tp and pa.tp not in (0, 1):
             raise ValueError(f"parallel.emulate_tp={pa.emulate_tp} emulates tensor parallelism "
                              f"on each device; it cannot be combined with parallel.tp={pa.tp}")
+        for name in ("tp", "data"):
+            if getattr(pa, name) < 0:
+                raise ValueError(f"parallel.{name}={getattr(pa, name)} must be >= 0 (0 = auto)")
         with self.recipe.validate().context():  # the model's "" codecs are the recipe's
             self.model.validate(tp=pa.emulate_tp or pa.tp or 1)
+            check_pipeline(self.model, pa.pipe, pa.microbatches, pa.emulate_tp)
         t, o, d = self.train, self.optim, self.data
         for name in ("steps", "batch_size", "log_every", "eval_batches", "keep"):
             if getattr(t, name) <= 0:
@@ -198,11 +224,13 @@ class Config:
         return self
 
     def codecs(self) -> dict:
-        """Names of the codecs in effect at the model's sites: {"fwd", "bwd", "head"}."""
+        """Names of the codecs in effect: {"fwd", "bwd", "head"} at the model's TP sites,
+        "pp" at the pipeline hand-offs, "dp" at the data-parallel gradient all-reduce."""
         with self.recipe.context():
             m = self.model
             return {"fwd": codec_name(m.fwd_codec), "bwd": codec_name(m.bwd_codec),
-                    "head": codec_name(m.head_codec)}
+                    "head": codec_name(m.head_codec), "pp": self.recipe.pp_codec,
+                    "dp": self.recipe.dp_codec}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -263,6 +291,10 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# what `codec=X` sets: one codec on every axis of the mesh
+SHORTHAND_FIELDS = ("model.codec_fwd", "model.codec_bwd", "recipe.codec_pp", "recipe.codec_dp")
+
+
 def parse_overrides(overrides: Iterable[str]) -> dict:
     """["model.n_layer=2", "codec=none"] -> nested dict of YAML-parsed values."""
     tree: dict = {}
@@ -271,9 +303,9 @@ def parse_overrides(overrides: Iterable[str]) -> dict:
             raise ValueError(f"override {item!r} must look like key=value (e.g. train.steps=50)")
         key, raw = item.split("=", 1)
         value = read_yaml(raw) if raw else ""
-        if key == "codec":  # shorthand: both directions
-            _set_dotted(tree, "model.codec_fwd", value)
-            _set_dotted(tree, "model.codec_bwd", value)
+        if key == "codec":  # shorthand: every axis (both TP directions, pipeline, data)
+            for field in SHORTHAND_FIELDS:
+                _set_dotted(tree, field, value)
         else:
             _set_dotted(tree, key, value)
     return tree

@@ -1,4 +1,5 @@
-"""The training program: jitted train step on a ("data", "tp") mesh, and the loop around it.
+"""The training program: jitted train step on a ("data", "pipe", "tp") mesh, and the loop
+around it.
 
     from train import run, load_config
     summary = run(load_config("tiny", ["train.steps=20", "codec=none"]))
@@ -53,13 +54,15 @@ def setup_backend(cfg: Config) -> None:
 
 
 def build_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
-    """The ("data", "tp") mesh `cfg.parallel` asks for, on the default backend's devices
-    (with parallel.emulate_tp: a ("data",) mesh, tensor parallelism emulated per device)."""
+    """The ("data", "pipe", "tp") mesh `cfg.parallel` asks for, on the default backend's
+    devices (with parallel.emulate_tp: a ("data",) mesh, tensor parallelism emulated per
+    device)."""
     devices = list(jax.devices() if devices is None else devices)
-    if cfg.parallel.emulate_tp:
-        return parallel.make_emulation_mesh(cfg.parallel.data or len(devices), devices)
-    data, tp = parallel.mesh_shape(len(devices), cfg.parallel.tp, cfg.parallel.data)
-    return parallel.make_mesh(data, tp, devices)
+    pa = cfg.parallel
+    if pa.emulate_tp:
+        return parallel.make_emulation_mesh(pa.data or len(devices), devices)
+    data, pipe, tp = parallel.mesh_shape(len(devices), pa.tp, pa.data, pa.pipe)
+    return parallel.make_mesh(data, tp, devices, pipe=pipe)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,8 +128,11 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
     Raises ValueError before anything compiles if the config does not fit the mesh."""
     cfg.validate()
     with cfg.recipe.context():  # the model's checks read the codecs the recipe gives it
-        model = parallel.shard_gpt(cfg.model, mesh, emulate_tp=cfg.parallel.emulate_tp)
-    parallel.check_batch(cfg.train.batch_size, cfg.model.seq_len, cfg.model, mesh)
+        model = parallel.shard_gpt(cfg.model, mesh, emulate_tp=cfg.parallel.emulate_tp,
+                                   microbatches=cfg.parallel.microbatches,
+                                   codec_dp=cfg.recipe.dp_codec, codec_pp=cfg.recipe.pp_codec)
+    parallel.check_batch(cfg.train.batch_size, cfg.model.seq_len, cfg.model, mesh,
+                         cfg.parallel.microbatches)
     tx, schedule = make_optimizer(cfg)
     replicated = NamedSharding(mesh, P())
     param_sh = model.shardings
@@ -253,9 +259,13 @@ def sites_report(sites: list[tuple[telemetry.Site, int]]) -> str:
     return "\n".join(f"{n:>4} × {s.describe()}" for s, n in sites)
 
 
-def step_wire_bytes(sites: list[tuple[telemetry.Site, int]]) -> int:
-    """Bytes one device sends per train step through these sites."""
-    return sum(telemetry.wire_bytes(s) * n for s, n in sites)
+def step_wire_bytes(sites: list[tuple[telemetry.Site, int]], backward: bool = True) -> int:
+    """Bytes one device sends per train step through these sites. A site is one call: an
+    all-reduce (psum forward, pvary backward) or a send; with `backward` (a training step)
+    every ppermute also sends its cotangent back (its transpose, through the same codec),
+    which the site, noted in the forward pass, does not count."""
+    return sum(telemetry.wire_bytes(s) * n * (2 if backward and s.op == "ppermute" else 1)
+               for s, n in sites)
 
 
 class CodecErrorProbe:
@@ -362,10 +372,13 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
                            enabled=lead)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
     if lead:
+        pipe = (f" x pipe={prog.model.pipe} ({prog.model.microbatches} micro-batches, bubble "
+                f"{prog.model.bubble_fraction:.0%})" if prog.model.pipe > 1 else "")
         print(f"[train] {cfg.name}: {n_params / 1e6:.2f}M params, mesh data={mesh.shape['data']}"
-              f" x tp={prog.model.tp}{' (emulated)' if prog.model.emulate_tp else ''} on "
+              f"{pipe} x tp={prog.model.tp}{' (emulated)' if prog.model.emulate_tp else ''} on "
               f"{jax.devices()[0].platform}, codec fwd="
-              f"{codecs['fwd']} bwd={codecs['bwd']} head={codecs['head']}"
+              f"{codecs['fwd']} bwd={codecs['bwd']} head={codecs['head']} pp={codecs['pp']} "
+              f"dp={codecs['dp']}"
               + (", error feedback" if cfg.model.feedback else "") + f", run dir {run_dir}"
               + (f", resumed at step {start}" if resumed_from is not None else ""), flush=True)
 
@@ -473,10 +486,12 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
         "step_time_s": step_time,
         "tokens_per_s": tokens_per_step / step_time if step_time else None,
         "compile_s": compile_s, "params": n_params,
-        "mesh": {"data": mesh.shape["data"], "tp": prog.model.tp,
+        "mesh": {"data": prog.model.data, "pipe": prog.model.pipe, "tp": prog.model.tp,
                  "emulated_tp": bool(prog.model.emulate_tp)},
+        "microbatches": prog.model.microbatches, "bubble_fraction": prog.model.bubble_fraction,
         "platform": jax.devices()[0].platform, "devices": jax.device_count(),
         "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
+        "codec_pp": codecs["pp"], "codec_dp": codecs["dp"],
         "feedback": cfg.model.feedback, "wire_bytes_per_step": wire_bytes,
         "sites": {"compressed": sum(n for s, n in step_sites or () if s.compressed),
                   "plain": sum(n for s, n in step_sites or () if not s.compressed)},
