@@ -34,7 +34,8 @@ import taco_jax
 from bench.common import env_facts, print_table, write_json
 from models import parallel, pipeline
 from train import config as config_lib
-from train.loop import build_mesh, make_train_step, step_wire_bytes, traced_sites
+from train.loop import (build_mesh, make_train_step, setup_backend, step_wire_bytes,
+                        traced_sites)
 
 AXES = ("tp", "pp", "dp")
 ALIASES = {"2d": ("dp", "pp"), "3d": ("dp", "pp", "tp")}
@@ -68,6 +69,7 @@ def variant_overrides(variant: str, codecs: dict) -> list[str]:
 def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str]) -> dict:
     overrides = ["train.progress=false", *extra, *variant_overrides(variant, codecs)]
     cfg = config_lib.load_config(preset, overrides)
+    setup_backend(cfg)   # parallel.cpu_devices on CPU (before JAX starts; later: kept)
     mesh = build_mesh(cfg)
     init, step = make_train_step(cfg, mesh)
     state = init(cfg.train.seed)
