@@ -10,7 +10,8 @@ A variant is `SPEC` or `SPEC@min_bytes`:
   a codec name  that codec on every axis, as `codec=NAME` (`taco`, `taco@default`);
   axes          `tp`, `pp`, `dp` joined by `+` (`dp+pp`; `2d` = dp+pp, `3d` = dp+pp+tp):
                 those axes compressed with --codec-tp / --codec-pp / --codec-dp, the others
-                exact.
+                exact;
+  ...+sp        any of these with Megatron sequence parallelism (`sp` alone: none+sp).
 min_bytes: 0 (the default) compresses every collective, `default` leaves the library's size
 threshold. Each variant is set as the run's recipe and model codec fields, compiles once,
 runs 2 warm-up steps, then `--steps` timed steps on fixed random tokens (speed does not
@@ -18,8 +19,10 @@ depend on the text). `--mesh` (default: the preset's parallel.*; `--tp N` sets t
 and `--microbatches` (default: the preset's) apply to every variant.
 
 Writes bench/results/train_step.json: per row tokens/s, step time, speedup against the
-"none" row of the same preset, the pipeline's bubble fraction, and the bytes each device
-sends per step (`telemetry.wire_bytes` over the step's call sites).
+"none" row of the same preset, the pipeline's bubble fraction, the bytes each device sends
+per step (`telemetry.wire_bytes` over the step's call sites) and the compiled step's
+temporary memory per device (`temp_mib`: activations kept for the backward pass and work
+buffers, from XLA's memory analysis).
 """
 from __future__ import annotations
 
@@ -34,15 +37,15 @@ import taco_jax
 from bench.common import env_facts, print_table, write_json
 from models import parallel, pipeline
 from train import config as config_lib
-from train.loop import (build_mesh, make_train_step, setup_backend, step_wire_bytes,
-                        traced_sites)
+from train.loop import (build_mesh, make_train_step, setup_backend, step_memory,
+                        step_wire_bytes, traced_sites)
 
 AXES = ("tp", "pp", "dp")
 ALIASES = {"2d": ("dp", "pp"), "3d": ("dp", "pp", "tp")}
 
 
 def variant_codecs(spec: str, codec_tp: str, codec_pp: str, codec_dp: str) -> dict:
-    """A variant's SPEC (without @min_bytes) -> {"tp", "pp", "dp"} codec names."""
+    """A variant's SPEC (without @min_bytes and +sp) -> {"tp", "pp", "dp"} codec names."""
     if spec == "none" or spec in taco_jax.codecs.names():
         return dict.fromkeys(AXES, spec)
     axes = ALIASES.get(spec) or tuple(spec.split("+"))
@@ -55,11 +58,20 @@ def variant_codecs(spec: str, codec_tp: str, codec_pp: str, codec_dp: str) -> di
     return {a: chosen[a] if a in axes else "none" for a in AXES}
 
 
+def split_variant(variant: str) -> tuple[str, bool, str]:
+    """'3d+sp@default' -> ('3d', True, 'default'): the codec spec, sequence parallelism,
+    min_bytes."""
+    spec, _, min_bytes = variant.partition("@")
+    sp = spec == "sp" or spec.endswith("+sp")
+    spec = "none" if spec == "sp" else spec.removesuffix("+sp")
+    return spec, sp, min_bytes
+
+
 def variant_overrides(variant: str, codecs: dict) -> list[str]:
     """Config overrides of one variant: its codecs per axis, the model's fields following
-    the TP one, and its min_bytes for every collective."""
-    min_bytes = variant.partition("@")[2]
-    return [f"recipe.codec={codecs['tp']}", f"model.codec_fwd={codecs['tp']}",
+    the TP one, sequence parallelism, and its min_bytes for every collective."""
+    _, sp, min_bytes = split_variant(variant)
+    return [f"model.sequence_parallel={str(sp).lower()}",f"recipe.codec={codecs['tp']}", f"model.codec_fwd={codecs['tp']}",
             f"model.codec_bwd={codecs['tp']}", "model.codec_head=",
             f"recipe.codec_pp={codecs['pp']}", f"recipe.codec_dp={codecs['dp']}",
             "model.min_bytes=-1",
@@ -81,6 +93,7 @@ def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str
     (state, m), sites = traced_sites(step, state, x, y)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
+    memory = step_memory(step, state, x, y) or {}
     for _ in range(2):
         state, m = step(state, x, y)
     jax.block_until_ready(m)
@@ -97,12 +110,14 @@ def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str
             "mesh": f"{shape_of['data']}x{pipe}x{shape_of.get('tp', cfg.parallel.emulate_tp)}",
             "microbatches": cfg.parallel.microbatches, "variant": variant,
             "codec_tp": codecs["tp"], "codec_pp": codecs["pp"], "codec_dp": codecs["dp"],
-            "min_bytes": variant.partition("@")[2] or "0",
+            "min_bytes": split_variant(variant)[2] or "0",
             "tokens_per_s": round(shape[0] * shape[1] / step_s),
             "step_ms": round(step_s * 1e3, 2),
             "bubble_fraction": round(pipeline.bubble_fraction(
                 pipe, cfg.parallel.microbatches), 4),
             "compile_s": round(compile_s, 1),
+            "sequence_parallel": cfg.model.sequence_parallel,
+            "temp_mib": round(memory["temp"] / 2**20, 2) if memory else None,
             "wire_mib_per_step": round(step_wire_bytes(sites) / 2**20, 3),
             "compressed_sites": sum(n for s, n in sites if s.compressed),
             "loss_after_warmup": round(float(m["loss"]), 4)}
@@ -141,7 +156,7 @@ def main(argv=None):
     if args.microbatches is not None:
         extra.append(f"parallel.microbatches={args.microbatches}")
     extra += args.set
-    plans = [(v, variant_codecs(v.partition("@")[0], args.codec_tp, args.codec_pp,
+    plans = [(v, variant_codecs(split_variant(v)[0], args.codec_tp, args.codec_pp,
                                 args.codec_dp)) for v in args.variants]   # bad names: now
     rows = []
     for preset in args.presets:

@@ -79,6 +79,9 @@ class GPTConfig:
     feedback: bool = False  # Echo error feedback at the compressed forward sites (docs/echo.md)
     # also at the backward sites: more accurate per step, yet worse training (docs/echo.md)
     feedback_bwd: bool = False
+    # Megatron sequence parallelism: LayerNorms and the residual stream split along the
+    # sequence over "tp"; each TP all-reduce becomes a reduce-scatter and an all-gather
+    sequence_parallel: bool = False
 
     @property
     def comm(self) -> dict:
@@ -161,6 +164,12 @@ class GPTConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)!r}: {e}") from None
         if self.feedback_bwd and not self.feedback:
             raise ValueError("model.feedback_bwd=True needs model.feedback=True")
+        if self.sequence_parallel and self.seq_len % tp:
+            raise ValueError(f"model.seq_len={self.seq_len} is not divisible by tp={tp}: "
+                             f"model.sequence_parallel splits the sequence over 'tp'")
+        if self.sequence_parallel and self.feedback:
+            raise ValueError("model.feedback=True is not supported with "
+                             "model.sequence_parallel=True")
         if self.feedback and not (self.compresses("fwd") or self.bwd_feedback):
             raise ValueError(f"model.feedback=True needs a compressing codec, but the forward "
                              f"codec {codec_name(self.fwd_codec)!r} (model.codec_fwd="
@@ -210,10 +219,21 @@ class LayerNorm(nnx.Module):
 
 class _TPSublayer:
     """Megatron sub-layer: f (pvary) → this device's partial sum → g (psum) → + bias.
-    Subclasses give `partial(x)` and `bias(dtype)`."""
+    Subclasses give `partial(x)` and `bias(dtype)`.
 
-    def __call__(self, x):  # x: (B, T, d), invariant over "tp"
+    With sequence parallelism x is this device's part of the sequence, (B, T/tp, d): f is
+    the all-gather of the sequence (backward: the reduce-scatter of its cotangent), g the
+    reduce-scatter of the partial sums back to the parts (backward: an all-gather). Each
+    pair shares its site's codec: codec_bwd at f, codec_fwd at g."""
+
+    def __call__(self, x):  # x: (B, T, d), invariant over "tp"; (B, T/tp, d) with SP
         cfg, dt = self.cfg, self.cfg.compute_dtype
+        if cfg.sequence_parallel:
+            x = taco_jax.all_gather(x, TP, axis=1, tiled=True, codec=cfg.bwd_codec,
+                                    **cfg.comm)
+            y = taco_jax.psum_scatter(self.partial(x), TP, scatter_dimension=1, tiled=True,
+                                      codec=cfg.fwd_codec, **cfg.comm)
+            return y + self.bias(dt)
         x = taco_jax.pvary(x, TP, codec=cfg.bwd_codec, **cfg.comm)  # Megatron f
         y = taco_jax.psum(self.partial(x), TP, codec=cfg.fwd_codec, **cfg.comm)  # Megatron g
         return y + self.bias(dt)
@@ -351,16 +371,33 @@ class GPT(nnx.Module):
                                  pspec=(None, TP))
 
     def embed(self, tokens):
-        """tokens (B, T) int32 -> the residual stream (B, T, d) fp32, as in AMP."""
+        """tokens (B, T) int32 -> the residual stream (B, T, d) fp32, as in AMP; with
+        sequence parallelism this device's part of it, (B, T/tp, d) (its tokens are
+        embedded: the embeddings' gradients are then summed over "tp" as the other
+        replicated parameters' are, rather than the stream's cotangent)."""
         t = tokens.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} > model.seq_len={self.cfg.seq_len}")
-        return self.wte[...][tokens] + self.wpe[...][:t]
+        if not self.cfg.sequence_parallel:
+            return self.wte[...][tokens] + self.wpe[...][:t]
+        n = lax.axis_size(TP)
+        if t % n:
+            raise ValueError(f"sequence length {t} is not divisible by tp={n} "
+                             f"(model.sequence_parallel)")
+        start = lax.axis_index(TP) * (t // n)
+        tokens = lax.dynamic_slice_in_dim(tokens, start, t // n, axis=1)
+        return self.wte[...][tokens] + lax.dynamic_slice_in_dim(self.wpe[...], start, t // n)
 
     def head(self, x):
         """Stream (B, T, d) -> local logits (B, T, V/tp) fp32: final LayerNorm, the LM
-        head's f, the vocab-parallel matmul."""
-        x = taco_jax.pvary(self.ln_f(x), TP, codec=self.cfg.head_codec, **self.cfg.comm)
+        head's f (with sequence parallelism the all-gather of the sequence), the
+        vocab-parallel matmul."""
+        cfg = self.cfg
+        if cfg.sequence_parallel:
+            x = taco_jax.all_gather(self.ln_f(x), TP, axis=1, tiled=True,
+                                    codec=cfg.head_codec, **cfg.comm)
+        else:
+            x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.head_codec, **cfg.comm)
         return self.logits(x)
 
     def logits(self, x):

@@ -325,14 +325,15 @@ class PipelinedGPT(ShardedGPT):
         """-> (ends module, the pipeline's output stream (B, T, d): real on the last stage,
         zeros on the others)."""
         ends = self.bind(params)
-        b, t = tokens.shape
+        b = tokens.shape[0]
         m = self.microbatches
         if b % m:
             raise ValueError(f"{b} sequences per data shard cannot be split into "
                              f"parallel.microbatches={m} micro-batches")
-        x = ends.embed(tokens).reshape(m, b // m, t, self.cfg.d_model)
-        y = pipeline.gpipe(self._stage, params["blocks"], x, axis=PIPE, codec=self.codec_pp)
-        return ends, y.reshape(b, t, self.cfg.d_model)
+        x = ends.embed(tokens)          # (b, t, d); (b, t/tp, d) with sequence parallelism
+        y = pipeline.gpipe(self._stage, params["blocks"], x.reshape(m, b // m, *x.shape[1:]),
+                           axis=PIPE, codec=self.codec_pp)
+        return ends, y.reshape(x.shape)
 
     def _is_last(self):
         return lax.axis_index(PIPE) == self.pipe - 1
@@ -426,6 +427,9 @@ def shard_gpt(cfg: GPTConfig, mesh: jax.sharding.Mesh, emulate_tp: int = 0, *,
     if emulate_tp and cfg.feedback:
         raise ValueError("model.feedback=True is not supported with emulated tensor "
                          "parallelism (parallel.emulate_tp); run it on a TP mesh")
+    if emulate_tp and cfg.sequence_parallel:
+        raise ValueError("model.sequence_parallel=True is not supported with emulated "
+                         "tensor parallelism (parallel.emulate_tp); run it on a TP mesh")
     pipe = int(dict(mesh.shape).get(PIPE, 1))
     check_pipeline(cfg, pipe, microbatches)
     cfg.validate(tp=emulate_tp or mesh.shape[TP])

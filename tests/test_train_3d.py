@@ -81,6 +81,7 @@ def test_3d_run_resumes_bit_exactly(cache, tmp_path):  # noqa: F811
     full = train.run(cfg)
     assert full["mesh"] == {"data": 2, "pipe": 2, "tp": 2, "emulated_tp": False}
     assert full["microbatches"] == 2 and full["bubble_fraction"] == pytest.approx(1 / 3)
+    assert full["step_memory"]["temp"] > 0 and full["sequence_parallel"] is False
     assert (full["codec_fwd"], full["codec_pp"], full["codec_dp"]) == ("none", "tah4", "none")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert all(np.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
@@ -123,6 +124,7 @@ def test_bench_compares_axes_on_a_3d_mesh(tmp_path):
     for r in (none, full):
         assert r["mesh"] == "2x2x2" and r["microbatches"] == 2
         assert r["bubble_fraction"] == pytest.approx(1 / 3, abs=1e-4) and r["tokens_per_s"] > 0
+        assert r["temp_mib"] > 0 and r["sequence_parallel"] is False
     assert none["compressed_sites"] == 0 and none["speedup_vs_none"] == 1.0
     assert (full["codec_tp"], full["codec_pp"], full["codec_dp"]) == ("taco", "tah4", "taco")
     assert full["compressed_sites"] > 0

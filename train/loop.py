@@ -259,13 +259,33 @@ def sites_report(sites: list[tuple[telemetry.Site, int]]) -> str:
     return "\n".join(f"{n:>4} × {s.describe()}" for s, n in sites)
 
 
+# ops whose transpose sends as much again through the same codec (ppermute: the reverse
+# permutation; all_gather and psum_scatter: each other); their sites are noted forward only
+_SENDS_BACK = ("ppermute", "all_gather", "psum_scatter")
+
+
 def step_wire_bytes(sites: list[tuple[telemetry.Site, int]], backward: bool = True) -> int:
     """Bytes one device sends per train step through these sites. A site is one call: an
     all-reduce (psum forward, pvary backward) or a send; with `backward` (a training step)
-    every ppermute also sends its cotangent back (its transpose, through the same codec),
-    which the site, noted in the forward pass, does not count."""
-    return sum(telemetry.wire_bytes(s) * n * (2 if backward and s.op == "ppermute" else 1)
+    a ppermute, all_gather or psum_scatter also sends its cotangent back, which its site,
+    noted in the forward pass, does not count."""
+    return sum(telemetry.wire_bytes(s) * n * (2 if backward and s.op in _SENDS_BACK else 1)
                for s, n in sites)
+
+
+def step_memory(step: Callable, *args) -> dict | None:
+    """Per-device memory of the compiled step, in bytes, from XLA's memory analysis:
+    `temp` (the activations kept for the backward pass and the work buffers), `arguments`
+    and `outputs`. Called after the step ran with arguments of the same types, the lowering
+    and the compilation come from jax's caches. None where the backend does not say."""
+    try:
+        m = step.lower(*args).compile().memory_analysis()
+    except Exception:  # noqa: BLE001 - a missing analysis must not stop a run
+        return None
+    if m is None:
+        return None
+    return {"temp": int(m.temp_size_in_bytes), "arguments": int(m.argument_size_in_bytes),
+            "outputs": int(m.output_size_in_bytes)}
 
 
 class CodecErrorProbe:
@@ -389,6 +409,7 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     step_times, compile_s, row = [], None, {}
     last_loss = val_loss = None
     step_sites, wire_bytes = None, None  # the train step's collectives, from its first trace
+    memory = None
     probe = CodecErrorProbe(prog) if t_cfg.codec_error else None
     profile = _Profile(t_cfg.profile_range(), run_dir / "profile"
                        / (f"process{jax.process_index()}" if multi else ""))
@@ -410,6 +431,7 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
                 if step_sites is None:  # traces and compiles the step
                     (state, metrics), step_sites = traced_sites(prog.step, state, *batch)
                     wire_bytes = step_wire_bytes(step_sites)
+                    memory = step_memory(prog.step, state, *batch)
                     if probe is not None and not any(s.compressed for s, _ in step_sites):
                         probe = None  # nothing compressed: no error to measure
                     if lead:
@@ -492,7 +514,8 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
         "platform": jax.devices()[0].platform, "devices": jax.device_count(),
         "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
         "codec_pp": codecs["pp"], "codec_dp": codecs["dp"],
-        "feedback": cfg.model.feedback, "wire_bytes_per_step": wire_bytes,
+        "feedback": cfg.model.feedback, "sequence_parallel": cfg.model.sequence_parallel,
+        "wire_bytes_per_step": wire_bytes, "step_memory": memory,
         "sites": {"compressed": sum(n for s, n in step_sites or () if s.compressed),
                   "plain": sum(n for s, n in step_sites or () if not s.compressed)},
     }
