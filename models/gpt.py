@@ -1,9 +1,10 @@
 """A GPT-2 style transformer in Flax NNX with Megatron tensor parallelism.
 
 The model is written for the *local* shard of one device inside `jax.shard_map` over a mesh
-with axes ("data", "tp") (see models/parallel.py). Parameters that are split over "tp" carry
-their partition as `pspec` metadata; every size the forward pass needs is read from the local
-parameter shapes, so the same code runs at TP = 1, 2, 4, ...
+with axes ("data", "pipe", "tp") (see models/parallel.py, which also pipelines the blocks
+over "pipe"). Parameters that are split over "tp" carry their partition as `pspec` metadata;
+every size the forward pass needs is read from the local parameter shapes, so the same code
+runs at TP = 1, 2, 4, ...
 
 Megatron's conjugate pair (the TACO paper's Fig. 2), per block:
   f = taco_jax.pvary(x, "tp", codec=codec_bwd)  before QKV and MLP-up (column-parallel):
@@ -12,7 +13,9 @@ Megatron's conjugate pair (the TACO paper's Fig. 2), per block:
       (compressed) all-reduce forward, identity backward.
 So each block has two compressed all-reduces forward and two backward. f and g are each
 other's transpose: the forward pass sums partial outputs, the backward pass sums partial
-input gradients, and nothing else crosses devices.
+input gradients, and nothing else crosses devices. With `sequence_parallel=True` (Megatron-SP)
+the stream between them holds this device's part of the sequence and f / g are an all-gather
+and a reduce-scatter along it (`_TPSublayer`).
 
 Codecs and the size threshold come from the `taco_jax.config` recipe active when the model
 is traced; `GPTConfig.codec_fwd` / `codec_bwd` / `codec_head` / `min_bytes`, when set,
