@@ -419,7 +419,7 @@ def test_bench_train_step_sets_the_recipe(tmp_path):
     train_step.main(["--presets", "tiny", "--variants", "taco", "taco@default", "--tp", "2",
                      "--steps", "1", "--out", str(out), "--set", "model.n_layer=1",
                      "model.d_model=32", "model.vocab_size=512", "model.seq_len=32",
-                     "train.batch_size=4", "parallel.data=1"])
+                     "train.batch_size=4", "parallel.data=1", "parallel.cpu_devices=8"])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     taco, default = rows["taco"], rows["taco@default"]
     assert taco["mesh"] == "1x1x2" and taco["codec_tp"] == taco["codec_dp"] == "taco"

@@ -76,7 +76,7 @@ def test_3d_run_resumes_bit_exactly(cache, tmp_path):  # noqa: F811
     run_dir = tmp_path / "full"
     extra = ["model.n_layer=2", "parallel.pipe=2", "parallel.microbatches=2", "codec=none",
              "recipe.codec_pp=tah4", "train.steps=4", "train.ckpt_every=2",
-             "train.eval_every=0", "train.codec_error=false"]
+             "train.eval_every=0", "train.codec_error=false", "parallel.cpu_devices=8"]
     cfg = config_lib.load_config("tiny", _overrides(cache, run_dir, *extra))
     full = train.run(cfg)
     assert full["mesh"] == {"data": 2, "pipe": 2, "tp": 2, "emulated_tp": False}
@@ -111,21 +111,35 @@ def test_3d_run_resumes_bit_exactly(cache, tmp_path):  # noqa: F811
 
 
 def test_bench_compares_axes_on_a_3d_mesh(tmp_path):
-    """python -m bench.train_step --mesh 2,2,2: no compression and all three axes, side by
-    side, each row with its tokens/s and the bubble fraction."""
+    """python -m bench.train_step --mesh 2,2,2: no compression and the pipeline compressed,
+    side by side, each row with its tokens/s, bubble fraction and step memory; the other
+    variants' codecs per axis (set as config overrides, nothing compiled)."""
     from bench import train_step
     out = tmp_path / "train_step.json"
     train_step.main(["--presets", "tiny", "--mesh", "2,2,2", "--microbatches", "2",
-                     "--variants", "none", "3d", "--steps", "1", "--out", str(out),
+                     "--variants", "none", "pp", "--steps", "1", "--out", str(out),
                      "--set", "model.n_layer=2", "model.d_model=32", "model.vocab_size=512",
-                     "model.seq_len=32", "train.batch_size=4"])
+                     "model.seq_len=32", "train.batch_size=4", "parallel.cpu_devices=8"])
     rows = {r["variant"]: r for r in json.loads(Path(out).read_text())["rows"]}
-    none, full = rows["none"], rows["3d"]
-    for r in (none, full):
+    none, pp = rows["none"], rows["pp"]
+    for r in (none, pp):
         assert r["mesh"] == "2x2x2" and r["microbatches"] == 2
         assert r["bubble_fraction"] == pytest.approx(1 / 3, abs=1e-4) and r["tokens_per_s"] > 0
         assert r["temp_mib"] > 0 and r["sequence_parallel"] is False
     assert none["compressed_sites"] == 0 and none["speedup_vs_none"] == 1.0
-    assert (full["codec_tp"], full["codec_pp"], full["codec_dp"]) == ("taco", "tah4", "taco")
-    assert full["compressed_sites"] > 0
-    assert 0 < full["wire_mib_per_step"] < none["wire_mib_per_step"]
+    assert (pp["codec_tp"], pp["codec_pp"], pp["codec_dp"]) == ("none", "tah4", "none")
+    assert pp["compressed_sites"] == 3            # the hand-off, once per tick
+    assert 0 < pp["wire_mib_per_step"] < none["wire_mib_per_step"]
+
+    def codecs(variant):
+        spec, sp, _ = train_step.split_variant(variant)
+        plan = train_step.variant_codecs(spec, "taco", "tah4", "taco-int8")
+        cfg = config_lib.load_config("tiny", train_step.variant_overrides(variant, plan))
+        return cfg.codecs(), cfg.model.sequence_parallel, cfg.recipe.min_bytes
+
+    assert codecs("3d") == ({**dict.fromkeys(("fwd", "bwd", "head"), "taco"), "pp": "tah4",
+                             "dp": "taco-int8"}, False, 0)
+    assert codecs("dp+pp+sp@default") == ({**dict.fromkeys(("fwd", "bwd", "head"), "none"),
+                                           "pp": "tah4", "dp": "taco-int8"}, True, -1)
+    assert codecs("fp8")[0] == dict.fromkeys(AXES, "fp8")
+    assert codecs("sp") == (dict.fromkeys(AXES, "none"), True, 0)
