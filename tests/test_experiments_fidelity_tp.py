@@ -172,3 +172,20 @@ def test_driver_budget_stops_before_a_run_it_cannot_finish(tmp_path, capsys):
     assert "not started" in log and "training in" not in log
     assert out["unfinished"] == ["none@seed1"]
     assert [r["variant"] for r in json.loads(js.read_text())["rows"]] == ["none@seed0"]
+
+
+def test_fidelity_preset_decays_to_its_end_and_fits_tp8():
+    """The protocol's preset: its last update runs at min_lr (= lr / 100, the cosine spans
+    train.steps), it splits over TP 2, 4 and 8, and every all-reduce is compressed."""
+    from train import config as config_lib
+    from train.loop import make_optimizer
+    cfg = config_lib.load_config("fidelity", ["parallel.emulate_tp=8"])
+    _, schedule = make_optimizer(cfg)
+    steps, o = cfg.train.steps, cfg.optim
+    assert o.min_lr == pytest.approx(o.lr / 100)
+    assert float(schedule(steps - 1)) == pytest.approx(o.min_lr, rel=1e-3)   # last update
+    assert float(schedule(o.warmup_steps)) == pytest.approx(o.lr)
+    for tp in (2, 4, 8):
+        cfg.model.validate(tp=tp)
+    assert cfg.recipe.min_bytes == 0 and cfg.train.codec_error is False
+    assert cfg.data.shuffle_files and cfg.data.max_mb > 0
