@@ -460,43 +460,56 @@ def plot_curves(rows: list[dict], args) -> Path:
     return out
 
 
-def _run_workers(pending: list[dict], records: dict, args, cfg0, order: list[str]) -> dict:
-    """--workers N: the pending variants, dealt round-robin, run in N child drivers at once
-    on the same devices (what one run leaves idle, compiles, evaluations and Python, the
-    others fill). Each child writes its own JSON (a copy of --json to start from); their
-    rows are merged here and the table, JSON and plot written once. Step times measured
-    this way are shared-device times."""
+def run_children(module: str, argvs: list[list[str]], start_json: str | None,
+                 commit: str | None, tag: str) -> tuple[list[Path], list[str]]:
+    """Run `python -m <module> *argv --json <own JSON>` for every argv at once, on the same
+    devices (what one run leaves idle, compiles, evaluations and Python, the others fill).
+    Each child's JSON starts as a copy of `start_json` (rows finished earlier) and each gets
+    0.9/N of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION is set. -> (the children's
+    JSON paths, in argv order; one line per child that failed)."""
     import subprocess
     import tempfile
+    tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-workers-"))
+    # the children import this checkout's experiments package, wherever they start
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, GIT_COMMIT=commit or "", PYTHONPATH=path)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / len(argvs):.2f}")
+    procs = []
+    for i, argv in enumerate(argvs):
+        wjson = tmp / f"worker{i}.json"
+        if start_json and Path(start_json).exists():
+            wjson.write_text(Path(start_json).read_text())
+        cmd = [sys.executable, "-m", module, *argv, "--json", str(wjson)]
+        procs.append((subprocess.Popen(cmd, env=env), wjson))
+    failed = []
+    for i, (proc, _) in enumerate(procs):
+        if proc.wait() != 0:
+            failed.append(f"worker {i} exited with {proc.returncode}")
+    return [w for _, w in procs], failed
+
+
+def _run_workers(pending: list[dict], records: dict, args, cfg0, order: list[str]) -> dict:
+    """--workers N: the pending variants, dealt round-robin, run in N child drivers at once
+    (`run_children`); their rows are merged here and the table, JSON and plot written once.
+    Step times measured this way are shared-device times."""
     from train.data import load_corpus
     load_corpus(cfg0.data, cfg0.model.vocab_size)   # tokenize once, before the children
     n = min(args.workers, len(pending))
     groups = [pending[i::n] for i in range(n)]
-    tmp = Path(tempfile.mkdtemp(prefix="ablation-workers-"))
-    # the children import this checkout's experiments package, wherever they start
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, GIT_COMMIT=args.commit or "", PYTHONPATH=path)
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / n:.2f}")
-    procs = []
+    argvs = []
     for i, group in enumerate(groups):
-        wjson = tmp / f"worker{i}.json"
-        if args.json and Path(args.json).exists():
-            wjson.write_text(Path(args.json).read_text())
-        cmd = [sys.executable, "-m", "experiments.ablation", "--config", args.config,
-               "--steps", str(args.steps), "--tp", str(args.tp), "--seed", str(args.seed),
-               "--variants", *[v["name"] for v in group], "--out-dir", args.out_dir,
-               "--json", str(wjson), "--plot", "", "--budget-s", str(args.budget_s),
-               "--workers", "1", *(["--progress"] if args.progress else []),
-               *(["--set", *args.set] if args.set else [])]
         print(f"[ablation] worker {i}: {' '.join(v['name'] for v in group)}", flush=True)
-        procs.append((subprocess.Popen(cmd, env=env), wjson))
-    failed = []
-    for i, (proc, wjson) in enumerate(procs):
-        if proc.wait() != 0:
-            failed.append(f"worker {i} exited with {proc.returncode}")
+        argvs.append(["--config", args.config, "--steps", str(args.steps), "--tp", str(args.tp),
+                      "--seed", str(args.seed), "--variants", *[v["name"] for v in group],
+                      "--out-dir", args.out_dir, "--plot", "", "--budget-s", str(args.budget_s),
+                      "--workers", "1", *(["--progress"] if args.progress else []),
+                      *(["--set", *args.set] if args.set else [])])
+    wjsons, failed = run_children("experiments.ablation", argvs, args.json, args.commit,
+                                  "ablation")
+    for group, wjson in zip(groups, wjsons):
         if wjson.exists():
             for r in json.loads(wjson.read_text())["rows"]:
-                if r["variant"] in {v["name"] for v in groups[i]}:
+                if r["variant"] in {v["name"] for v in group}:
                     records[r["variant"]] = {k: v for k, v in r.items()
                                              if k != "degradation_pct"}
     args.trained_here = True

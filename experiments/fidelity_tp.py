@@ -6,7 +6,7 @@ question, with tensor parallelism emulated on one GPU.
         [--codecs none taco taco-1scale hadamard-fp8 fp8 taco-e5m2 taco-int8 echo4
                   echo4+feedback] [--seeds 0 1 2] [--eval-batches 0] [--budget-s S]
         [--json bench/results/fidelity_tp8.json] [--plot docs/fidelity_tp8.png]
-        [--out-dir runs/fidelity_tp8-<preset>] [--set k=v ...]
+        [--out-dir runs/fidelity_tp8-<preset>] [--workers N] [--set k=v ...]
 
 Every run trains `--preset` for `--steps` with TP of size `--tp` emulated on one device
 (parallel.emulate_tp, parallel.data=1: the same tensors compressed at the same sites as on
@@ -36,6 +36,10 @@ several machines or calls), if they were made with the same preset, steps, TP an
 `--budget-s S` stops cleanly S seconds after the driver starts (tokenizing the corpus
 included), and does not start a run that the time left cannot finish (estimated from the
 wall time of finished runs of the same codec, else of any).
+`--workers N` trains the pending runs in N child drivers at once on the same device, dealt
+by seed (each child trains whole pairs), and merges their rows: one run's compiles, host
+work and evaluation leave the GPU idle, the others fill it. Step times are then
+shared-device times.
 Error feedback (`+feedback`) is not supported under emulated TP: such runs are listed under
 `not_run`, with the reason.
 
@@ -136,6 +140,47 @@ def run_order(codecs, seeds) -> list[dict]:
         codecs.remove("none")
         codecs.insert(0, "none")
     return [variant(c, s) for s in seeds for c in codecs]
+
+
+def deal(runs: list[dict], n: int) -> list[list[dict]]:
+    """The runs in n groups for n workers: whole seeds per group when there are at least n
+    seeds (so a budget leaves complete pairs), else round-robin."""
+    seeds = list(dict.fromkeys(v["seed"] for v in runs))
+    if len(seeds) >= n:
+        return [[v for v in runs if seeds.index(v["seed"]) % n == i] for i in range(n)]
+    return [runs[i::n] for i in range(min(n, len(runs)))]
+
+
+def _finished_here(var: dict, args) -> bool:
+    run_dir = ablation.run_dir_of(args.out_dir, var["name"])
+    rec = ablation.read_back(var, args)
+    return rec is not None and (rec.get("diverged") or (run_dir / EVAL_FILE).exists())
+
+
+def _run_workers(pending: list[dict], rows: dict, args, budget) -> list[str]:
+    """--workers N: `pending` dealt by seed (`deal`) over N child drivers at once
+    (experiments.ablation.run_children), their rows merged into `rows`. -> failures."""
+    groups = deal(pending, args.workers)
+    left = None if budget.t_end is None else max(1.0, budget.t_end - time.monotonic())
+    argvs = []
+    for i, group in enumerate(groups):
+        print(f"[fidelity_tp] worker {i}: {' '.join(v['name'] for v in group)}", flush=True)
+        argvs.append(["--tp", str(args.tp), "--preset", args.preset, "--steps", str(args.steps),
+                      "--runs", *[v["name"] for v in group], "--seeds", *map(str, args.seeds),
+                      "--eval-batches", str(args.eval_batches), "--out-dir", args.out_dir,
+                      "--plot", "", "--workers", "1",
+                      *(["--budget-s", f"{left:.0f}"] if left is not None else []),
+                      *(["--progress"] if args.progress else []),
+                      *(["--set", *args.set] if args.set else [])])
+    wjsons, failed = ablation.run_children("experiments.fidelity_tp", argvs, args.json,
+                                           args.commit, "fidelity_tp")
+    for group, wjson in zip(groups, wjsons):
+        if wjson.exists():
+            names = {v["name"] for v in group}
+            rows.update({r["variant"]: r for r in json.loads(wjson.read_text())["rows"]
+                         if r["variant"] in names})
+    args.trained_here = True
+    return failed
 
 
 def score(run_dir: Path, max_batches: int) -> dict:
@@ -336,7 +381,14 @@ def main(argv=None) -> dict:
     p.add_argument("--plot", default=None, help="default docs/fidelity_tp<tp>.png ('' = none)")
     p.add_argument("--budget-s", type=float, default=0, help="stop cleanly after S seconds")
     p.add_argument("--progress", action="store_true", help="tqdm bar per run")
+    p.add_argument("--workers", type=int, default=1,
+                   help="N > 1: train the pending runs in N processes at once on the same "
+                        "device (each gets 0.9/N of its memory), dealt by seed")
+    p.add_argument("--runs", nargs="+", default=None, metavar="CODEC@seedN",
+                   help="exactly these runs, in this order (instead of --codecs x --seeds)")
     args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers={args.workers} must be >= 1")
     t_start = time.monotonic()
     budget = ablation._Budget(args.budget_s)    # counts from here: tokenizing included
     args.commit = ablation._commit()
@@ -365,14 +417,31 @@ def main(argv=None) -> dict:
         print(f"[fidelity_tp] WARNING: the runs see the corpus {ratio:.2f} times; the protocol "
               f"asks for < 1 (more data.paths, or fewer steps)", flush=True)
 
-    runs = run_order(args.codecs, args.seeds)
+    if args.runs:
+        runs = []
+        for name in args.runs:
+            codec, sep, seed = name.partition("@seed")
+            if not (sep and seed.isdigit()):
+                p.error(f"--runs: {name!r} is not CODEC@seedN")
+            runs.append(variant(codec, int(seed)))
+    else:
+        runs = run_order(args.codecs, args.seeds)
     order = [v["name"] for v in runs]
     rows = old_rows(args)
     not_run = [{"config": c, "reason": "model.feedback is not supported with emulated TP "
                                        "(parallel.emulate_tp); run it on a TP mesh"}
                for c in dict.fromkeys(v["name"].partition("@")[0] for v in runs if v["feedback"])]
-    stopped = False
+    stopped, failed = False, []
+    if args.workers > 1:
+        pending = [v for v in runs if not v["feedback"]
+                   and not (v["name"] in rows
+                            and not ablation.run_dir_of(args.out_dir, v["name"]).exists())
+                   and not _finished_here(v, args)]
+        if len(pending) > 1:
+            failed = _run_workers(pending, rows, args, budget)
     for var in runs:
+        if failed:
+            break       # the children's finished rows are merged; nothing is retried here
         if var["feedback"]:
             continue
         run_dir = ablation.run_dir_of(args.out_dir, var["name"])
@@ -415,6 +484,9 @@ def main(argv=None) -> dict:
         print(f"[fidelity_tp] stopped (time budget) after {time.monotonic() - t_start:.0f} s; "
               f"not finished: {left}. Re-run the same command to continue.", flush=True)
         out["unfinished"] = left
+    if failed:
+        raise RuntimeError(f"[fidelity_tp] {'; '.join(failed)} (finished rows are saved in "
+                           f"{args.json or 'no JSON'}; its log is above)")
     return out
 
 

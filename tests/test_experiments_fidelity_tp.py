@@ -90,6 +90,16 @@ def test_run_order_pairs_first():
                      "none@seed1", "taco@seed1", "fp8@seed1"]
 
 
+def test_deal_keeps_seeds_whole_when_it_can():
+    runs = ft.run_order(["none", "taco"], [0, 1, 2])
+    groups = [[v["name"] for v in g] for g in ft.deal(runs, 2)]
+    assert groups == [["none@seed0", "taco@seed0", "none@seed2", "taco@seed2"],
+                      ["none@seed1", "taco@seed1"]]
+    one_seed = [[v["name"] for v in g] for g in ft.deal(ft.run_order(["none", "taco", "fp8"],
+                                                                      [0]), 2)]
+    assert one_seed == [["none@seed0", "fp8@seed0"], ["taco@seed0"]]
+
+
 def _tiny(cache):
     return ["model.vocab_size=512", "model.seq_len=32", "model.n_layer=1", "model.n_head=4",
             "model.d_model=32", f"data.paths=[{CORPUS}]", f"data.cache_dir={cache}",
@@ -103,7 +113,8 @@ KEYS = {"device", "jax", "commit", "tp", "emulated", "preset", "steps", "tokens_
 
 
 def test_driver_rows_resume_and_not_run(tmp_path, capsys):
-    """none and taco at emulated TP2 for 2 steps, echo4+feedback asked for too: the JSON
+    """none and taco at emulated TP2 for 2 steps in two worker processes (their rows
+    merged), echo4+feedback asked for too: the JSON
     has the protocol's fields, each row its score over the validation windows (scored from
     the final checkpoint, equal to train's own evaluation of the same batches), feedback
     listed as not run; a second call trains and scores nothing; a row whose run dir is
@@ -113,7 +124,7 @@ def test_driver_rows_resume_and_not_run(tmp_path, capsys):
             "echo4+feedback", "--seeds", "0", "--eval-batches", "3", "--out-dir",
             str(tmp_path / "runs"), "--json", str(js), "--plot", str(tmp_path / "f.png"),
             "--set", *_tiny(tmp_path / "cache")]
-    out = ft.main(args)
+    out = ft.main([*args, "--workers", "2"])
     saved = json.loads(js.read_text())
     assert KEYS <= set(saved)
     assert saved["tp"] == 2 and saved["emulated"] is True and saved["steps"] == 2
