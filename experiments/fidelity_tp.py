@@ -37,7 +37,7 @@ several machines or calls), if they were made with the same preset, steps, TP an
 included), and does not start a run that the time left cannot finish (estimated from the
 wall time of finished runs of the same codec, else of any).
 `--workers N` trains the pending runs in N child drivers at once on the same device, dealt
-by seed (each child trains whole pairs), and merges their rows: one run's compiles, host
+in contiguous groups of near-equal length (`deal`), and merges their rows: one run's compiles, host
 work and evaluation leave the GPU idle, the others fill it. Step times are then
 shared-device times.
 Error feedback (`+feedback`) is not supported under emulated TP: such runs are listed under
@@ -143,12 +143,17 @@ def run_order(codecs, seeds) -> list[dict]:
 
 
 def deal(runs: list[dict], n: int) -> list[list[dict]]:
-    """The runs in n groups for n workers: whole seeds per group when there are at least n
-    seeds (so a budget leaves complete pairs), else round-robin."""
-    seeds = list(dict.fromkeys(v["seed"] for v in runs))
-    if len(seeds) >= n:
-        return [[v for v in runs if seeds.index(v["seed"]) % n == i] for i in range(n)]
-    return [runs[i::n] for i in range(min(n, len(runs)))]
+    """The runs in n contiguous groups of near-equal length (the first ones one longer),
+    in run order: the workers finish together, and since runs go seed by seed with `none`
+    first, most pairs stay in one group (a budget that stops a group stops at its end)."""
+    n = min(n, len(runs))
+    size, extra = divmod(len(runs), n)
+    groups, i = [], 0
+    for k in range(n):
+        j = i + size + (k < extra)
+        groups.append(runs[i:j])
+        i = j
+    return groups
 
 
 def _finished_here(var: dict, args) -> bool:
@@ -158,7 +163,7 @@ def _finished_here(var: dict, args) -> bool:
 
 
 def _run_workers(pending: list[dict], rows: dict, args, budget) -> list[str]:
-    """--workers N: `pending` dealt by seed (`deal`) over N child drivers at once
+    """--workers N: `pending` dealt (`deal`) over N child drivers at once
     (experiments.ablation.run_children), their rows merged into `rows`. -> failures."""
     groups = deal(pending, args.workers)
     left = None if budget.t_end is None else max(1.0, budget.t_end - time.monotonic())
@@ -383,7 +388,7 @@ def main(argv=None) -> dict:
     p.add_argument("--progress", action="store_true", help="tqdm bar per run")
     p.add_argument("--workers", type=int, default=1,
                    help="N > 1: train the pending runs in N processes at once on the same "
-                        "device (each gets 0.9/N of its memory), dealt by seed")
+                        "device (each gets 0.9/N of its memory), in contiguous groups")
     p.add_argument("--runs", nargs="+", default=None, metavar="CODEC@seedN",
                    help="exactly these runs, in this order (instead of --codecs x --seeds)")
     args = p.parse_args(argv)

@@ -90,14 +90,14 @@ def test_run_order_pairs_first():
                      "none@seed1", "taco@seed1", "fp8@seed1"]
 
 
-def test_deal_keeps_seeds_whole_when_it_can():
+def test_deal_in_contiguous_groups_of_near_equal_length():
     runs = ft.run_order(["none", "taco"], [0, 1, 2])
-    groups = [[v["name"] for v in g] for g in ft.deal(runs, 2)]
-    assert groups == [["none@seed0", "taco@seed0", "none@seed2", "taco@seed2"],
-                      ["none@seed1", "taco@seed1"]]
-    one_seed = [[v["name"] for v in g] for g in ft.deal(ft.run_order(["none", "taco", "fp8"],
-                                                                      [0]), 2)]
-    assert one_seed == [["none@seed0", "fp8@seed0"], ["taco@seed0"]]
+    groups = [[v["name"] for v in g] for g in ft.deal(runs, 3)]
+    assert groups == [["none@seed0", "taco@seed0"], ["none@seed1", "taco@seed1"],
+                      ["none@seed2", "taco@seed2"]]
+    five = [[v["name"] for v in g] for g in ft.deal(runs[:5], 2)]
+    assert five == [["none@seed0", "taco@seed0", "none@seed1"], ["taco@seed1", "none@seed2"]]
+    assert [len(g) for g in ft.deal(runs, 8)] == [1] * 6
 
 
 def _tiny(cache):
