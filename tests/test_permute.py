@@ -24,14 +24,14 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def grad_of(fn, x):
+def grad_of(fn, x, vma=False):
     """d/dx Σ w · fn(x) on a 4-device mesh."""
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
     w = jnp.asarray(gauss(x.shape, seed=99))
     spec = jax.sharding.PartitionSpec("tp")
     with jax.set_mesh(mesh):
         sm = jax.shard_map(lambda b: fn(b[0])[None], mesh=mesh, in_specs=spec,
-                           out_specs=spec, check_vma=False)
+                           out_specs=spec, check_vma=vma)
         xs = jax.device_put(jnp.asarray(x), jax.NamedSharding(mesh, spec))
         return np.asarray(jax.jit(jax.grad(lambda v: jnp.sum(sm(v) * w)))(xs))
 
@@ -71,6 +71,51 @@ def test_compressed_ppermute_and_its_gradient(perm):
     w = jnp.asarray(gauss(x.shape, seed=99))
     g_vmap = jax.grad(lambda v: jnp.sum(per_device_jnp(fn, v) * w))(jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(g_vmap), g, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("perm,vma", [(RING, True), (CHAIN, True), (CHAIN, False)],
+                         ids=["ring-check_vma", "chain-check_vma", "chain-no_check_vma"])
+def test_gradient_is_lax_ppermutes_under_both_check_vma_modes(perm, vma):
+    """codec none: lax.ppermute's gradient bit for bit; tah4: each sender's gradient is the
+    codec's round trip of the cotangent it gets back (the reverse send, compressed once),
+    non-senders' exactly zero, as lax gives."""
+    x = gauss((4, 3, 256), seed=4)
+    g_ref = grad_of(lambda v: lax.ppermute(v, "tp", perm), x, vma)
+    g = grad_of(lambda v: taco_jax.ppermute(v, "tp", perm, codec="none"), x, vma)
+    np.testing.assert_array_equal(g, g_ref)
+    g = grad_of(lambda v: taco_jax.ppermute(v, "tp", perm, codec="tah4", min_bytes=0), x, vma)
+    w = gauss(x.shape, seed=99)                  # grad_of's cotangent
+    senders, dsts = [s for s, _ in perm], [d for _, d in perm]
+    # whole groups of 128 per device, so one round trip of the stacked cotangents
+    back = jax.jit(codecs.get("tah4").roundtrip)(jnp.asarray(w[dsts]))
+    np.testing.assert_allclose(g[senders], np.asarray(back), rtol=0, atol=1e-6)
+    assert 0.02 < rel(g[senders], g_ref[senders]) < 0.15
+    np.testing.assert_array_equal(g[list(set(range(4)) - set(senders))], 0.0)
+
+
+def test_check_vma_input_not_varying_over_the_axis_goes_to_lax():
+    """Under check_vma=True a tensor every stage holds (invariant over "pipe", varying over
+    "data" or over nothing) is sent by lax.ppermute, exactly, gradient included."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((2, 4), ("data", "pipe"), devices=jax.devices()[:8])
+    x = jnp.asarray(gauss((2, 3, 256), seed=5))
+
+    def value_and_grad(send, spec):
+        with jax.set_mesh(mesh):
+            sm = jax.shard_map(lambda b: send(b[0])[None, None], mesh=mesh, in_specs=spec,
+                               out_specs=P("data", "pipe"), check_vma=True)
+            xs = jax.device_put(x, jax.NamedSharding(mesh, spec))
+            out = jax.jit(jax.value_and_grad(lambda v: jnp.sum(sm(v) ** 2)))(xs)
+            return [np.asarray(a) for a in out]
+
+    taco_jax.telemetry.clear_sites()
+    for spec in (P("data"), P()):
+        ours = value_and_grad(
+            lambda v: taco_jax.ppermute(v, "pipe", CHAIN, codec="taco", min_bytes=0), spec)
+        theirs = value_and_grad(lambda v: lax.ppermute(v, "pipe", CHAIN), spec)
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(a, b)
+    assert {s.reason for s, _ in taco_jax.telemetry.sites()} == {"input invariant over the axis"}
 
 
 def test_ppermute_keeps_nonfinite_and_checks_perm():

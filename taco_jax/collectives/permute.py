@@ -68,7 +68,8 @@ _ppermute.defvjp(_ppermute_fwd, _ppermute_bwd)
 def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None):
     """`lax.ppermute` with compressed payloads (one quantization per element); backward: the
     compressed reverse permutation. codec "none" (and leaves below `min_bytes`, non-float
-    leaves) is lax.ppermute itself, bit for bit."""
+    leaves, and under check_vma=True leaves that are not varying over `axis_name`, which
+    every device holds already) is lax.ppermute itself, bit for bit."""
     op = Call.make("ppermute", axis_name, codec, min_bytes, "xla")
     perm = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
@@ -79,7 +80,11 @@ def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None):
 
     def leaf(v):
         v = jnp.asarray(v)
-        if op.route(v) == "lax":
+        # check_vma: an input invariant over the axis (every device holds it) goes to lax,
+        # which makes it varying first; the compressed op's cotangent, the reverse send,
+        # varies over the axis and cannot be the cotangent of an invariant input
+        invariant = op.vma and not axes_lib.varying(v, op.axes)
+        if op.route(v, invariant=invariant) == "lax":
             return _lax_ppermute(v, op.axis, perm, op.p, axes_lib.emulated(op.axes))
         return _ppermute(v, op.axis, op.codec, op.p, perm)
     return jax.tree.map(leaf, x)
