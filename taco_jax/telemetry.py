@@ -6,11 +6,26 @@ at trace time, always, at no run-time cost; `site_report()` formats it, and each
 is logged once to the "taco_jax" logger (INFO). The rest is opt-in: off by default and free
 when off, as the flag is read when a function is traced.
 
+What a count is: one per trace of the call, in the forward pass. A site inside a loop body
+(`lax.scan`, `fori_loop`, `while_loop`) is traced once and runs once per iteration, and
+JAX's public API does not tell the collectives how many iterations they are in; declare it
+around the loop with `repeated(n)`, which counts each site traced inside n times. A site
+traced in a loop body that no `repeated` declares is logged once as a WARNING naming the
+loop (and, for lax.scan, its length), at the next `sites()` / `site_report()` outside
+loop bodies, unless a caller that counts the iterations itself notes them by then with
+`note_site` (as models/pipeline.py does). The backward halves are not separate sites:
+`wire_bytes(site, backward=True)` adds what a site's transpose sends. A site in a
+`lax.cond` / `switch` branch counts as if its branch ran. `collect()` (below) records at
+run time, once per executed call, loops and branches included.
+
     with taco_jax.telemetry.collect() as log:
         y = jitted_step(...)          # traced (or re-traced) inside the block
     log.records  # [{"op", "axis", "codec", "rel_error", "wire_bytes", "bf16_bytes", "nonfinite"}]
 
-Each record costs one exact lax.psum in f32 (to measure the error) and a host callback.
+One record per executed compressed all-reduce ("psum": psum, pvary's backward) and per
+compressed send ("ppermute", forward and backward), each against the exact collective in
+f32: an exact lax.psum (a send: the exact lax.ppermute and a psum of three scalars) and a
+host callback.
 
 `capture()` (below) hands the tensors at the all-reduce sites themselves to the host, for
 the fidelity study (experiments/fidelity.py); same rule: off by default, free when off.
@@ -22,6 +37,7 @@ import dataclasses
 import functools
 import logging
 import math
+import sys
 import threading
 
 import jax
@@ -62,20 +78,129 @@ _sites: dict = {}          # Site -> times traced
 _sites_lock = threading.Lock()
 
 
+_repeats = threading.local()      # the active `repeated` counts, outermost first
+_loop_warned: set = set()          # sites already warned about (an undeclared loop)
+_loop_pending: dict = {}           # site -> its warning, until a read outside loop bodies
+
+
+@contextlib.contextmanager
+def repeated(times: int):
+    """Sites traced inside the block run `times` times per call of the traced function (a
+    loop body: wrap the `lax.scan` / `fori_loop` call). Nested blocks multiply; each one
+    declares one loop level.
+
+        with taco_jax.telemetry.repeated(n_layers):
+            x, _ = lax.scan(block, x, stacked_params)   # its psums counted n_layers times
+    """
+    if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+        raise ValueError(f"telemetry.repeated: times={times!r} must be an int >= 1")
+    stack = getattr(_repeats, "stack", ())
+    _repeats.stack = stack + (times,)
+    try:
+        yield
+    finally:
+        _repeats.stack = stack
+
+
+_LOOP_CODE = None
+
+
+def _loop_code():
+    """The code objects of the lax loops whose bodies are traced in their own frame."""
+    global _LOOP_CODE
+    if _LOOP_CODE is None:
+        import inspect
+        try:
+            from jax._src.lax.control_flow import loops
+            _LOOP_CODE = {inspect.unwrap(loops.scan).__code__: "lax.scan",
+                          inspect.unwrap(loops.while_loop).__code__: "lax.while_loop"}
+        except (ImportError, AttributeError):   # another JAX layout: nothing detected
+            _LOOP_CODE = {}
+    return _LOOP_CODE
+
+
+def loop_bodies() -> list[tuple[str, int | None]]:
+    """The lax loops whose bodies are being traced at this point, outermost first:
+    [("lax.scan", length) or ("lax.while_loop", None)] (a static fori_loop is a scan).
+    Read from the Python stack: JAX has no public API for it, so this is best effort (an
+    empty list where JAX's layout differs). Empty under jax.disable_jit, where a body runs
+    once per iteration and every iteration is counted anyway."""
+    if jax.config.jax_disable_jit:
+        return []
+    code, found = _loop_code(), []
+    frame = sys._getframe(1)
+    while frame is not None:
+        kind = code.get(frame.f_code)
+        if kind is not None:
+            length = frame.f_locals.get("length") if kind == "lax.scan" else None
+            found.append((kind, length if isinstance(length, int) else None))
+        frame = frame.f_back
+    return found[::-1]
+
+
 def note_site(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1,
               route: str = "lax") -> None:
-    """Record one traced collective call (called by the collectives)."""
+    """Record one traced collective call, counted once times the active `repeated` blocks.
+    The collectives call it; so does a caller that counts a loop body's iterations itself,
+    noting the other iterations of the body's sites (a site it notes again is then taken as
+    counted, and not warned about)."""
+    site = _note(op, shape, dtype, axes, codec, reason, p, route)
+    with _sites_lock:
+        _loop_pending.pop(site, None)
+
+
+def note_call(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1,
+              route: str = "lax") -> None:
+    """`note_site` for the collectives' own calls: a site traced in a loop body that no
+    `repeated` declares is warned about (at the next `sites()` / `site_report()` outside
+    loop bodies, unless its caller counted the iterations by then)."""
+    site = _note(op, shape, dtype, axes, codec, reason, p, route)
+    undeclared = loop_bodies()[len(getattr(_repeats, "stack", ())):]   # the inner loops
+    if not undeclared:
+        return
+    with _sites_lock:
+        if site in _loop_warned or site in _loop_pending:
+            return
+    lengths = [n for _, n in undeclared]
+    runs = f"{math.prod(lengths)} times" if None not in lengths else "an unknown number of times"
+    loops = " > ".join(k if n is None else f"{k}(length={n})" for k, n in undeclared)
+    with _sites_lock:
+        _loop_pending[site] = (
+            f"taco_jax site in a {loops} body, which runs {runs} per call, counted once per "
+            f"trace by sites() and wire_bytes: {site.describe()}. Declare the loop with "
+            f"taco_jax.telemetry.repeated(n) around it, unless its caller counts the other "
+            f"iterations itself")
+
+
+def _note(op, shape, dtype, axes, codec, reason, p, route) -> Site:
     site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
                 reason is None, reason or "", p, route if reason is None else "")
     with _sites_lock:
         new = site not in _sites
-        _sites[site] = _sites.get(site, 0) + 1
+        _sites[site] = _sites.get(site, 0) + math.prod(getattr(_repeats, "stack", ()))
     if new:
         _log.info("taco_jax site %s", site.describe())
+    return site
+
+
+def _warn_loops() -> None:
+    """Log the pending loop-body warnings (outside loop bodies only: inside one, its caller
+    may still count the iterations)."""
+    if not _loop_pending or loop_bodies():
+        return
+    with _sites_lock:
+        pending = list(_loop_pending.items())
+        _loop_pending.clear()
+        _loop_warned.update(site for site, _ in pending)
+    for _, message in pending:
+        _log.warning(message)
 
 
 def sites() -> list[tuple[Site, int]]:
-    """[(site, times traced)] for every distinct collective call site traced so far."""
+    """[(site, calls)] for every distinct collective call site traced so far: the calls one
+    run of the traced functions makes, as far as the trace tells (each trace counts once,
+    times its `repeated` blocks)."""
+    _warn_loops()
     with _sites_lock:
         return list(_sites.items())
 
@@ -83,21 +208,30 @@ def sites() -> list[tuple[Site, int]]:
 def clear_sites() -> None:
     with _sites_lock:
         _sites.clear()
+        _loop_warned.clear()
+        _loop_pending.clear()
 
 
 def site_report() -> str:
     """One line per distinct site: what it sends, and compressed or plain and why."""
-    rows = sites()
+    rows = sites()     # (logs the pending loop-body warnings)
     if not rows:
         return "no taco_jax collective traced"
     return "\n".join(f"{n:>4} × {s.describe()}" for s, n in rows)
 
 
-def wire_bytes(site: Site) -> int:
+def wire_bytes(site: Site, backward: bool = False) -> int:
     """Bytes one device sends for one call of this site. Compressed: the two-shot sends
     P − 1 of its P segments in the all-to-all and its own segment to P − 1 peers in the
-    all-gather (psum, and pvary's backward); all_gather and psum_scatter are one half each.
-    Plain: what a ring collective sends, (P − 1)/P of the tensor per half."""
+    all-gather (psum, and pvary's backward); all_gather and psum_scatter are one half each;
+    ppermute sends its codes once. Plain: what a ring collective sends, (P − 1)/P of the
+    tensor per half; a plain ppermute the tensor.
+
+    backward: also what the call's transpose sends when the function is differentiated (a
+    training step): ppermute's reverse send, all_gather's reduce-scatter of the gathered
+    cotangent, psum_scatter's all-gather of its part, all through the site's codec. psum
+    and pvary count their one all-reduce either way (pvary's runs in the backward pass;
+    under check_vma=True psum's transpose sends nothing)."""
     from taco_jax import codecs
     p = site.p
     if p <= 1:
@@ -105,18 +239,25 @@ def wire_bytes(site: Site) -> int:
     n = math.prod(site.shape)
     halves = 2 if site.op in ("psum", "pvary", "psum_with_feedback", "pvary_with_feedback",
                               "allreduce") else 1
+    # the transposes send what the forward sends: the reverse permutation the same codes;
+    # all_gather ↔ psum_scatter the same segments of n (resp. n/P) values each way
+    back = 2 if backward and site.op in SENDS_BACK else 1
     if not site.compressed:
         if site.op == "ppermute":
-            return site.bytes_per_device
+            return back * site.bytes_per_device
         per_half = site.bytes_per_device * (p - 1)
-        return halves * (per_half if site.op == "all_gather" else per_half // p)
+        return back * halves * (per_half if site.op == "all_gather" else per_half // p)
     c = codecs.get(site.codec)
     if site.op == "all_gather":
-        return (p - 1) * c.wire_bytes(n)
+        return back * (p - 1) * c.wire_bytes(n)
     if site.op == "ppermute":
-        return c.wire_bytes(n)
+        return back * c.wire_bytes(n)
     seg_rows = max(1, -(-n // (p * c.block_size)))
-    return halves * (p - 1) * seg_rows * c.row_bytes
+    return back * halves * (p - 1) * seg_rows * c.row_bytes
+
+
+# the ops whose transpose is a send of its own through the same codec (`wire_bytes`)
+SENDS_BACK = ("ppermute", "all_gather", "psum_scatter")
 
 
 # -- per-call error records (opt-in) ---------------------------------------------------------
@@ -155,6 +296,26 @@ def report(op: str, x, y, axis, codec, wire_bytes: int) -> None:
         if int(idx) == 0:       # one record per call, from the first device of the axis
             log.records.append({**meta, "rel_error": float(rel), "nonfinite": int(nonfinite)})
     jax.debug.callback(sink, rel, nonfinite, lax.axis_index(axis))
+
+
+def report_send(op: str, exact, y, axis, codec, wire_bytes: int, bf16_bytes: int) -> None:
+    """Record a send's error (ppermute): ‖y − exact‖ / ‖exact‖ over every device of the
+    axis (one value per call; devices that receive nothing add zeros to both), bytes on
+    the wire per sender and non-finite values received. A send of zeros only, decoded as
+    zeros (a pipeline's bubble ticks), records nothing: it has no relative error."""
+    log = _state.log
+    diff = (y.astype(jnp.float32) - exact).ravel()
+    err2, ref2, nonfinite = lax.psum(
+        (jnp.sum(diff * diff), jnp.sum(jnp.square(exact.ravel())),
+         jnp.sum(~jnp.isfinite(y)).astype(jnp.int32)), axis)
+    rel = jnp.sqrt(err2) / jnp.maximum(jnp.sqrt(ref2), 1e-30)
+    meta = {"op": op, "axis": str(axis), "codec": codec.name,
+            "wire_bytes": int(wire_bytes), "bf16_bytes": int(bf16_bytes)}
+
+    def sink(rel, empty, nonfinite, idx):
+        if int(idx) == 0 and not bool(empty):
+            log.records.append({**meta, "rel_error": float(rel), "nonfinite": int(nonfinite)})
+    jax.debug.callback(sink, rel, (ref2 == 0) & (err2 == 0), nonfinite, lax.axis_index(axis))
 
 
 # -- tensor capture -------------------------------------------------------------------------

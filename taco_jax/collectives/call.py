@@ -77,7 +77,7 @@ class Call:
         """"lax", "xla" or "fused" for this leaf; records the site and the reason
         (telemetry.sites)."""
         route, why = self._route(v, invariant)
-        telemetry.note_site(self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
+        telemetry.note_call(self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
                             self.p, route)
         return route
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import codecs
+from taco_jax import codecs, telemetry
 from taco_jax.collectives import axes as axes_lib
 from taco_jax.collectives.call import Call
 from taco_jax.kernels import dispatch
@@ -44,7 +44,13 @@ def _permute(x, axis, codec, p, perm):
     wire = lax.ppermute(dispatch.compress(blocks, codec), axis, _complete(perm, p))
     y = codecs.from_blocks(dispatch.decompress(wire, codec, x.dtype), x.shape)
     # an all-zero wire row decodes to 0/0 for α: keep lax's zeros where nothing arrives
-    return jnp.where(_receivers(perm, p)[lax.axis_index(axis)], y, jnp.zeros_like(y))
+    got = _receivers(perm, p)[lax.axis_index(axis)]
+    y = jnp.where(got, y, jnp.zeros_like(y))
+    if telemetry.enabled():      # against the exact send of the same tensor, in f32
+        exact = lax.ppermute(x.astype(jnp.float32), axis, _complete(perm, p))
+        telemetry.report_send("ppermute", jnp.where(got, exact, 0.0), y, axis, codec,
+                              wire_bytes=wire.size, bf16_bytes=2 * x.size)
+    return y
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -69,7 +75,12 @@ def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None):
     """`lax.ppermute` with compressed payloads (one quantization per element); backward: the
     compressed reverse permutation. codec "none" (and leaves below `min_bytes`, non-float
     leaves, and under check_vma=True leaves that are not varying over `axis_name`, which
-    every device holds already) is lax.ppermute itself, bit for bit."""
+    every device holds already) is lax.ppermute itself, bit for bit.
+
+    Telemetry: the site is noted once, in the forward pass; `telemetry.wire_bytes(site,
+    backward=True)` adds the reverse send a training step makes. Under
+    `telemetry.collect()` every compressed send, forward and backward, records its error
+    against the exact send over all receivers."""
     op = Call.make("ppermute", axis_name, codec, min_bytes, "xla")
     perm = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]

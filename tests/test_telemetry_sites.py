@@ -1,0 +1,171 @@
+"""telemetry: what the sites count (backward halves, loop bodies) and ppermute's error
+records. CPU, 4 simulated devices; the site tests only trace."""
+import logging
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import taco_jax
+from taco_jax import codecs, telemetry
+
+CHAIN = [(0, 1), (1, 2), (2, 3)]
+
+
+def mesh4():
+    return jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+
+
+def on_mesh(fn, vma=True):
+    """fn on each device's row of a (4, ...) array, as a shard_map."""
+    return jax.shard_map(lambda b: fn(b[0])[None], mesh=mesh4(), in_specs=P("tp"),
+                         out_specs=P("tp"), check_vma=vma)
+
+
+def sharded(x):
+    return jax.device_put(jnp.asarray(x), jax.NamedSharding(mesh4(), P("tp")))
+
+
+def new_sites(fn, x):
+    """{site: calls} that tracing fn(x) adds (nothing compiles)."""
+    before = dict(telemetry.sites())
+    with jax.set_mesh(mesh4()):
+        jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                sharding=jax.NamedSharding(mesh4(), P("tp"))))
+    return {s: n - before.get(s, 0) for s, n in telemetry.sites() if n > before.get(s, 0)}
+
+
+def site(op, shape, codec="tah4", compressed=True, p=4):
+    return telemetry.Site(op, shape, "float32", ("tp",), codec, compressed,
+                          "" if compressed else "codec 'none'", p, "xla" if compressed else "")
+
+
+# -- backward halves -------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["tah4", "taco", "none"])
+def test_wire_bytes_backward_is_what_each_transpose_sends(codec):
+    """ppermute's transpose is the reverse send; all_gather's a psum_scatter of the
+    gathered cotangent, psum_scatter's an all_gather of its part: backward=True adds
+    exactly the transpose's own forward bytes."""
+    c, on = codecs.get(codec), codec != "none"
+    n = 3 * 1000                                               # not whole blocks
+    send = site("ppermute", (3, 1000), codec, on)
+    fwd = c.wire_bytes(n) if on else 4 * n
+    assert telemetry.wire_bytes(send) == fwd
+    assert telemetry.wire_bytes(send, backward=True) == 2 * fwd
+    gather, scatter = site("all_gather", (3, 1000), codec, on), site(
+        "psum_scatter", (4 * 3, 1000), codec, on)                  # gathers / scatters n
+    for fwd_site, transpose in ((gather, scatter), (scatter, gather)):
+        assert telemetry.wire_bytes(fwd_site, backward=True) == (
+            telemetry.wire_bytes(fwd_site) + telemetry.wire_bytes(transpose))
+    for op in ("psum", "pvary"):                       # one all-reduce either way
+        s = site(op, (3, 1000), codec, on)
+        assert telemetry.wire_bytes(s, backward=True) == telemetry.wire_bytes(s) > 0
+
+
+# -- loop bodies -----------------------------------------------------------------------------
+def scanned(length, declare=None, codec="taco"):
+    def body(c, _):
+        return taco_jax.psum(c, "tp", codec=codec, min_bytes=0), None
+
+    def fn(v):
+        if declare is None:
+            return lax.scan(body, v, None, length=length)[0]
+        with telemetry.repeated(declare):
+            return lax.scan(body, v, None, length=length)[0]
+    return on_mesh(fn, vma=False)
+
+
+def test_site_in_a_scan_counts_once_per_trace_and_warns(caplog):
+    x = jnp.ones((4, 512))
+    with caplog.at_level(logging.WARNING, logger="taco_jax"):
+        counts = new_sites(scanned(5, codec="echo4"), x)
+    assert list(counts.values()) == [1]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "lax.scan(length=5) body, which runs 5 times per call" in warned[0]
+    assert "telemetry.repeated" in warned[0]
+
+
+def test_repeated_declares_the_loop_and_nests(caplog):
+    x = jnp.ones((4, 512))
+    with caplog.at_level(logging.WARNING, logger="taco_jax"):
+        assert list(new_sites(scanned(5, declare=5, codec="int4-sym"), x).values()) == [5]
+
+        def nested(v):           # 3 outer iterations of a declared 5-step scan
+            with telemetry.repeated(3):
+                return lax.fori_loop(0, 3, lambda i, c: scanned_body(c), v)
+
+        def scanned_body(c):
+            with telemetry.repeated(5):
+                return lax.scan(lambda a, _: (taco_jax.psum(a, "tp", codec="int4-sym",
+                                                            min_bytes=0), None),
+                                c, None, length=5)[0]
+        assert list(new_sites(on_mesh(nested, vma=False), x).values()) == [15]
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    with pytest.raises(ValueError, match="times=0"):
+        with telemetry.repeated(0):
+            pass
+
+
+def test_a_caller_that_counts_the_iterations_itself_is_not_warned(caplog):
+    """The caller notes the body's sites the other 4 times (as the GPT's pipeline counts
+    its ticks): counted 5 times, no warning."""
+    def body(c, _):
+        before = dict(telemetry.sites())
+        y = taco_jax.psum(c, "tp", codec="taco-1scale", min_bytes=0)
+        for s, n in telemetry.sites():
+            for _ in range(4 * (n - before.get(s, 0))):
+                telemetry.note_site(s.op, s.shape, s.dtype, s.axes, s.codec, None, s.p,
+                                    s.transport)
+        return y, None
+
+    fn = on_mesh(lambda v: lax.scan(body, v, None, length=5)[0], vma=False)
+    with caplog.at_level(logging.WARNING, logger="taco_jax"):
+        assert list(new_sites(fn, jnp.ones((4, 512))).values()) == [5]
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_while_loop_body_warns_of_an_unknown_count(caplog):
+    def fn(v):
+        return lax.while_loop(lambda c: c[0] < 3.0,
+                              lambda c: taco_jax.psum(c, "tp", codec="block-fp8",
+                                                      min_bytes=0) * 0 + c + 1.0, v)
+    with caplog.at_level(logging.WARNING, logger="taco_jax"):
+        new_sites(on_mesh(fn, vma=False), jnp.zeros((4, 256)))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "lax.while_loop body, which runs an unknown number" in warned[0]
+
+
+# -- ppermute's error records ----------------------------------------------------------------
+def test_collect_records_ppermute_errors_forward_and_backward():
+    """One record per compressed send and per executed iteration (a scan of 2 sends of
+    256 values): forward, then the reverse sends of the cotangents, each against the exact
+    send over all receivers."""
+    x = np.random.default_rng(0).standard_normal((4, 2, 256)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    send = lambda v: taco_jax.ppermute(v, "tp", CHAIN, codec="tah4", min_bytes=0)
+
+    def loss(v):
+        with telemetry.repeated(2):
+            ys = lax.scan(lambda c, row: (c, send(row)), 0.0, v)[1]
+        return jnp.sum(ys * w)
+
+    with jax.set_mesh(mesh4()), telemetry.collect() as log:
+        g = jax.jit(on_mesh(lambda v: jax.grad(loss)(v)))(sharded(x))
+        jax.block_until_ready(g)
+        jax.effects_barrier()
+    recs = log.records
+    assert len(recs) == 4 and {r["op"] for r in recs} == {"ppermute"}
+    assert all(r["wire_bytes"] == codecs.get("tah4").wire_bytes(256) and
+               r["bf16_bytes"] == 2 * 256 and r["nonfinite"] == 0 for r in recs)
+    assert all(0.02 < r["rel_error"] < 0.2 for r in recs), recs
+    # the first record: row 0's send, over receivers 1..3
+    with jax.set_mesh(mesh4()):
+        y = np.asarray(jax.jit(on_mesh(send))(sharded(x[:, 0])))
+    ref = np.zeros_like(y)
+    ref[1:] = x[:3, 0]
+    assert recs[0]["rel_error"] == pytest.approx(
+        np.linalg.norm(y - ref) / np.linalg.norm(ref), rel=1e-4)
