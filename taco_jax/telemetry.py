@@ -27,8 +27,8 @@ compressed send ("ppermute", forward and backward), each against the exact colle
 f32: an exact lax.psum (a send: the exact lax.ppermute and a psum of three scalars) and a
 host callback.
 
-`capture()` (below) hands the tensors at the all-reduce sites themselves to the host, for
-the fidelity study (experiments/fidelity.py); same rule: off by default, free when off.
+`capture()` (below) hands the tensors at the all-reduce and send sites themselves to the
+host, for the fidelity study (experiments/fidelity.py); same rule: off by default, free when off.
 """
 from __future__ import annotations
 
@@ -319,8 +319,8 @@ def report_send(op: str, exact, y, axis, codec, wire_bytes: int, bf16_bytes: int
 
 
 # -- tensor capture -------------------------------------------------------------------------
-# Hands the real tensors at the all-reduce sites to the host, for the fidelity study
-# (experiments/fidelity.py). Off by default and free when off: like `collect`, the flag is read at
+# Hands the real tensors at the all-reduce and ppermute sites to the host, for the fidelity
+# study (experiments/fidelity.py, experiments/pp_codecs.py). Off by default and free when off: like `collect`, the flag is read at
 # trace time, so programs traced outside the block contain no callback.
 #
 #     with taco_jax.telemetry.capture() as cap:
@@ -333,6 +333,9 @@ def report_send(op: str, exact, y, axis, codec, wire_bytes: int, bf16_bytes: int
 # Sites: "fwd" is the input of every taco_jax.psum (this device's partial sum, before any
 # quantization); "bwd" is the cotangent whose all-reduce is psum's or pvary's backward
 # (check_vma=True: the cotangent reaching pvary; check_vma=False: the one reaching psum).
+# taco_jax.ppermute (op "ppermute"): "fwd" the tensor each device sends (devices the
+# permutation gives no destination included), "bwd" the cotangent of what it received,
+# which its reverse send carries back.
 # Captured whatever the route (compressed two-shot or lax.psum below min_bytes, any codec):
 # the tensor is the one the all-reduce sums, so any codec can be evaluated on it offline.
 
@@ -358,8 +361,8 @@ def capturing() -> bool:
 
 @contextlib.contextmanager
 def capture(all_devices: bool = False):
-    """Capture the per-device tensors at the all-reduce sites of functions traced inside the
-    block. all_devices=False keeps the first device of the axis only (like `report`);
+    """Capture the per-device tensors at the all-reduce and send sites of functions traced
+    inside the block. all_devices=False keeps the first device of the axis only (like `report`);
     True keeps every device's tensor (record["device"] = index along the axis). With other
     mesh axes (data parallelism) each replica along them sends its own record."""
     old = getattr(_capture_state, "cap", None)

@@ -169,3 +169,20 @@ def test_collect_records_ppermute_errors_forward_and_backward():
     ref[1:] = x[:3, 0]
     assert recs[0]["rel_error"] == pytest.approx(
         np.linalg.norm(y - ref) / np.linalg.norm(ref), rel=1e-4)
+
+
+def test_capture_hands_over_what_ppermute_sends_and_gets_back():
+    """capture(all_devices=True): "fwd" each device's sent tensor, "bwd" the cotangent of
+    what it received (what its reverse send carries), whatever the route (codec none)."""
+    x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
+    w = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
+    send = lambda v: taco_jax.ppermute(v, "tp", CHAIN, codec="none")
+    with jax.set_mesh(mesh4()), telemetry.capture(all_devices=True) as cap:
+        fn = on_mesh(lambda v: jax.grad(lambda u: jnp.sum(send(u) * w[0]))(v))
+        jax.block_until_ready(jax.jit(fn)(sharded(x)))
+        jax.effects_barrier()
+    got = {(r["kind"], r["device"]): r["value"] for r in cap.records if r["op"] == "ppermute"}
+    assert len(got) == 8
+    for d in range(4):
+        np.testing.assert_array_equal(got["fwd", d], x[d])
+        np.testing.assert_array_equal(got["bwd", d], w[0])   # every device's cotangent

@@ -80,7 +80,9 @@ def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None):
     Telemetry: the site is noted once, in the forward pass; `telemetry.wire_bytes(site,
     backward=True)` adds the reverse send a training step makes. Under
     `telemetry.collect()` every compressed send, forward and backward, records its error
-    against the exact send over all receivers."""
+    against the exact send over all receivers; `telemetry.capture()` hands each device's
+    sent tensor ("fwd", every device, senders or not) and the cotangent of what it
+    received ("bwd": what its reverse send carries) to the host."""
     op = Call.make("ppermute", axis_name, codec, min_bytes, "xla")
     perm = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
@@ -95,7 +97,14 @@ def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None):
         # which makes it varying first; the compressed op's cotangent, the reverse send,
         # varies over the axis and cannot be the cotangent of an invariant input
         invariant = op.vma and not axes_lib.varying(v, op.axes)
+        tap = telemetry.capturing() and op.taps(v)
+        if tap:       # fidelity study: the tensor this device sends, whatever the route
+            telemetry.capture_value("fwd", "ppermute", v, op.axis)
         if op.route(v, invariant=invariant) == "lax":
-            return _lax_ppermute(v, op.axis, perm, op.p, axes_lib.emulated(op.axes))
-        return _ppermute(v, op.axis, op.codec, op.p, perm)
+            y = _lax_ppermute(v, op.axis, perm, op.p, axes_lib.emulated(op.axes))
+        else:
+            y = _ppermute(v, op.axis, op.codec, op.p, perm)
+        if tap:       # the reverse send carries y's cotangent back
+            y = telemetry.capture_cotangent(y, "ppermute", op.axis)
+        return y
     return jax.tree.map(leaf, x)
