@@ -183,11 +183,14 @@ def test_default_config_per_kernel():
     assert common.KernelConfig.default(512, "decompress").blocks_per_program == 4
     with pytest.raises(ValueError, match="'compres'"):
         common.KernelConfig.default(256, "compres")
-    # compress: one warp, 8 tiles; smaller programs up to MID_ELEMENTS
-    mid = common.MID_ELEMENTS // 256
-    for n_rows, blocks in ((mid, 2), (mid + 1, 4), (None, 4)):
+    # compress: one warp, 8 tiles; smaller programs up to MID_ELEMENTS, 4 of them up to
+    # SMALL_ELEMENTS
+    mid, small = common.MID_ELEMENTS // 256, common.SMALL_ELEMENTS // 256
+    for n_rows, blocks, tiles in ((small, 2, 4), (small + 1, 2, 8), (mid, 2, 8),
+                                  (mid + 1, 4, 8), (None, 4, 8)):
         cfg = common.KernelConfig.default(256, "compress", n_rows=n_rows)
-        assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (blocks, 1, 8)
+        assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (blocks, 1,
+                                                                                   tiles)
     assert common.KernelConfig.default(256, "decompress", n_rows=16).num_warps == 2
 
 

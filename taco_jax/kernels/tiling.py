@@ -15,6 +15,7 @@ from taco_jax.numerics import hadamard
 
 
 MID_ELEMENTS = 32 << 20          # 64 MiB of bf16: up to it, compress runs smaller programs
+SMALL_ELEMENTS = 8 << 20         # 16 MiB of bf16: up to it, those programs loop over 4 tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +46,19 @@ class KernelConfig:
         blocks, one tile per program. compress: one warp per program looping over 8 tiles
         (Triton pipelines the next tile's loads under this one's transform) of 1024 elements,
         512 for inputs up to MID_ELEMENTS (n_rows blocks), where more, smaller programs fill
-        the GPU. Device time on the H200, fraction of the roofline, against 8 blocks × 2 warps
+        the GPU, and 4 tiles of 512 up to SMALL_ELEMENTS, where shorter loops finish sooner.
+        Device time on the H200, fraction of the roofline, against 8 blocks × 2 warps
         × 4 tiles: 0.56 vs 0.48 at 16 MiB, 0.77 vs 0.72 at 64 MiB, 0.90 vs 0.87 at 256 MiB,
-        0.82 vs 0.79 at 1 GiB (bench/results/kernels_tilings.json)."""
+        0.82 vs 0.79 at 1 GiB (bench/results/kernels_tilings.json); 4 tiles of 512 against 8:
+        0.58 vs 0.56 at 16 MiB, 0.75 vs 0.76 at 64 MiB (kernels_tilings_small.json)."""
         if kernel not in (None, "compress", "decompress", "reduce"):
             raise ValueError(f"KernelConfig.default: unknown kernel {kernel!r}")
         if kernel == "compress":
-            small = n_rows is not None and n_rows * block_size <= MID_ELEMENTS
+            n = None if n_rows is None else n_rows * block_size
+            small = n is not None and n <= MID_ELEMENTS
             return KernelConfig(blocks_per_program=max(1, (512 if small else 1024) // block_size),
-                                num_warps=1, tiles_per_program=8)
+                                num_warps=1,
+                                tiles_per_program=4 if small and n <= SMALL_ELEMENTS else 8)
         return KernelConfig(blocks_per_program=max(4, 2048 // block_size))
 
     def resolve(self, wide: bool, interpret: bool = False) -> "KernelConfig":
