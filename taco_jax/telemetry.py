@@ -320,8 +320,9 @@ def report_send(op: str, exact, y, axis, codec, wire_bytes: int, bf16_bytes: int
 
 # -- tensor capture -------------------------------------------------------------------------
 # Hands the real tensors at the all-reduce and ppermute sites to the host, for the fidelity
-# study (experiments/fidelity.py, experiments/pp_codecs.py). Off by default and free when off: like `collect`, the flag is read at
-# trace time, so programs traced outside the block contain no callback.
+# study (experiments/fidelity.py, experiments/pp_codecs.py). Off by default and free when
+# off: like `collect`, the flag is read at trace time, so programs traced outside the block
+# contain no callback.
 #
 #     with taco_jax.telemetry.capture() as cap:
 #         jax.jit(loss_and_grad)(params, x, y)    # traced inside the block
