@@ -40,8 +40,8 @@ wall time of finished runs of the same codec, else of any).
 in contiguous groups of near-equal length (`deal`), and merges their rows: one run's compiles, host
 work and evaluation leave the GPU idle, the others fill it. Step times are then
 shared-device times.
-Error feedback (`+feedback`) is not supported under emulated TP: such runs are listed under
-`not_run`, with the reason.
+Error feedback (`echo4+feedback`: model.feedback, Echo's forward sites) runs emulated as on a
+mesh (tests/test_model_emulated.py).
 
 JSON: {"device", "jax", "commit", "tp", "emulated": true, "preset", "steps",
 "tokens_seen", "corpus_tokens", "bf16_seed_spread_pct", "rows": [{"codec", "seed",
@@ -296,7 +296,7 @@ def paired_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def summarize(rows: list[dict], args, not_run: list[dict]) -> dict:
+def summarize(rows: list[dict], args) -> dict:
     import jax
     bf16 = [r["final_val_loss"] for r in rows if r["codec"] == "none"]
     paired = paired_rows(rows)
@@ -311,7 +311,7 @@ def summarize(rows: list[dict], args, not_run: list[dict]) -> dict:
             "bf16_seed_sd_pct": seed_sd_pct(bf16), "bf16_seeds": len(bf16),
             "val_tokens": args.val_tokens, "val_batches": args.val_batches,
             "val_se_pct_max": max(ses) if ses else None,
-            "corpus": args.corpus, "not_run": not_run}
+            "corpus": args.corpus}
 
 
 def print_table(out: dict) -> None:
@@ -338,14 +338,12 @@ def print_table(out: dict) -> None:
               f"{'' if ci is None else f'[{ci[0]:+.3f}, {ci[1]:+.3f}]':>19}"
               f"{'' if es is None else f'{es:.3f}':>10}  "
               f"{', '.join(f'seed {s}' for s in e['diverged_seeds'])}")
-    for n in out["not_run"]:
-        print(f"{n['config']:<26}  not run: {n['reason']}")
 
 
-def write(rows: dict, args, order: list[str], not_run: list[dict]) -> dict:
+def write(rows: dict, args, order: list[str]) -> dict:
     ordered = [rows[k] for k in order if k in rows] + [r for k, r in rows.items()
                                                        if k not in order]
-    out = summarize(ordered, args, not_run)
+    out = summarize(ordered, args)
     print_table(out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -433,13 +431,10 @@ def main(argv=None) -> dict:
         runs = run_order(args.codecs, args.seeds)
     order = [v["name"] for v in runs]
     rows = old_rows(args)
-    not_run = [{"config": c, "reason": "model.feedback is not supported with emulated TP "
-                                       "(parallel.emulate_tp); run it on a TP mesh"}
-               for c in dict.fromkeys(v["name"].partition("@")[0] for v in runs if v["feedback"])]
     stopped, failed = False, []
     if args.workers > 1:
-        pending = [v for v in runs if not v["feedback"]
-                   and not (v["name"] in rows
+        pending = [v for v in runs
+                   if not (v["name"] in rows
                             and not ablation.run_dir_of(args.out_dir, v["name"]).exists())
                    and not _finished_here(v, args)]
         if len(pending) > 1:
@@ -447,8 +442,6 @@ def main(argv=None) -> dict:
     for var in runs:
         if failed:
             break       # the children's finished rows are merged; nothing is retried here
-        if var["feedback"]:
-            continue
         run_dir = ablation.run_dir_of(args.out_dir, var["name"])
         if var["name"] in rows and not run_dir.exists():
             continue        # a row from another machine or call
@@ -482,10 +475,10 @@ def main(argv=None) -> dict:
             if ev["val_batches"] != args.val_batches:
                 ev = score(run_dir, args.eval_batches)
         rows[var["name"]] = row_of(rec, ev, wall)
-        write(rows, args, order, not_run)
-    out = write(rows, args, order, not_run)
+        write(rows, args, order)
+    out = write(rows, args, order)
     if stopped:
-        left = [v["name"] for v in runs if v["name"] not in rows and not v["feedback"]]
+        left = [v["name"] for v in runs if v["name"] not in rows]
         print(f"[fidelity_tp] stopped (time budget) after {time.monotonic() - t_start:.0f} s; "
               f"not finished: {left}. Re-run the same command to continue.", flush=True)
         out["unfinished"] = left

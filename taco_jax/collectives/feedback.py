@@ -45,7 +45,9 @@ def zeros(shape, axis_name) -> FeedbackState:
     """Initial state, inside `jax.shard_map` (varying over `axis_name` under check_vma)."""
     axes = axes_lib.resolve(axis_name, "feedback.zeros")
     r = jnp.zeros(shape, jnp.float32)
-    if axes_lib.check_vma(axes):
+    if axes_lib.emulated(axes):         # under vmap: one state per member
+        r = axes_lib.per_member(r, axes, force=True)
+    elif axes_lib.check_vma(axes):
         r = lax.pcast(r, axes_lib.name(axes), to="varying")
     return FeedbackState(r)
 
@@ -89,6 +91,8 @@ def _psum_fb_fwd(x, r, axis, codec, p, vma, compress):
 def _psum_fb_bwd(axis, codec, p, vma, compress, _, cts):
     g, g_r = cts            # g_r: backward residual left by the later site, passed on
     if vma:                 # lax.psum's transpose under check_vma: broadcast to varying
+        if axes_lib.emulated(axes_lib.as_tuple(axis)):   # vmap: the shared cotangent as is
+            return g, g_r
         return lax.pcast(g, axis, to="varying"), g_r
     # check_vma=False: the transpose is psum(g) (as taco_jax.psum). Its error enters the
     # stream through the block's weights, not directly, so it cannot be cancelled by
@@ -103,6 +107,9 @@ _psum_fb.defvjp(_psum_fb_fwd, _psum_fb_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _pvary_fb(x, r, axis, codec, p, compress):
+    axes = axes_lib.as_tuple(axis)
+    if axes_lib.emulated(axes):       # vmap: each member's cotangent must reach the backward
+        return axes_lib.per_member(x, axes, force=True), r
     return lax.pcast(x, axis, to="varying"), r
 
 
@@ -112,8 +119,13 @@ def _pvary_fb_fwd(x, r, axis, codec, p, compress):
 
 def _pvary_fb_bwd(axis, codec, p, compress, _, cts):
     g, g_r = cts            # g: this device's partial cotangent; g_r: later site's residual
-    ct, e = _reduce_err(g, g_r, axis, codec, p, True, compress)
-    return ct, e
+    axes = axes_lib.as_tuple(axis)
+    if not axes_lib.emulated(axes):
+        return _reduce_err(g, g_r, axis, codec, p, True, compress)
+    with axes_lib.bound(axes, p):
+        ct, e = _reduce_err(g, g_r, axis, codec, p, True, compress)
+        # vmap sums the members' cotangents of the shared input: the total goes to one
+        return jnp.where(lax.axis_index(axis) == 0, ct, jnp.zeros_like(ct)), e
 
 
 _pvary_fb.defvjp(_pvary_fb_fwd, _pvary_fb_bwd)
