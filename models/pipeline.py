@@ -9,9 +9,9 @@ cotangents travel from stage s + 1 to s through ppermute's transpose (the revers
 permutation, compressed alike). Idle ticks (the bubble: (S − 1)/(M + S − 1) of the
 ticks) compute on zeros and are masked out of the result.
 
-The tick body is traced once and runs M + S − 1 times per call; `telemetry.sites()` counts
-traced calls, so the sites traced inside it are counted M + S − 1 times (the call-site
-report and the bytes a step sends then count what really runs).
+The tick body is traced once and runs M + S − 1 times per call; the scan is declared with
+`telemetry.repeated`, so the sites traced inside it are counted M + S − 1 times (the
+call-site report and the bytes a step sends then count what really runs).
 """
 from __future__ import annotations
 
@@ -45,23 +45,6 @@ def vary(x, axes) -> jax.Array:
         return x
     missing = tuple(a for a in axes if a not in vma(x))
     return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _count_sites(fn: Callable, times: int) -> Callable:
-    """fn, whose taco_jax sites are counted `times` per trace instead of once."""
-    if times <= 1:
-        return fn
-
-    def counted(*args):
-        before = dict(telemetry.sites())
-        out = fn(*args)
-        for s, n in telemetry.sites():
-            for _ in range((n - before.get(s, 0)) * (times - 1)):
-                telemetry.note_site(s.op, s.shape, s.dtype, s.axes, s.codec,
-                                    None if s.compressed else s.reason, s.p,
-                                    s.transport or "lax")
-        return out
-    return counted
 
 
 def gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], params, microbatches: jax.Array,
@@ -105,5 +88,6 @@ def gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], params, microbatches:
 
     ticks = m + n_stages - 1
     init = (zero, vary(jnp.zeros_like(microbatches), carry_axes))
-    (_, outs), _ = lax.scan(_count_sites(tick, ticks), init, jnp.arange(ticks))
+    with telemetry.repeated(ticks):
+        (_, outs), _ = lax.scan(tick, init, jnp.arange(ticks))
     return outs
