@@ -136,10 +136,11 @@ class Checkpointer:
 
         Steps are tried newest to oldest; one that raises, or whose metadata (data position,
         config `name`, the `optimizer` layout when given, fingerprint of the arrays) does
-        not match, is reported with a warning naming it. With `set_aside` (for a run that goes on training and will write
-        those steps again) the unusable ones newer than the restored step are moved to
-        `<directory>_unverified/`: nothing that could not be verified is deleted. If no
-        step restores, RuntimeError lists why, and every checkpoint is left where it is."""
+        not match, is reported with a warning naming it. With `set_aside` (for a run that
+        goes on training and will write those steps again) the unusable ones newer than the
+        restored step are moved to `<directory>_unverified/`: nothing that could not be
+        verified is deleted. If no step restores, RuntimeError lists why, and every
+        checkpoint is left where it is."""
         bad = []
         for step in reversed(self.all_steps()):
             state, meta, why = self._check(step, like, name, optimizer)
