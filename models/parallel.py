@@ -266,9 +266,11 @@ class ShardedGPT:
                              in_specs=(self.specs, BATCH_SPEC), out_specs=P(DATA, None, TP),
                              check_vma=True)
 
-    def loss_and_grad_fn(self) -> Callable:
-        """(params, tokens, targets) -> (loss, grads); grads sharded like params. Each data
-        shard differentiates its own share of the mean loss; `dp_reduce` sums them."""
+    def local_grads(self) -> Callable:
+        """(params, tokens, targets) -> (mean loss over the global batch, this data shard's
+        gradients of its share of it), inside the shard_map: the gradients before the
+        data-parallel reduction (`dp_reduce`, or ZeRO-1's reduce-scatter, models/zero.py),
+        each varying over "data" and over the axes its parameter is split over."""
         member = self._shard_loss()
         n = self.data
 
@@ -276,7 +278,17 @@ class ShardedGPT:
             if self._check_vma:   # varying over "data": no implicit all-reduce of the grads
                 params = _vary(params, self._dp_axes)
             loss, grads = jax.value_and_grad(lambda p: member(p, tokens, targets) / n)(params)
-            return jax.lax.psum(loss, DATA), self.dp_reduce(grads)
+            return jax.lax.psum(loss, DATA), grads
+        return local
+
+    def loss_and_grad_fn(self) -> Callable:
+        """(params, tokens, targets) -> (loss, grads); grads sharded like params. Each data
+        shard differentiates its own share of the mean loss; `dp_reduce` sums them."""
+        grads_of = self.local_grads()
+
+        def local(params, tokens, targets):
+            loss, grads = grads_of(params, tokens, targets)
+            return loss, self.dp_reduce(grads)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs, BATCH_SPEC, BATCH_SPEC),
                              out_specs=(P(), self.specs), check_vma=self._check_vma)
@@ -364,11 +376,11 @@ class PipelinedGPT(ShardedGPT):
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs, BATCH_SPEC),
                              out_specs=P(DATA, None, TP), check_vma=True)
 
-    def loss_and_grad_fn(self) -> Callable:
+    def local_grads(self) -> Callable:
         """Every parameter varying over "data" and "pipe" before differentiation: each
         stage gets the gradients of what it ran. Those of the replicated embeddings and
-        head (nonzero on one stage) are summed over "pipe" exactly, then all of them over
-        "data" by `dp_reduce`."""
+        head (nonzero on one stage) are summed over "pipe" exactly; the sum over "data"
+        is left to the caller (`dp_reduce` in `loss_and_grad_fn`)."""
         member = self._shard_loss()
         n = self.data
 
@@ -376,10 +388,8 @@ class PipelinedGPT(ShardedGPT):
             params = _vary(params, (*self._dp_axes, PIPE))
             loss, grads = jax.value_and_grad(lambda p: member(p, tokens, targets) / n)(params)
             grads = {k: (g if k == "blocks" else lax.psum(g, PIPE)) for k, g in grads.items()}
-            return lax.psum(loss, (DATA, PIPE)), self.dp_reduce(grads)
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs, BATCH_SPEC, BATCH_SPEC),
-                             out_specs=(P(), self.specs), check_vma=True)
+            return lax.psum(loss, (DATA, PIPE)), grads
+        return local
 
 
 def stack_blocks(params: dict, n_layer: int) -> dict:

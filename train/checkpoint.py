@@ -1,10 +1,11 @@
 """Orbax checkpoints of the whole train state (async, keep N), verified on restore.
 
 One checkpoint = `state` (params, optimizer state, step, RNG; sharded arrays, restored into
-the same shardings) + `meta` (JSON: data position, config name, wall time, and a fingerprint
-of the state). Orbax reads a flipped byte in an array's data without complaint (the values
-just come back wrong), so every checkpoint carries one checksum per array, computed on the
-devices when it is saved and compared when it is restored.
+the same shardings) + `meta` (JSON: data position, config name, wall time, the optimizer
+state's layout, and a fingerprint of the state). Orbax reads a flipped byte in an array's
+data without complaint (the values just come back wrong), so every checkpoint carries one
+checksum per array, computed on the devices when it is saved and compared when it is
+restored.
 """
 from __future__ import annotations
 
@@ -32,6 +33,19 @@ def _bits_sum(x: jax.Array) -> jax.Array:
     else:
         u = lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
     return jnp.sum(u, dtype=jnp.uint32)
+
+
+REPLICATED = {"zero": 0}  # the optimizer layout of checkpoints that do not name one
+
+
+def describe_layout(layout: dict) -> str:
+    """An optimizer layout (meta["optimizer"]) in config terms."""
+    if not layout.get("zero"):
+        return "parallel.zero=0 (optimizer state replicated over data)"
+    return (f"parallel.zero={layout['zero']} (optimizer state sharded over data="
+            f"{layout.get('data')}" + (", with the fp32 master shards of a lossy "
+                                       "recipe.codec_wd" if layout.get("master") else "")
+            + ")")
 
 
 _fingerprint = jax.jit(lambda leaves: [_bits_sum(x) for x in leaves])
@@ -73,14 +87,35 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return out.state, out.meta
 
-    def _check(self, step: int, like: Any, name: str | None) -> tuple[Any, dict, str | None]:
-        """Restore and verify one step -> (state, meta, None) or (None, None, why not)."""
+    def restore_meta(self, step: int) -> Any:
+        """One step's metadata alone (no arrays read)."""
+        return self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore())).meta
+
+    def _layout_mismatch(self, step: int, optimizer: dict) -> str | None:
+        """Why step's optimizer state cannot restore into the `optimizer` layout, or None
+        (also when its metadata cannot be read: the restore will say why)."""
         try:
-            state, meta = self.restore(step, like)
-            why = None
-        except Exception as e:  # noqa: BLE001 - any failure to read makes the step unusable
-            state = meta = None
-            why = f"restore failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            meta = self.restore_meta(step)
+        except Exception:  # noqa: BLE001
+            return None
+        saved = meta.get("optimizer", REPLICATED) if isinstance(meta, dict) else None
+        if saved is None or saved == optimizer:
+            return None
+        return (f"its optimizer state was saved with {describe_layout(saved)}, but this run "
+                f"has {describe_layout(optimizer)}: resume with the setting it was saved "
+                f"with")
+
+    def _check(self, step: int, like: Any, name: str | None, optimizer: dict | None = None
+               ) -> tuple[Any, dict, str | None]:
+        """Restore and verify one step -> (state, meta, None) or (None, None, why not)."""
+        state = meta = None
+        why = None if optimizer is None else self._layout_mismatch(step, optimizer)
+        if why is None:
+            try:
+                state, meta = self.restore(step, like)
+            except Exception as e:  # noqa: BLE001 - any failure to read makes it unusable
+                why = f"restore failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if agree_any(why is not None):  # every process skips it, or none does
             return None, None, why or "restore failed on another process"
         if not isinstance(meta, dict):
@@ -94,20 +129,21 @@ class Checkpointer:
                                 else "array data does not match its fingerprint")
         return state, meta, None
 
-    def restore_latest(self, like: Any, name: str | None = None, set_aside: bool = True
-                       ) -> tuple[Any, dict, int] | None:
+    def restore_latest(self, like: Any, name: str | None = None, set_aside: bool = True,
+                       optimizer: dict | None = None) -> tuple[Any, dict, int] | None:
         """The newest checkpoint that restores and verifies -> (state, meta, step); None if
         there is no checkpoint at all.
 
         Steps are tried newest to oldest; one that raises, or whose metadata (data position,
-        config `name`, fingerprint of the arrays) does not match, is reported with a
-        warning naming it. With `set_aside` (for a run that goes on training and will write
-        those steps again) the unusable ones newer than the restored step are moved to
-        `<directory>_unverified/`: nothing that could not be verified is deleted. If no
-        step restores, RuntimeError lists why, and every checkpoint is left where it is."""
+        config `name`, the `optimizer` layout when given, fingerprint of the arrays) does
+        not match, is reported with a warning naming it. With `set_aside` (for a run that
+        goes on training and will write those steps again) the unusable ones newer than the
+        restored step are moved to `<directory>_unverified/`: nothing that could not be
+        verified is deleted. If no step restores, RuntimeError lists why, and every
+        checkpoint is left where it is."""
         bad = []
         for step in reversed(self.all_steps()):
-            state, meta, why = self._check(step, like, name)
+            state, meta, why = self._check(step, like, name, optimizer)
             if why is None:
                 for s, reason in bad:
                     moved = f"moved it to {self._set_aside(s)}; " if set_aside else ""

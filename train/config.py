@@ -65,6 +65,9 @@ class ParallelConfig:
     # > 0: tensor parallelism of this size emulated on each device (jax.vmap over the shards,
     # the same compression sites as on that many devices); the mesh is then data only
     emulate_tp: int = 0
+    # 1: ZeRO-1, the optimizer state sharded over "data" (gradients reduce-scattered, the
+    # updated shards all-gathered); 0: replicated. With data=1 there is nothing to shard: 0
+    zero: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,10 @@ class RecipeConfig:
     # data-parallel gradient all-reduce; "" = codec. Exact unless asked: gradients feed the
     # optimizer directly, and runs saved before the field existed resume unchanged
     codec_dp: str = "none"
+    # ZeRO-1's weight all-gather (parallel.zero=1): "none" sends the updated shards exactly;
+    # a lossy codec sends the quantized difference to the replicas (the exact master shard
+    # kept with the optimizer state); "" = codec. Not set by the `codec=X` shorthand
+    codec_wd: str = "none"
     min_bytes: int = -1  # collectives smaller than this stay lax's; -1 = taco_jax's default
     # kernels: auto (Pallas on GPU, jnp elsewhere) | pallas | interpret | reference
     backend: str = "auto"
@@ -91,6 +98,11 @@ class RecipeConfig:
         """The codec of the data-parallel gradient all-reduce in effect."""
         return self.codec_dp or self.codec
 
+    @property
+    def wd_codec(self) -> str:
+        """The codec of ZeRO-1's weight all-gather in effect."""
+        return self.codec_wd or self.codec
+
     def fields(self) -> dict:
         """Keyword arguments of taco_jax.config."""
         return {"codec": self.codec, "min_bytes": None if self.min_bytes < 0 else self.min_bytes,
@@ -100,7 +112,7 @@ class RecipeConfig:
         return taco_jax.config(**self.fields())
 
     def validate(self) -> "RecipeConfig":
-        for name in ("codec", "codec_pp", "codec_dp"):
+        for name in ("codec", "codec_pp", "codec_dp", "codec_wd"):
             if not getattr(self, name) and name != "codec":
                 continue
             try:
@@ -193,6 +205,13 @@ class Config:
         for name in ("tp", "data"):
             if getattr(pa, name) < 0:
                 raise ValueError(f"parallel.{name}={getattr(pa, name)} must be >= 0 (0 = auto)")
+        if pa.zero not in (0, 1):
+            raise ValueError(f"parallel.zero={pa.zero} must be 0 (optimizer state replicated "
+                             f"over data) or 1 (ZeRO-1: sharded over data)")
+        if not pa.zero and not taco_jax.codecs.get(self.recipe.validate().wd_codec).is_identity:
+            raise ValueError(f"recipe.codec_wd={self.recipe.wd_codec!r} compresses ZeRO-1's "
+                             f"weight all-gather, but parallel.zero=0 sends no weights (set "
+                             f"parallel.zero=1, or recipe.codec_wd=none)")
         with self.recipe.validate().context():  # the model's "" codecs are the recipe's
             self.model.validate(tp=pa.emulate_tp or pa.tp or 1)
             check_pipeline(self.model, pa.pipe, pa.microbatches, pa.emulate_tp)

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import parallel
+from models import parallel, zero as zero_lib
 from models.parallel import ShardedGPT
 from taco_jax import telemetry
 from train import config as config_lib
@@ -68,20 +69,25 @@ def build_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
 # ---------------------------------------------------------------------------------------------
 # Optimizer and the jitted step
 
-def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, Callable]:
+def decay_mask(params):
+    """Weight decay on matrices and embeddings; not on biases or LayerNorm."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: str(path[-1].key).endswith("kernel")
+        or str(path[-1].key) in ("wte", "wpe", "lm_head"), params)
+
+
+def make_optimizer(cfg: Config, mask: Any = decay_mask
+                   ) -> tuple[optax.GradientTransformation, Callable]:
+    """-> (AdamW after the global-norm clip, the LR schedule). mask: the weight-decay mask
+    (a pytree of bools like the updated tree, or a function of it; ZeRO-1 passes one flag
+    per bucket)."""
     o, steps = cfg.optim, cfg.train.steps
     warmup = min(o.warmup_steps, steps - 1)  # short (smoke) runs keep a decay phase
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=steps,
         end_value=o.min_lr)
-
-    def decay_mask(params):  # decay matrices and embeddings; not biases or LayerNorm
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: str(path[-1].key).endswith("kernel")
-            or str(path[-1].key) in ("wte", "wpe", "lm_head"), params)
-
     adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                        mask=decay_mask)
+                        mask=mask)
     tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip else adamw
     return tx, schedule
 
@@ -99,15 +105,31 @@ class Program:
     state_shardings: Any  # NamedShardings, same structure as the state
 
     tx: optax.GradientTransformation
+    # ZeRO-1 (parallel.zero=1 with data > 1): the optimizer state is that of the parameters'
+    # shards, {"tx": optax state, "master": shards (a lossy recipe.codec_wd only)}
+    zero: zero_lib.Zero1 | None = None
 
     def abstract_state(self) -> State:
         """ShapeDtypeStructs (with shardings) of the state, without allocating it."""
         params = self.model.abstract_params()
+        if self.zero is None:
+            opt = jax.eval_shape(self.tx.init, params)
+        else:
+            shards = self.zero.abstract_shards()
+            opt = {"tx": jax.eval_shape(self.tx.init, shards),
+                   **({"master": shards} if self.zero.master else {})}
         state = {"step": jax.ShapeDtypeStruct((), np.int32), "params": params,
-                 "opt_state": jax.eval_shape(self.tx.init, params),
-                 "rng": jax.ShapeDtypeStruct((2,), np.uint32)}
+                 "opt_state": opt, "rng": jax.ShapeDtypeStruct((2,), np.uint32)}
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             state, self.state_shardings)
+
+    @property
+    def optimizer_layout(self) -> dict:
+        """How the optimizer state is laid out (checkpoint metadata: a run resumes only
+        from checkpoints of the same layout)."""
+        if self.zero is None:
+            return {"zero": 0}
+        return {"zero": 1, "data": self.model.data, "master": self.zero.master}
 
     def put_batch(self, x: np.ndarray) -> jax.Array:
         return parallel.put_batch(x, self.mesh)
@@ -133,18 +155,35 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
                                    codec_dp=cfg.recipe.dp_codec, codec_pp=cfg.recipe.pp_codec)
     parallel.check_batch(cfg.train.batch_size, cfg.model.seq_len, cfg.model, mesh,
                          cfg.parallel.microbatches)
-    tx, schedule = make_optimizer(cfg)
+    zero = None
+    if cfg.parallel.zero and model.data > 1:  # with data=1 there is nothing to shard over
+        with cfg.recipe.context():
+            zero = zero_lib.Zero1.build(model, decay_mask(model.param_shapes()),
+                                        cfg.recipe.dp_codec, cfg.recipe.wd_codec)
+    tx, schedule = make_optimizer(cfg, decay_mask if zero is None else zero.decay_mask())
     replicated = NamedSharding(mesh, P())
     param_sh = model.shardings
+    opt_params, opt_params_sh = ((model.abstract_params(), param_sh) if zero is None
+                                 else (zero.abstract_shards(), zero.shardings))
     opt_sh = optax.tree_map_params(  # moments sharded like their params, counters replicated
-        tx, lambda _, s: s, jax.eval_shape(tx.init, model.abstract_params()), param_sh,
+        tx, lambda _, s: s, jax.eval_shape(tx.init, opt_params), opt_params_sh,
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding))
+    if zero is not None:
+        opt_sh = {"tx": opt_sh, **({"master": zero.shardings} if zero.master else {})}
     state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh,
                 "rng": replicated}
-    loss_and_grad = model.loss_and_grad_fn()
 
-    init_opt = jax.jit(tx.init, out_shardings=opt_sh)
+    if zero is None:
+        loss_and_grad = model.loss_and_grad_fn()
+        init_opt = jax.jit(tx.init, out_shardings=opt_sh)
+    else:
+        shards_of, zero_grads, zero_gather = zero.shards_fn(), zero.grad_fn(), zero.gather_fn()
+
+        @functools.partial(jax.jit, out_shardings=opt_sh)
+        def init_opt(params):
+            shards = shards_of(params)  # the master starts as the parameters themselves
+            return {"tx": tx.init(shards), **({"master": shards} if zero.master else {})}
 
     def init(seed: int) -> State:
         params = model.init(seed)
@@ -168,12 +207,32 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
                "rng": state["rng"]}
         return new, metrics
 
+    def zero_step(state: State, tokens, targets) -> tuple[State, dict]:
+        """ZeRO-1: reduce-scatter the gradients, update this rank's shards, all-gather."""
+        loss, grads, own = zero_grads(state["params"], tokens, targets)
+        opt = state["opt_state"]
+        master = opt["master"] if zero.master else own
+        updates, tx_state = tx.update(grads, opt["tx"], master)
+        master = optax.apply_updates(master, updates)
+        params, replica = zero_gather(state["params"], master)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": schedule(state["step"])}
+        if zero.master:  # what the replicas lag the exact master by, after this step
+            metrics["wd_rel_error"] = (optax.tree.norm(jax.tree.map(jnp.subtract, replica,
+                                                                    master))
+                                       / jnp.maximum(optax.tree.norm(master), 1e-30))
+        new = {"step": state["step"] + 1, "params": params,
+               "opt_state": {"tx": tx_state, **({"master": master} if zero.master else {})},
+               "rng": state["rng"]}
+        return new, metrics
+
     batch_sh = NamedSharding(mesh, parallel.BATCH_SPEC)
-    step_fn = jax.jit(under_recipe(cfg, step), in_shardings=(state_sh, batch_sh, batch_sh),
+    step_fn = jax.jit(under_recipe(cfg, step if zero is None else zero_step),
+                      in_shardings=(state_sh, batch_sh, batch_sh),
                       out_shardings=(state_sh, replicated), donate_argnums=0)
     eval_fn = jax.jit(under_recipe(cfg, model.loss_fn()),
                       in_shardings=(param_sh, batch_sh, batch_sh))
-    return Program(cfg, mesh, model, init, step_fn, eval_fn, state_sh, tx)
+    return Program(cfg, mesh, model, init, step_fn, eval_fn, state_sh, tx, zero)
 
 
 def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
@@ -264,13 +323,30 @@ def sites_report(sites: list[tuple[telemetry.Site, int]]) -> str:
 _SENDS_BACK = ("ppermute", "all_gather", "psum_scatter")
 
 
+def _sends_back(site: telemetry.Site) -> bool:
+    # the "data" axis's collectives (dp_reduce, ZeRO-1's reduce-scatter and all-gather) run
+    # after differentiation: nothing flows back through them
+    return site.op in _SENDS_BACK and site.axes != (parallel.DATA,)
+
+
 def step_wire_bytes(sites: list[tuple[telemetry.Site, int]], backward: bool = True) -> int:
     """Bytes one device sends per train step through these sites. A site is one call: an
     all-reduce (psum forward, pvary backward) or a send; with `backward` (a training step)
-    a ppermute, all_gather or psum_scatter also sends its cotangent back, which its site,
-    noted in the forward pass, does not count."""
-    return sum(telemetry.wire_bytes(s) * n * (2 if backward and s.op in _SENDS_BACK else 1)
+    a ppermute, all_gather or psum_scatter inside the differentiated model also sends its
+    cotangent back, which its site, noted in the forward pass, does not count."""
+    return sum(telemetry.wire_bytes(s) * n * (2 if backward and _sends_back(s) else 1)
                for s, n in sites)
+
+
+def state_bytes(state: State) -> dict:
+    """Bytes of the train state's "params" and "opt_state" on one device (this process's
+    first): what each device holds, replicated arrays whole, sharded ones their shard."""
+    dev = jax.local_devices()[0]
+
+    def on_device(tree) -> int:
+        return sum(sh.data.nbytes for x in jax.tree.leaves(tree)
+                   for sh in x.addressable_shards if sh.device == dev)
+    return {"params": on_device(state["params"]), "opt_state": on_device(state["opt_state"])}
 
 
 def step_memory(step: Callable, *args) -> dict | None:
@@ -379,7 +455,8 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     state = prog.init(t_cfg.seed)
     start, resumed_from = 0, None
     try:
-        restored = ckpt.restore_latest(state, name=cfg.name) if resume else None
+        restored = (ckpt.restore_latest(state, name=cfg.name, optimizer=prog.optimizer_layout)
+                    if resume else None)
     except BaseException:
         ckpt.close()
         raise
@@ -399,11 +476,14 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
               f"{jax.devices()[0].platform}, codec fwd="
               f"{codecs['fwd']} bwd={codecs['bwd']} head={codecs['head']} pp={codecs['pp']} "
               f"dp={codecs['dp']}"
+              + (f", ZeRO-1 over data (weights: {cfg.recipe.wd_codec})" if prog.zero else
+                 ", parallel.zero=1 has nothing to shard at data=1" if cfg.parallel.zero else "")
               + (", error feedback" if cfg.model.feedback else "") + f", run dir {run_dir}"
               + (f", resumed at step {start}" if resumed_from is not None else ""), flush=True)
 
     def save(step: int) -> None:
-        ckpt.save(step, state, {"data_pos": step, "name": cfg.name, "time": time.time()})
+        ckpt.save(step, state, {"data_pos": step, "name": cfg.name, "time": time.time(),
+                                "optimizer": prog.optimizer_layout})
 
     tokens_per_step = t_cfg.batch_size * seq
     step_times, compile_s, row = [], None, {}
@@ -469,6 +549,8 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
                            "grad_norm": float(m["grad_norm"]), "step_time_s": dt,
                            "tokens_per_s": tokens_per_step / dt, "elapsed_s": now - t0,
                            "wire_bytes": wire_bytes}
+                    if "wd_rel_error" in m:
+                        row["wd_rel_error"] = float(m["wd_rel_error"])
                     if not math.isfinite(last_loss):
                         raise FloatingPointError(f"loss became {last_loss} at step {step}")
                     if is_eval:
@@ -515,7 +597,9 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
         "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
         "codec_pp": codecs["pp"], "codec_dp": codecs["dp"],
         "feedback": cfg.model.feedback, "sequence_parallel": cfg.model.sequence_parallel,
+        "zero": 1 if prog.zero else 0, "codec_wd": cfg.recipe.wd_codec if prog.zero else None,
         "wire_bytes_per_step": wire_bytes, "step_memory": memory,
+        "state_bytes": state_bytes(state),
         "sites": {"compressed": sum(n for s, n in step_sites or () if s.compressed),
                   "plain": sum(n for s, n in step_sites or () if not s.compressed)},
     }
