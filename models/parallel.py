@@ -111,7 +111,8 @@ class ShardedGPT:
     # codec of the data-parallel gradient all-reduce; None = the taco_jax recipe's codec
     codec_dp: Any = None
     codec_pp: Any = None  # codec of the pipeline stage hand-offs (PipelinedGPT)
-    microbatches: int = 1  # GPipe micro-batches per data shard (PipelinedGPT)
+    microbatches: int = 1  # micro-batches per data shard (PipelinedGPT)
+    schedule: str = "gpipe"  # PipelinedGPT's schedule: "gpipe" or "1f1b" (models/pipeline.py)
 
     @property
     def tp(self) -> int:
@@ -380,7 +381,11 @@ class PipelinedGPT(ShardedGPT):
         """Every parameter varying over "data" and "pipe" before differentiation: each
         stage gets the gradients of what it ran. Those of the replicated embeddings and
         head (nonzero on one stage) are summed over "pipe" exactly; the sum over "data"
-        is left to the caller (`dp_reduce` in `loss_and_grad_fn`)."""
+        is left to the caller (`dp_reduce` in `loss_and_grad_fn`). GPipe: autodiff of
+        the forward schedule; 1F1B: `pipeline.one_f_one_b`, which computes the gradients
+        itself, micro-batch by micro-batch."""
+        if self.schedule == "1f1b":
+            return self._local_grads_1f1b()
         member = self._shard_loss()
         n = self.data
 
@@ -388,6 +393,33 @@ class PipelinedGPT(ShardedGPT):
             params = _vary(params, (*self._dp_axes, PIPE))
             loss, grads = jax.value_and_grad(lambda p: member(p, tokens, targets) / n)(params)
             grads = {k: (g if k == "blocks" else lax.psum(g, PIPE)) for k, g in grads.items()}
+            return lax.psum(loss, (DATA, PIPE)), grads
+        return local
+
+    def _local_grads_1f1b(self) -> Callable:
+        """The loss (mean over the shard's tokens, / data) and its gradients with the 1F1B
+        schedule: embeddings differentiated around it (stage 0's micro-batch cotangents),
+        blocks inside it, the LM head and loss on the last stage inside it."""
+        n, m = self.data, self.microbatches
+
+        def head_loss(ends_params, y, targets):
+            return vocab_parallel_xent(self.bind(ends_params).head(y), targets).mean()
+
+        def local(params, tokens, targets):
+            params = _vary(params, (*self._dp_axes, PIPE))
+            ends = {k: v for k, v in params.items() if k != "blocks"}
+            b = tokens.shape[0]
+            if b % m:
+                raise ValueError(f"{b} sequences per data shard cannot be split into "
+                                 f"parallel.microbatches={m} micro-batches")
+            x, embed_pull = jax.vjp(lambda p: self.bind(p).embed(tokens), ends)
+            loss, g_blocks, g_head, dxs = pipeline.one_f_one_b(
+                self._stage, params["blocks"], x.reshape(m, b // m, *x.shape[1:]), head_loss,
+                ends, targets.reshape(m, b // m, *targets.shape[1:]), axis=PIPE,
+                codec=self.codec_pp, scale=1.0 / (m * n))
+            (g_embed,) = embed_pull(dxs.reshape(x.shape).astype(x.dtype))
+            grads = jax.tree.map(lambda a, c: lax.psum(a + c, PIPE), g_head, g_embed)
+            grads["blocks"] = g_blocks
             return lax.psum(loss, (DATA, PIPE)), grads
         return local
 
@@ -419,13 +451,14 @@ def _is_spec(v) -> bool:
 
 
 def shard_gpt(cfg: GPTConfig, mesh: jax.sharding.Mesh, emulate_tp: int = 0, *,
-              microbatches: int = 1, codec_dp=None, codec_pp=None) -> ShardedGPT:
+              microbatches: int = 1, codec_dp=None, codec_pp=None,
+              schedule: str = "gpipe") -> ShardedGPT:
     """Validate `cfg` against `mesh` and build the abstract model (no parameters allocated).
 
     mesh: ("data", "pipe", "tp") (`make_mesh`; ("data", "tp") is accepted too), or with
     emulate_tp > 0 a ("data",) mesh on which TP of that size is emulated. A "pipe" axis of
-    size > 1 pipelines the blocks (GPipe over `microbatches` micro-batches per data
-    shard). codec_dp / codec_pp: codecs of the data-parallel gradient all-reduce and of the
+    size > 1 pipelines the blocks over `microbatches` micro-batches per data shard, with
+    the `schedule` "gpipe" or "1f1b" (models/pipeline.py). codec_dp / codec_pp: codecs of the data-parallel gradient all-reduce and of the
     stage hand-offs (None: the taco_jax recipe's codec where traced)."""
     names = tuple(mesh.axis_names)
     want = ((DATA,),) if emulate_tp else ((DATA, PIPE, TP), (DATA, TP))
@@ -440,7 +473,10 @@ def shard_gpt(cfg: GPTConfig, mesh: jax.sharding.Mesh, emulate_tp: int = 0, *,
     pipe = int(dict(mesh.shape).get(PIPE, 1))
     check_pipeline(cfg, pipe, microbatches)
     cfg.validate(tp=emulate_tp or mesh.shape[TP])
-    kw = {"codec_dp": codec_dp, "codec_pp": codec_pp, "microbatches": microbatches}
+    if schedule not in pipeline.SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {pipeline.SCHEDULES}")
+    kw = {"codec_dp": codec_dp, "codec_pp": codec_pp, "microbatches": microbatches,
+          "schedule": schedule}
     if pipe > 1:
         graphdef, template = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0), layers=0)))
         block_graphdef, block_template = nnx.split(nnx.eval_shape(

@@ -84,22 +84,42 @@ _loop_pending: dict = {}           # site -> its warning, until a read outside l
 
 
 @contextlib.contextmanager
-def repeated(times: int):
+def repeated(times: int, differentiated: bool = True):
     """Sites traced inside the block run `times` times per call of the traced function (a
     loop body: wrap the `lax.scan` / `fori_loop` call). Nested blocks multiply; each one
     declares one loop level.
 
         with taco_jax.telemetry.repeated(n_layers):
             x, _ = lax.scan(block, x, stacked_params)   # its psums counted n_layers times
-    """
+
+    differentiated=False: the block's calls run forward only, whatever differentiates the
+    function around it (a pipeline schedule that computes its backward itself, in another
+    block): `pvary`'s sites are not counted (their all-reduce runs in the backward), and
+    the calls of ops whose transpose sends (ppermute, all_gather, psum_scatter) are
+    counted by `undifferentiated(site)` too, so that a step's bytes leave their backward
+    out."""
     if isinstance(times, bool) or not isinstance(times, int) or times < 1:
         raise ValueError(f"telemetry.repeated: times={times!r} must be an int >= 1")
     stack = getattr(_repeats, "stack", ())
+    forward = getattr(_repeats, "forward_only", False)
     _repeats.stack = stack + (times,)
+    _repeats.forward_only = forward or not differentiated
     try:
         yield
     finally:
         _repeats.stack = stack
+        _repeats.forward_only = forward
+
+
+_undiff: dict = {}          # Site -> calls counted in `sites()` that run no backward
+BACKWARD_ONLY = ("pvary", "pvary_with_feedback")   # their collective runs in the backward
+
+
+def undifferentiated(site: Site) -> int:
+    """Calls of `site` (among those `sites()` counts) traced in a
+    `repeated(..., differentiated=False)` block: their transpose does not run."""
+    with _sites_lock:
+        return _undiff.get(site, 0)
 
 
 _LOOP_CODE = None
@@ -175,9 +195,15 @@ def note_call(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1
 def _note(op, shape, dtype, axes, codec, reason, p, route) -> Site:
     site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
                 reason is None, reason or "", p, route if reason is None else "")
+    times = math.prod(getattr(_repeats, "stack", ()))
+    forward_only = getattr(_repeats, "forward_only", False)
+    if forward_only and op in BACKWARD_ONLY:
+        return site         # nothing is sent: the backward that would send does not run
     with _sites_lock:
         new = site not in _sites
-        _sites[site] = _sites.get(site, 0) + math.prod(getattr(_repeats, "stack", ()))
+        _sites[site] = _sites.get(site, 0) + times
+        if forward_only and op in SENDS_BACK:
+            _undiff[site] = _undiff.get(site, 0) + times
     if new:
         _log.info("taco_jax site %s", site.describe())
     return site
@@ -208,6 +234,7 @@ def sites() -> list[tuple[Site, int]]:
 def clear_sites() -> None:
     with _sites_lock:
         _sites.clear()
+        _undiff.clear()
         _loop_warned.clear()
         _loop_pending.clear()
 

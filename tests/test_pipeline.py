@@ -77,3 +77,52 @@ def test_gpipe_compressed_stage_boundaries():
 def test_bubble_fraction():
     assert pipeline.bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert pipeline.bubble_fraction(1, 8) == 0.0
+
+
+def _head(v, y, t):                    # the last stage's loss, with a parameter of its own
+    return jnp.sum((y * v - t) ** 2)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("vma", [True, False])
+def test_one_f_one_b_equals_sequential(stages, microbatches, vma):
+    """1F1B's loss, block gradients, loss-parameter gradient and input cotangents equal
+    autodiff of the layers run one after another."""
+    w, x, t = make(stages)
+    v = jnp.float32(1.3)
+
+    def ref(w, v, x):
+        for s in range(stages):
+            x = layer(w[s], x)
+        return _head(v, x, t) / x.size
+    ref_l, (ref_w, ref_v, ref_x) = jax.value_and_grad(ref, argnums=(0, 1, 2))(w, v, x)
+    mesh = jax.make_mesh((stages,), ("pipe",), devices=jax.devices()[:stages])
+
+    def local(w, v, x, t):
+        split = lambda a: a.reshape(microbatches, -1, *a.shape[1:])   # noqa: E731
+        if vma:
+            v = lax.pcast(v, "pipe", to="varying")
+        loss, gw, gv, gx = pipeline.one_f_one_b(layer, w[0], split(x), _head, v, split(t),
+                                                scale=1.0 / x.size)
+        return (lax.psum(loss, "pipe"), gw[None], lax.psum(gv, "pipe"),
+                lax.psum(gx.reshape(x.shape), "pipe"))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("pipe"), P(), P(), P()),
+                       out_specs=(P(), P("pipe"), P(), P()), check_vma=vma)
+    with jax.set_mesh(mesh):
+        ws = jax.device_put(w, NamedSharding(mesh, P("pipe")))
+        l, gw, gv, gx = jax.jit(fn)(ws, v, x, t)
+    np.testing.assert_allclose(float(l), float(ref_l), rtol=1e-5)
+    for got, want in ((gw, ref_w), (gv, ref_v), (gx, ref_x)):
+        want = np.asarray(want)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4,
+                                   atol=1e-5 * np.abs(want).max())
+
+
+def test_one_f_one_b_schedule():
+    """Each tick's hand-offs are swaps of neighbours of one parity; a step has 2(M + S - 1)
+    ticks."""
+    assert pipeline._swap(4, 0) == [(0, 1), (1, 0), (2, 3), (3, 2)]
+    assert pipeline._swap(4, 1) == [(1, 2), (2, 1)]
+    assert pipeline._swap(3, 1) == [(1, 2), (2, 1)]
+    assert pipeline.one_f_one_b_ticks(4, 8) == 22

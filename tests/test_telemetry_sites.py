@@ -110,6 +110,27 @@ def test_repeated_declares_the_loop_and_nests(caplog):
             pass
 
 
+def test_an_undifferentiated_block_counts_forward_sends_only():
+    """repeated(n, differentiated=False) (a schedule that runs its backward elsewhere):
+    pvary sends nothing there, ppermute's calls are marked as running no transpose, psum
+    counts as ever; train's step bytes then leave the marked transposes out."""
+    from train.loop import step_wire_bytes
+    x = jnp.ones((4, 512))
+
+    def fn(v):
+        with telemetry.repeated(3, differentiated=False):
+            v = taco_jax.pvary(v, "tp", codec="int4-sym", min_bytes=0)
+            v = taco_jax.ppermute(v, "tp", CHAIN, codec="int4-sym", min_bytes=0)
+            return taco_jax.psum(v, "tp", codec="int4-sym", min_bytes=0)
+    got = new_sites(on_mesh(fn, vma=False), x)
+    assert sorted((s.op, n) for s, n in got.items()) == [("ppermute", 3), ("psum", 3)]
+    send = next(s for s in got if s.op == "ppermute")
+    assert telemetry.undifferentiated(send) == 3
+    wire = {s.op: telemetry.wire_bytes(s) for s in got}
+    assert step_wire_bytes([(send, 3)]) == 3 * wire["ppermute"]      # not doubled
+    assert step_wire_bytes([(send, 5)]) == 5 * wire["ppermute"] + 2 * wire["ppermute"]
+
+
 def test_a_caller_that_counts_the_iterations_itself_is_not_warned(caplog):
     """The caller notes the body's sites the other 4 times (as the GPT's pipeline counts
     its ticks): counted 5 times, no warning."""

@@ -47,6 +47,7 @@ def test_codec_shorthand_sets_every_axis():
     (["recipe.codec_pp=tah5"], r"recipe.codec_pp='tah5'"),
     (["recipe.codec_dp=int3"], r"recipe.codec_dp='int3'"),
     (["parallel.data=-1"], r"parallel.data=-1 must be >= 0"),
+    (["parallel.schedule=zb"], r"parallel.schedule='zb' must be one of \('gpipe', '1f1b'\)"),
 ])
 def test_bad_3d_configs_fail_clearly(overrides, match):
     with pytest.raises(ValueError, match=match):

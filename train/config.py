@@ -55,12 +55,18 @@ def preset_names() -> list[str]:
                   if f.name.endswith(".yaml"))
 
 
+SCHEDULES = ("gpipe", "1f1b")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     tp: int = 0  # tensor-parallel size; 0 = all devices not used by `data` and `pipe`
     data: int = 1  # data-parallel size; 0 = all devices not used by `tp` and `pipe`
     pipe: int = 1  # pipeline stages (GPipe); model.n_layer must be divisible by it
-    microbatches: int = 1  # GPipe micro-batches per data shard's batch (with pipe > 1)
+    microbatches: int = 1  # micro-batches per data shard's batch (with pipe > 1)
+    # pipeline schedule (with pipe > 1): "gpipe" (all forwards, then all backwards) or
+    # "1f1b" (forwards and backwards interleaved: at most `pipe` micro-batches in flight)
+    schedule: str = "gpipe"
     cpu_devices: int = 4  # simulated CPU devices when JAX runs on CPU (set before backend start)
     # > 0: tensor parallelism of this size emulated on each device (jax.vmap over the shards,
     # the same compression sites as on that many devices); the mesh is then data only
@@ -205,6 +211,8 @@ class Config:
         for name in ("tp", "data"):
             if getattr(pa, name) < 0:
                 raise ValueError(f"parallel.{name}={getattr(pa, name)} must be >= 0 (0 = auto)")
+        if pa.schedule not in SCHEDULES:
+            raise ValueError(f"parallel.schedule={pa.schedule!r} must be one of {SCHEDULES}")
         if pa.zero not in (0, 1):
             raise ValueError(f"parallel.zero={pa.zero} must be 0 (optimizer state replicated "
                              f"over data) or 1 (ZeRO-1: sharded over data)")

@@ -152,6 +152,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
     with cfg.recipe.context():  # the model's checks read the codecs the recipe gives it
         model = parallel.shard_gpt(cfg.model, mesh, emulate_tp=cfg.parallel.emulate_tp,
                                    microbatches=cfg.parallel.microbatches,
+                                   schedule=cfg.parallel.schedule,
                                    codec_dp=cfg.recipe.dp_codec, codec_pp=cfg.recipe.pp_codec)
     parallel.check_batch(cfg.train.batch_size, cfg.model.seq_len, cfg.model, mesh,
                          cfg.parallel.microbatches)
@@ -333,8 +334,11 @@ def step_wire_bytes(sites: list[tuple[telemetry.Site, int]], backward: bool = Tr
     """Bytes one device sends per train step through these sites. A site is one call: an
     all-reduce (psum forward, pvary backward) or a send; with `backward` (a training step)
     a ppermute, all_gather or psum_scatter inside the differentiated model also sends its
-    cotangent back, which its site, noted in the forward pass, does not count."""
-    return sum(telemetry.wire_bytes(s) * n * (2 if backward and _sends_back(s) else 1)
+    cotangent back, which its site, noted in the forward pass, does not count (except for
+    the calls `telemetry.undifferentiated` names: a 1F1B schedule's hand-offs and
+    forward ticks)."""
+    return sum(telemetry.wire_bytes(s) * (n + (n - telemetry.undifferentiated(s)
+                                               if backward and _sends_back(s) else 0))
                for s, n in sites)
 
 
@@ -469,7 +473,8 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
                            enabled=lead)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
     if lead:
-        pipe = (f" x pipe={prog.model.pipe} ({prog.model.microbatches} micro-batches, bubble "
+        pipe = (f" x pipe={prog.model.pipe} ({prog.model.schedule}, {prog.model.microbatches} "
+                f"micro-batches, bubble "
                 f"{prog.model.bubble_fraction:.0%})" if prog.model.pipe > 1 else "")
         print(f"[train] {cfg.name}: {n_params / 1e6:.2f}M params, mesh data={mesh.shape['data']}"
               f"{pipe} x tp={prog.model.tp}{' (emulated)' if prog.model.emulate_tp else ''} on "
@@ -593,6 +598,7 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
         "mesh": {"data": prog.model.data, "pipe": prog.model.pipe, "tp": prog.model.tp,
                  "emulated_tp": bool(prog.model.emulate_tp)},
         "microbatches": prog.model.microbatches, "bubble_fraction": prog.model.bubble_fraction,
+        "schedule": prog.model.schedule,
         "platform": jax.devices()[0].platform, "devices": jax.device_count(),
         "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
         "codec_pp": codecs["pp"], "codec_dp": codecs["dp"],
