@@ -53,7 +53,7 @@ import scipy.stats
 import train
 from train import config as config_lib
 from train.loop import setup_backend
-from train.metrics import read_jsonl
+from train.metrics import read_jsonl, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout holding experiments/
 
@@ -403,12 +403,7 @@ def plot_paired(paired: list[dict], rerun: float | None, args) -> Path:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2)
     ax.set_title(f"ablation, paired by seed: {args.preset_name}, TP={args.tp}, "
                  f"{args.steps} steps", fontsize=10)
-    fig.tight_layout()
-    out = paired_plot_path(args.plot)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, paired_plot_path(args.plot))
 
 
 def plot_curves(rows: list[dict], args) -> Path:
@@ -452,12 +447,7 @@ def plot_curves(rows: list[dict], args) -> Path:
     bx.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"ablation: {args.preset_name}, TP={args.tp}, {args.steps} steps, every "
                  f"all-reduce compressed")
-    fig.tight_layout()
-    out = Path(args.plot)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, args.plot)
 
 
 def run_children(module: str, argvs: list[list[str]], start_json: str | None,

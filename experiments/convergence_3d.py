@@ -36,6 +36,7 @@ from bench.train_step import mesh_overrides, split_variant, variant_codecs, vari
 from experiments.ablation import _Budget, _commit, _curve, _device, _record, paired_summary
 from train import config as config_lib
 from train.loop import setup_backend
+from train.metrics import save_figure
 
 
 def run_name(variant: str, seed: int) -> str:
@@ -110,12 +111,7 @@ def plot(rows: list[dict], paired: list[dict], args) -> Path:
     fig.suptitle(f"{args.preset_name}, mesh data x pipe x tp = {args.mesh.replace(',', ' x ')}, "
                  f"{args.steps} steps, codecs tp={args.codec_tp} pp={args.codec_pp} "
                  f"dp={args.codec_dp}", fontsize=10)
-    fig.tight_layout()
-    out = Path(args.plot)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, args.plot)
 
 
 def build_parser() -> argparse.ArgumentParser:

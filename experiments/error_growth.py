@@ -183,21 +183,28 @@ def capture_partials(cfg, params, x, y, tp: int, emulate: bool = False) -> dict:
     members (the exact route of taco_jax.pvary under vmap hands the members one shared
     value, whose cotangent vmap sums), so there the bwd records are every member's total,
     not its partial: `partials_are_distinct` tells, and main() leaves such sites out."""
-    import jax.sharding
-    from train import config as config_lib
-    from train.loop import build, build_mesh
     mesh_over = ([f"parallel.emulate_tp={tp}", "parallel.tp=0"] if emulate
                  else [f"parallel.tp={tp}", "parallel.emulate_tp=0"])
-    ecfg = config_lib.replace(cfg, ["codec=none", "parallel.data=1", *mesh_over])
     devices = jax.devices()[:1] if emulate else jax.devices()[:tp]
-    prog = build(ecfg, build_mesh(ecfg, devices))
-    params = jax.device_put(params, prog.model.shardings)
+    return by_site(captured_step(cfg, ["codec=none", "parallel.data=1", *mesh_over], devices,
+                                 lambda prog: params, x, y))
+
+
+def captured_step(cfg, overrides: list[str], devices, params_of, x, y) -> list[dict]:
+    """telemetry.capture(all_devices=True)'s records of one loss-and-gradient step of `cfg`
+    with `overrides`, on `devices`, with the parameters `params_of(program)` (put on the
+    program's shardings) and the batch (x, y)."""
+    from train import config as config_lib
+    from train.loop import build, build_mesh
+    c = config_lib.replace(cfg, overrides)
+    prog = build(c, build_mesh(c, devices))
+    params = jax.device_put(params_of(prog), prog.model.shardings)
     fn = jax.jit(prog.model.loss_and_grad_fn())          # a fresh trace, inside the block
     with telemetry.capture(all_devices=True) as cap:
         loss, _ = fn(params, prog.put_batch(x), prog.put_batch(y))
         jax.block_until_ready(loss)
     jax.effects_barrier()
-    return by_site(cap.records)
+    return cap.records
 
 
 def partials_are_distinct(stack: np.ndarray) -> bool:
@@ -227,6 +234,7 @@ def plot(rows: list[dict], spreads: list[dict], out: Path, title: str) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from train.metrics import save_figure
 
     kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
     fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.8), squeeze=False)
@@ -250,11 +258,7 @@ def plot(rows: list[dict], spreads: list[dict], out: Path, title: str) -> Path:
         ax.grid(alpha=0.3, which="both")
     axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def print_table(rows: list[dict], spreads: list[dict], ps) -> None:

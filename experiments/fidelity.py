@@ -41,6 +41,7 @@ from train import config as config_lib
 from train.checkpoint import Checkpointer
 from train.data import Batches, load_corpus
 from train.loop import build, build_mesh, setup_backend
+from train.metrics import save_figure
 
 KINDS = ("fwd", "bwd")
 E4M3_MIN_SUB = 2.0 ** -9        # smallest E4M3 subnormal; |y| < 2^-10 rounds to 0
@@ -172,10 +173,7 @@ def plot_hist(records: list[dict], step: int, out: Path, title: str) -> Path:
         for ax in row:
             ax.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def plot_errors(rows: list[dict], step: int, out: Path, title: str) -> Path:
@@ -197,10 +195,7 @@ def plot_errors(rows: list[dict], step: int, out: Path, title: str) -> Path:
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def print_table(rows: list[dict], step: int) -> None:

@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax import codecs, telemetry
+from taco_jax import codecs
+from experiments.error_growth import captured_step
 
 KINDS = ("fwd", "bwd")
 DEFAULT_CODECS = ("tah4", "taco", "echo4", "int4-sym", "fp8", "block-fp8", "taco-int8")
@@ -53,21 +54,13 @@ def capture_handoffs(cfg, params, x, y, stages: int, microbatches: int) -> dict:
     (x, y) sends between stages (codec none), `params` in the unpipelined layout. Boundary b
     lies between stage b and b + 1."""
     from models import parallel
-    from train import config as config_lib
-    from train.loop import build, build_mesh
-    pcfg = config_lib.replace(cfg, [
-        "codec=none", "parallel.data=1", "parallel.tp=1", "parallel.emulate_tp=0",
-        f"parallel.pipe={stages}", f"parallel.microbatches={microbatches}"])
-    prog = build(pcfg, build_mesh(pcfg, jax.devices()[:stages]))
-    stacked = parallel.stack_blocks(params, cfg.model.n_layer)
-    stacked = jax.device_put(stacked, prog.model.shardings)
-    fn = jax.jit(prog.model.loss_and_grad_fn())          # a fresh trace, inside the block
-    with telemetry.capture(all_devices=True) as cap:
-        loss, _ = fn(stacked, prog.put_batch(x), prog.put_batch(y))
-        jax.block_until_ready(loss)
-    jax.effects_barrier()
+    records = captured_step(
+        cfg, ["codec=none", "parallel.data=1", "parallel.tp=1", "parallel.emulate_tp=0",
+              f"parallel.pipe={stages}", f"parallel.microbatches={microbatches}"],
+        jax.devices()[:stages], lambda prog: parallel.stack_blocks(params, cfg.model.n_layer),
+        x, y)
     out = {k: [] for k in KINDS}
-    for r in cap.records:
+    for r in records:
         if r["op"] != "ppermute":
             continue
         v = np.asarray(r["value"], np.float32)
@@ -227,7 +220,9 @@ def main(argv=None) -> dict:
     if stages < 2 or cfg.model.n_layer % stages:
         raise SystemExit(f"--stages {stages} must be >= 2 and divide model.n_layer="
                          f"{cfg.model.n_layer}")
-    setup_backend(config_lib.replace(cfg, [f"parallel.cpu_devices={stages}"]))
+    # enough simulated CPU devices for the stages (more if the config asks for more)
+    setup_backend(config_lib.replace(cfg, [
+        f"parallel.cpu_devices={max(stages, cfg.parallel.cpu_devices)}"]))
     steps = max(args.steps, 0)
     _, state, batches = train_exact(cfg, steps)
     x, y = batches[steps]

@@ -17,7 +17,7 @@ CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"
 def test_driver_on_a_minuscule_pipeline(tmp_path):
     js = tmp_path / "pp.json"
     out = pc.main(["--steps", "0", "--microbatches", "2", "--codecs", "tah4",
-                   "--json", str(js), "--set", "model.vocab_size=512", "model.seq_len=32",
+                   "--json", str(js), "--set", "parallel.cpu_devices=8", "model.vocab_size=512", "model.seq_len=32",
                    "model.n_layer=2", "model.n_head=4", "model.d_model=32",
                    f"data.paths=[{CORPUS}]", f"data.cache_dir={tmp_path}",
                    "data.val_fraction=0.1", "train.batch_size=4", "optim.warmup_steps=1"])

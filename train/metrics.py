@@ -90,11 +90,7 @@ def plot_runs(run_dirs, out: str | Path, labels=None, title: str | None = None) 
     ax.set_title(title or "loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=120)
 
 
 def _label(run: Path) -> str:
@@ -109,3 +105,14 @@ def _label(run: Path) -> str:
         codec = fwd if fwd == bwd else f"{fwd}/{bwd}"
         return f"{run.name} [{codec}]"
     return run.name
+
+
+def save_figure(fig, path, dpi: int = 110) -> Path:
+    """A matplotlib figure laid out tightly, saved to `path` (its folder made) and closed."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
