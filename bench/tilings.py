@@ -5,7 +5,9 @@
 
 Each (kernel, size) is timed under the library default and a few alternatives (tiles per
 program, blocks per tile, warps), interleaved over `--rounds` so drift shows; the figure is
-the fraction of the device-timed roofline (XLA f32 `x + 1`, 256 MiB)."""
+the fraction of the device-timed roofline (XLA f32 `x + 1`, 256 MiB). A row `x + 1` per
+size gives what XLA's own bf16 `x + 1` reaches there (its launch and tail included), the
+ceiling a kernel of that size can be read against."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +49,12 @@ def main(argv=None):
         x = (jax.random.normal(jax.random.key(0), (n // c.block_size, c.block_size)) * 0.02
              ).astype(jnp.bfloat16)
         w = compress.compress(x, c)
+        if kind == a.kernels[0]:     # what XLA's own elementwise op reaches at this size
+            t = device_time(lambda v: v + 1, x)
+            rows.append({"kernel": "x + 1", "mib": mib, "round": rnd, "config": "xla",
+                         "device_us": round(t["us"], 2), "host_us": round(t["host_us"], 2),
+                         "device_fraction": round(4 * n / t["us"] / 1e3 / roof_gbs, 3)})
+            print(rows[-1], flush=True)
         for over in candidates:
             cfg = dataclasses.replace(tiling.KernelConfig.default(c.block_size, kind), **over)
             if kind == "compress":

@@ -13,5 +13,16 @@ os.environ["TACO_JAX_CALIBRATION"] = str(Path(tempfile.mkdtemp()) / "calibration
 # 8 simulated CPU devices for mesh tests; must happen before any JAX backend starts.
 jax.config.update("jax_num_cpu_devices", 8)
 
+# Compile time is most of the suite's time: XLA:CPU's backend optimizations are skipped
+# (~20% of the suite; every program a test compares is compiled alike), and identical
+# programs compiled by several tests (the same tiny step, rebuilt) come from a compilation
+# cache kept for this run. Set before the backend starts; child processes inherit the flags.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
+_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxcc-"))
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
 # Import models/ and train/ from this checkout even when pytest is run without `python -m`.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
