@@ -165,14 +165,19 @@ def variant_overrides(var: dict, tp: int, steps: int, run_dir, progress: bool,
 def read_back(var: dict, args) -> dict | None:
     """The record of a run that finished (or diverged) in this variant's run dir; None if
     there is none (not started, or interrupted: to be trained or resumed)."""
-    run_dir = run_dir_of(args.out_dir, var["name"])
+    return read_run_dir(var, run_dir_of(args.out_dir, var["name"]), args.steps, args.commit)
+
+
+def read_run_dir(var: dict, run_dir: Path, steps: int, commit: str | None) -> dict | None:
+    """`read_back` for a given run dir: its diverged record, or the record of a run that
+    reached `steps` uninterrupted; else None."""
     summary_f, diverged_f = run_dir / "summary.json", run_dir / "diverged.json"
     if diverged_f.exists():
         return json.loads(diverged_f.read_text())
     if summary_f.exists():
         s = json.loads(summary_f.read_text())
-        if not s["interrupted"] and s["step"] >= args.steps:
-            return _record(var, s, run_dir, args.commit)
+        if not s["interrupted"] and s["step"] >= steps:
+            return _record(var, s, run_dir, commit)
     return None
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import train
 from bench.train_step import mesh_overrides, split_variant, variant_codecs, variant_overrides
-from experiments.ablation import _Budget, _commit, _curve, _device, _record, paired_summary
+from experiments.ablation import (_Budget, _commit, _curve, _device, _record, paired_summary,
+                                  read_run_dir)
 from train import config as config_lib
 from train.loop import setup_backend
 from train.metrics import save_figure
@@ -58,13 +59,10 @@ def run_one(variant: str, codecs: dict, seed: int, args, budget: _Budget) -> dic
     run_dir = Path(args.out_dir) / run_name(variant, seed)
     var = {"name": variant, "codec": variant, "feedback": False, "seed": seed}
     extra = {f"codec_{a}": codecs[a] for a in ("tp", "pp", "dp")}
-    diverged_f, summary_f = run_dir / "diverged.json", run_dir / "summary.json"
-    if diverged_f.exists():
-        return json.loads(diverged_f.read_text())
-    if summary_f.exists():
-        s = json.loads(summary_f.read_text())
-        if not s["interrupted"] and s["step"] >= args.steps:
-            return {**_record(var, s, run_dir, args.commit), **extra}
+    diverged_f = run_dir / "diverged.json"
+    done = read_run_dir(var, run_dir, args.steps, args.commit)
+    if done is not None:
+        return done if done.get("diverged") else {**done, **extra}
     cfg = config_lib.load_config(args.config, overrides(variant, codecs, seed, args, run_dir))
     resume = (run_dir / "ckpt").exists()
     print(f"[convergence_3d] {run_name(variant, seed)}: "
