@@ -35,7 +35,7 @@ def env_facts() -> dict:
 
 
 def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     print(f"wrote {path}")

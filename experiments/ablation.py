@@ -50,6 +50,8 @@ from pathlib import Path
 
 import scipy.stats
 
+from bench.common import write_json
+
 import train
 from train import config as config_lib
 from train.loop import setup_backend
@@ -354,9 +356,7 @@ def finish(records: dict, args, order: list[str]) -> dict:
            "noise_floor_pct": noise, "rerun_noise_pct": rerun, "paired": paired,
            "rows": rows}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+        write_json(args.json, out)
     if args.plot and rows:
         print(f"wrote {plot_curves(rows, args)}")
         if paired:

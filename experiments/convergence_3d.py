@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 import train
+from bench.common import write_json
 from bench.train_step import mesh_overrides, split_variant, variant_codecs, variant_overrides
 from experiments.ablation import (_Budget, _commit, _curve, _device, _record, paired_summary,
                                   read_run_dir)
@@ -171,9 +172,7 @@ def main(argv=None) -> dict:
         out["unfinished"] = left
         print(f"[convergence_3d] not finished: {left}. Re-run the same command to continue.")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+        write_json(args.json, out)
     if args.plot and rows:
         print(f"wrote {plot(rows, paired, args)}")
     return out

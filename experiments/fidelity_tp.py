@@ -60,6 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import write_json
 from experiments import ablation
 from train import config as config_lib
 from train.loop import setup_backend
@@ -346,9 +347,7 @@ def write(rows: dict, args, order: list[str]) -> dict:
     out = summarize(ordered, args)
     print_table(out)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}", flush=True)
+        write_json(args.json, out)
     if args.plot and ordered:
         pargs = argparse.Namespace(preset_name=f"{args.preset_name} TP{args.tp} emulated",
                                    tp=args.tp, steps=args.steps, plot=args.plot,

@@ -158,7 +158,8 @@ def one_f_one_b(stage_fn: Callable[[Any, jax.Array], jax.Array], params, microba
 
     def like(tree, axes=()):
         """Zeros shaped and varying like `tree` (the gradient accumulators)."""
-        return jax.tree.map(lambda a: vary(jnp.zeros_like(a), tuple(sorted(vma(a) | set(axes), key=str))), tree)
+        return jax.tree.map(
+            lambda a: vary(jnp.zeros_like(a), tuple(sorted(vma(a) | set(axes), key=str))), tree)
 
     def up(tree, ref):
         """tree's leaves varying over what ref's leaves vary over (check_vma)."""
@@ -202,7 +203,8 @@ def one_f_one_b(stage_fn: Callable[[Any, jax.Array], jax.Array], params, microba
 
     def hop(perm):
         def go(x):
-            with telemetry.repeated(m + n_stages - 1, differentiated=False):  # each parity's
+            # M + S − 1 ticks of each parity; a hand-off's transpose never runs
+            with telemetry.repeated(m + n_stages - 1, differentiated=False):
                 return taco_jax.ppermute(x, axis, perm, codec=codec, min_bytes=min_bytes)
         return go
 

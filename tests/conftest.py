@@ -24,5 +24,10 @@ _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(pre
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
+# Start the backend now, with the 8 devices: a test that asks for fewer through
+# train.loop.setup_backend (a preset's parallel.cpu_devices) then leaves them, whatever
+# order the tests run in.
+jax.devices()
+
 # Import models/ and train/ from this checkout even when pytest is run without `python -m`.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
