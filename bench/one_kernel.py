@@ -1,13 +1,14 @@
-"""Run one kernel once at 256 MiB of bf16 input, for a kernel profiler (Nsight Compute):
+"""Run one kernel once on --mib MiB (default 256) of bf16 input, for a kernel profiler (Nsight Compute):
 
     ncu -k regex:taco_compress -c 1 --section SpeedOfLight --section WarpStateStats \
         python -m bench.one_kernel compress taco [--impl triton|mosaic] [--tm 8] [--warps 2]
-        [--tiles 4] [--ieee-rowmath] [--ctas-per-sm 2] [--steps 2] [--parts 1] [--tma-store]
+        [--tiles 4] [--ieee-rowmath] [--row-masks] [--ctas-per-sm 2] [--steps 2] [--parts 1] [--tma-store]
         [--roofline]
 
 Kernel names: taco_compress / taco_decompress (Triton), taco_compress_mosaic… /
 taco_decompress_mosaic… (Mosaic GPU). GPU only (no interpreter): a profiler needs the
-compiled kernel. --tm/--warps/--tiles/--ieee-rowmath set the Triton KernelConfig,
+compiled kernel. --tm/--warps/--tiles/--ieee-rowmath/--row-masks set the Triton KernelConfig (default: the
+library's for that size),
 --ctas-per-sm/--steps/--parts/--tma-store the Mosaic one (default: the library's).
 """
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, default=None, help="Triton: warps per program")
     ap.add_argument("--tiles", type=int, default=None, help="Triton: tiles per program")
     ap.add_argument("--ieee-rowmath", action="store_true", help="Triton: fast_rowmath=False")
+    ap.add_argument("--row-masks", action="store_true",
+                    help="Triton: row masks on every load and store (row_masks=True)")
     ap.add_argument("--ctas-per-sm", type=int, default=None, help="Mosaic: blocks per SM")
     ap.add_argument("--steps", type=int, default=None, help="Mosaic: input tiles in flight")
     ap.add_argument("--parts", type=int, default=None, help="Mosaic: column passes (1, 2)")
@@ -45,18 +48,20 @@ def main(argv=None):
         del f
     c = codecs.get(a.codec)
 
+    n = a.mib * (1 << 20) // 2 // c.block_size
+
     def triton_cfg(kernel):
-        d = common.KernelConfig.default(c.block_size, kernel)
+        d = common.KernelConfig.default(c.block_size, kernel, n)
         return dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,
                                    num_warps=a.warps or d.num_warps,
                                    fast_rowmath=not a.ieee_rowmath,
+                                   row_masks=a.row_masks or None,
                                    tiles_per_program=a.tiles or d.tiles_per_program)
 
     d = mosaic.MosaicConfig()
     mcfg = mosaic.MosaicConfig(ctas_per_sm=a.ctas_per_sm or d.ctas_per_sm,
                                steps=a.steps or d.steps, parts=a.parts or d.parts,
                                tma_store=a.tma_store or d.tma_store)
-    n = a.mib * (1 << 20) // 2 // c.block_size
     x = (jax.random.normal(jax.random.key(0), (n, c.block_size)) * 0.02).astype(jnp.bfloat16)
     if a.impl == "mosaic":
         w = jax.block_until_ready(mosaic.compress(x, c, mcfg) if a.kernel == "compress"

@@ -3,7 +3,7 @@
     python -m bench.tilings [--kernels compress decompress] [--sizes-mib 16 64 256]
                             [--rounds 2] [--out bench/results/kernels_tilings.json]
 
-Each (kernel, size) is timed under the library default and a few alternatives (tiles per
+Each (kernel, size) is timed under the library default for that size ({}) and alternatives (tiles per
 program, blocks per tile, warps), interleaved over `--rounds` so drift shows; the figure is
 the fraction of the device-timed roofline (XLA f32 `x + 1`, 256 MiB). A row `x + 1` per
 size gives what XLA's own bf16 `x + 1` reaches there (its launch and tail included), the
@@ -56,7 +56,8 @@ def main(argv=None):
                          "device_fraction": round(4 * n / t["us"] / 1e3 / roof_gbs, 3)})
             print(rows[-1], flush=True)
         for over in candidates:
-            cfg = dataclasses.replace(tiling.KernelConfig.default(c.block_size, kind), **over)
+            cfg = dataclasses.replace(tiling.KernelConfig.default(c.block_size, kind, x.shape[0]),
+                                      **over)
             if kind == "compress":
                 fn, arg, nbytes = (lambda v, cfg=cfg: compress.compress(v, c, cfg)), x, \
                     n * 2 + w.size

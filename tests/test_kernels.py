@@ -19,6 +19,7 @@ for data wider than bf16. So:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -203,6 +204,24 @@ def test_tiles_per_program_is_bit_identical():
     w1 = compress.compress(x, c, cfg=one, interpret=INTERPRET)
     w3 = compress.compress(x, c, cfg=loop, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(w1), np.asarray(w3))
+
+
+def test_row_masks_only_where_tiles_overrun():
+    """Loads and stores drop their row masks where every program's tiles are whole rows, and
+    the result is bit-identical to the masked kernel's."""
+    cfg = common.KernelConfig(blocks_per_program=4, tiles_per_program=2)
+    assert common.mask_rows(cfg, 64) is None and common.mask_rows(cfg, 60) == 60
+    assert common.mask_rows(dataclasses.replace(cfg, row_masks=True), 64) == 64
+    c = codecs.get("taco", block_size=128)
+    x = jnp.asarray(kernel_rows(64, 128, "bf16"))
+    w = compress.compress(x, c, cfg=cfg, interpret=INTERPRET)
+    masked = compress.compress(x, c, cfg=dataclasses.replace(cfg, row_masks=True),
+                               interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(masked))
+    np.testing.assert_array_equal(
+        np.asarray(decompress.decompress(w, c, cfg=cfg, interpret=INTERPRET)),
+        np.asarray(decompress.decompress(w, c, cfg=dataclasses.replace(cfg, row_masks=True),
+                                         interpret=INTERPRET)))
 
 
 def test_compress_kernel_large_finite_inputs():

@@ -72,14 +72,15 @@ def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_row
     tm, b = cfg.blocks_per_program, codec.block_size
     h1s, h2s = h1_ref[...], h2_ref[...]      # ±1/r, ±1/c
     skip0 = skip_ref[0]
+    rows = tiling.mask_rows(cfg, n_rows)
 
     def work(t):
-        raw = tiling.load_rows(x_ref, t, tm, 0, b, n_rows)
+        raw = tiling.load_rows(x_ref, t, tm, 0, b, rows)
         x = raw.astype(jnp.float32)
         codes, scales = _encode_tile(x, h1s, h2s, codec, cfg,
                                      exact_input=x_ref.dtype == jnp.bfloat16, dot_in=raw)
-        tiling.store_rows(o_ref, t, codes, tm, 0, n_rows)
-        tiling.store_rows(o_ref, t, scales, tm, b, n_rows)
+        tiling.store_rows(o_ref, t, codes, tm, 0, rows)
+        tiling.store_rows(o_ref, t, scales, tm, b, rows)
 
     def tile(t):
         if not skip_rows:

@@ -15,15 +15,16 @@ from taco_jax.kernels import decompress, tiling
 def decode_sum_kernel(r_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows, n_parts):
     tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
     h1, h2 = h1_ref[...], h2_ref[...]
+    rows = tiling.mask_rows(cfg, n_rows)
 
     def tile(t):
         acc = None
         for p in range(n_parts):      # P is small (the TP degree): unrolled, in device order
-            codes = tiling.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
-            scale_bytes = tiling.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
+            codes = tiling.load_rows(r_ref, t, tm, 0, b, rows, lead=(p,))
+            scale_bytes = tiling.load_rows(r_ref, t, tm, b, 4 * ns, rows, lead=(p,))
             dec = decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
             acc = dec if acc is None else acc + dec
-        tiling.store_rows(o_ref, t, acc.astype(o_ref.dtype), tm, 0, n_rows)
+        tiling.store_rows(o_ref, t, acc.astype(o_ref.dtype), tm, 0, rows)
     tiling.for_each_tile(cfg, n_rows, tile)
 
 

@@ -31,12 +31,13 @@ def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
 def decompress_kernel(w_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
     tm, b = cfg.blocks_per_program, codec.block_size
     h1, h2 = h1_ref[...], h2_ref[...]
+    rows = tiling.mask_rows(cfg, n_rows)
 
     def tile(t):
-        codes = tiling.load_rows(w_ref, t, tm, 0, b, n_rows)
-        scale_bytes = tiling.load_rows(w_ref, t, tm, b, 4 * codec.n_scales, n_rows)
+        codes = tiling.load_rows(w_ref, t, tm, 0, b, rows)
+        scale_bytes = tiling.load_rows(w_ref, t, tm, b, 4 * codec.n_scales, rows)
         x = _decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
-        tiling.store_rows(o_ref, t, x.astype(o_ref.dtype), tm, 0, n_rows)
+        tiling.store_rows(o_ref, t, x.astype(o_ref.dtype), tm, 0, rows)
     tiling.for_each_tile(cfg, n_rows, tile)
 
 

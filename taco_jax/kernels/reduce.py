@@ -20,20 +20,21 @@ def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref
     h1, h2 = h1_ref[...], h2_ref[...]
     h1s, h2s = h1s_ref[...], h2s_ref[...]      # the factors / their sizes, for the encode
     me, own_row0 = idx_ref[0], idx_ref[1]
+    rows = tiling.mask_rows(cfg, n_rows)
 
     def tile(t):
-        acc = tiling.load_rows(x_ref, t, tm, 0, b, n_rows, row0=own_row0).astype(jnp.float32)
+        acc = tiling.load_rows(x_ref, t, tm, 0, b, rows, row0=own_row0).astype(jnp.float32)
         for p in range(n_peers):   # P is small (the TP degree): unrolled
             def add(a, p=p):
-                codes = tiling.load_rows(r_ref, t, tm, 0, b, n_rows, lead=(p,))
-                scale_bytes = tiling.load_rows(r_ref, t, tm, b, 4 * ns, n_rows, lead=(p,))
+                codes = tiling.load_rows(r_ref, t, tm, 0, b, rows, lead=(p,))
+                scale_bytes = tiling.load_rows(r_ref, t, tm, b, 4 * ns, rows, lead=(p,))
                 return a + decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
             # The own copy is skipped (never read: the sender may not have written it);
             # the exact input stands in for it.
             acc = jax.lax.cond(me == p, lambda a: a, add, acc)
         codes, scales = compress._encode_tile(acc, h1s, h2s, codec, cfg, exact_input=False)
-        tiling.store_rows(o_ref, t, codes, tm, 0, n_rows)
-        tiling.store_rows(o_ref, t, scales, tm, b, n_rows)
+        tiling.store_rows(o_ref, t, codes, tm, 0, rows)
+        tiling.store_rows(o_ref, t, scales, tm, b, rows)
     tiling.for_each_tile(cfg, n_rows, tile)
 
 

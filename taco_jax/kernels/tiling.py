@@ -37,6 +37,9 @@ class KernelConfig:
     # instructions. The scales stay exact functions of what is sent: decode uses the s and
     # α on the wire.
     fast_rowmath: bool = True
+    # Row masks on loads and stores. None: only where the programs' tiles overrun the rows
+    # (n_rows not a multiple of blocks_per_program · tiles_per_program); True: always.
+    row_masks: bool | None = None
     interpret: bool = False         # set by resolve(): no inline PTX in the interpreter
 
     @staticmethod
@@ -143,20 +146,29 @@ def hadamard_tile(v, h1, h2, *, block_size: int, inverse: bool, exact_input: boo
     return _dot(y, ha, not precise, precise).reshape(tm, block_size)
 
 
-def row_tile(ref, tile, tm: int, col0: int, width: int, n_rows: int, lead=(), row0=0):
-    """Index + mask for rows row0 + [tile·tm, tile·tm + tm) (masked to < row0 + n_rows) and
-    columns [col0, col0 + width). row0 (may be traced) lets the reduce read its own segment
-    of the whole input without a slicing copy."""
+def mask_rows(cfg: KernelConfig, n_rows: int) -> int | None:
+    """The n_rows that loads and stores mask to, or None where no program's tile reaches
+    past the last row (the masks' compares and selects are per element)."""
+    if cfg.row_masks or n_rows % (cfg.blocks_per_program * cfg.tiles_per_program):
+        return n_rows
+    return None
+
+
+def row_tile(ref, tile, tm: int, col0: int, width: int, n_rows: int | None, lead=(),
+             row0=0):
+    """Index + mask for rows row0 + [tile·tm, tile·tm + tm) (masked to < row0 + n_rows;
+    n_rows None: no mask, see `mask_rows`) and columns [col0, col0 + width). row0 (may be
+    traced) lets the reduce read its own segment of the whole input without a slicing copy."""
     local = tile * tm + jnp.arange(tm)
     cols = col0 + jnp.arange(width)
-    mask = (local < n_rows)[:, None]
+    mask = None if n_rows is None else (local < n_rows)[:, None]
     rows = row0 + local
     return ref.at[(*lead, rows[:, None], cols[None, :])], mask
 
 
 def load_rows(ref, tile, tm, col0, width, n_rows, lead=(), row0=0):
     view, mask = row_tile(ref, tile, tm, col0, width, n_rows, lead, row0)
-    return plgpu.load(view, mask=mask, other=0)
+    return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0)
 
 
 def store_rows(ref, tile, value, tm, col0, n_rows):
