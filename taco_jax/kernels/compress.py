@@ -33,11 +33,10 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
       Parseval Σz0² = Σx²/B = mean(x²) (HᵀH = B·I), so no Σx² pass over x in its own
       register layout (measured 7% of compress time); it differs from the exact mean by
       the bf16 rounding of the transform's intermediate (~1e-4 relative on bf16 data), and
-      α is sent on the wire, so decode stays consistent. (A separate Σx² pass costs ~7%.) A NaN in x makes every z0 NaN; an
-      ±Inf makes every z0 ±Inf or NaN (each coefficient sums all B inputs); Triton's max
-      drops NaN (all-NaN gives −inf), so the block is bad if Σz0² is NaN or unless
-      0 ≤ max|z0| < inf. A finite block whose Σz0² overflows keeps a finite max|z0| and
-      encodes (α = α_min).
+      α is sent on the wire, so decode stays consistent. (A separate Σx² pass costs ~7%.) A
+      NaN in x makes every z0 NaN; an ±Inf makes every z0 ±Inf or NaN (each coefficient
+      sums all B inputs), so one compare, max|z0| < inf, finds the bad blocks. A finite
+      block whose Σz0² overflows keeps a finite max|z0| and encodes (α = α_min).
     * eq. 8–10 as one multiplier per row: codes = z0 · g/s with g = α·sqrt(B) and
       s = g·max|z0|/Qmax (= max|z|/Qmax, as max|z0·g| = g·max|z0| exactly). No clip: this
       s bounds |z0·g/s| by Qmax up to a few ulps (s ≥ SCALE_MIN only for blocks far below
@@ -55,16 +54,24 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
                               inverse=False, exact_input=exact_input, cfg=cfg)
     meansq = jnp.sum(z0 * z0, axis=1, keepdims=True)               # = mean(x²), Parseval
     m0 = jnp.max(jnp.abs(z0), axis=1, keepdims=True)
-    bad = jnp.isnan(meansq) | jnp.logical_not((m0 >= 0) & (m0 < np.inf))
+    # Every z0 is non-finite when the block holds a NaN or ±Inf, so the block is bad
+    # exactly when max|z0| is not finite (NaN; inf; or -inf from a max that drops NaN): one
+    # compare. The codes come from the unselected gain and scale, which keeps the NaN
+    # selects off the path to the stores; a bad block's codes are NaN or arbitrary, and its
+    # NaN scales make it decode to NaN.
+    bad = jnp.logical_not(jnp.abs(m0) < np.inf)
     gain = jnp.full((x.shape[0], 1), 1.0, jnp.float32)
     if codec.transform == "ash":                                   # eqs. 6–7
-        gain = (quant.alpha_clip(quant.TAU * tiling.rsqrt_approx(meansq + quant.EPS, cfg), bad)
+        gain = (jnp.clip(quant.TAU * tiling.rsqrt_approx(meansq + quant.EPS, cfg),
+                         quant.ALPHA_MIN, quant.ALPHA_MAX)
                 if cfg.fast_rowmath else quant.alpha_from_meansq(meansq, bad))
     g = gain * np.float32(np.sqrt(b))
-    s = quant.scale(m0 * g, codec.qmax, bad)                       # eq. 9
+    s = jnp.maximum(m0 * g * np.float32(1.0 / codec.qmax), quant.SCALE_MIN)   # eq. 9
     codes = quant.quantize_mult(z0, tiling.div(g, s, cfg), codec.qmax, codec.code_dtype,
                                 clip=False)                        # eqs. 8, 10
-    scales = [s, gain] if codec.transform == "ash" else [s]
+    nan = np.float32(np.nan)
+    scales = [jnp.where(bad, nan, s)] + ([jnp.where(bad, nan, gain)]
+                                         if codec.transform == "ash" else [])
     return codes, quant.pack_scales(scales)
 
 
