@@ -77,7 +77,8 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
 
 def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_rows, skip_rows):
     tm, b = cfg.blocks_per_program, codec.block_size
-    h1s, h2s = h1_ref[...], h2_ref[...]      # ±1/r, ±1/c
+    h1s = tiling.factor_values(h1_ref, b, 0, True, cfg)      # ±1/r
+    h2s = tiling.factor_values(h2_ref, b, 1, True, cfg)      # ±1/c
     skip0 = skip_ref[0]
     rows = tiling.mask_rows(cfg, n_rows)
 

@@ -40,6 +40,9 @@ class KernelConfig:
     # Row masks on loads and stores. None: only where the programs' tiles overrun the rows
     # (n_rows not a multiple of blocks_per_program · tiles_per_program); True: always.
     row_masks: bool | None = None
+    # Kronecker factors built in registers from iota (H[i, j] = (-1)^popcount(i & j))
+    # instead of loaded from the operands.
+    hadamard_iota: bool = False
     interpret: bool = False         # set by resolve(): no inline PTX in the interpreter
 
     @staticmethod
@@ -112,6 +115,20 @@ def hadamard_operands(block_size: int, scaled: bool = False) -> tuple[jax.Array,
         m = hadamard.wire_matrix(block_size)
         h1, h2 = (m / block_size, m.T / block_size) if scaled else (m, m.T.copy())
     return jnp.asarray(h1, jnp.bfloat16), jnp.asarray(h2, jnp.bfloat16)
+
+
+def factor_values(ref, block_size: int, which: int, scaled: bool, cfg: KernelConfig):
+    """The Hadamard factor `which` (0: rows, 1: columns) inside a kernel: `ref` loaded, or
+    with cfg.hadamard_iota on the Kronecker path the Sylvester matrix built from iota
+    (divided by its size where `scaled`, as `hadamard_operands`)."""
+    if not (cfg.hadamard_iota and kron_ok(block_size)):
+        return ref[...]
+    n = hadamard.factors(block_size)[which]
+    i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    odd = (jax.lax.population_count(i & j) & 1) == 1
+    one = np.float32(1.0 / n if scaled else 1.0)
+    return jnp.where(odd, -one, one).astype(jnp.bfloat16)
 
 
 def _dot(v, h, exact_input: bool, precise: bool):
