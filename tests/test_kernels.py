@@ -30,7 +30,8 @@ import pytest
 import numpy_taco as nt
 import taco_jax
 from taco_jax import codecs
-from taco_jax.kernels import compress, decompress, dispatch, reduce, tiling as common
+from taco_jax.kernels import (compress, decode_sum, decompress, dispatch, reduce,
+                              tiling as common)
 
 INTERPRET = jax.default_backend() != "gpu"
 pytestmark = pytest.mark.filterwarnings(
@@ -222,6 +223,30 @@ def test_row_masks_only_where_tiles_overrun():
         np.asarray(decompress.decompress(w, c, cfg=cfg, interpret=INTERPRET)),
         np.asarray(decompress.decompress(w, c, cfg=dataclasses.replace(cfg, row_masks=True),
                                          interpret=INTERPRET)))
+
+
+@pytest.mark.parametrize("b", [256, 512], ids=lambda b: f"B{b}")
+def test_hadamard_factors_from_iota_are_bit_identical(b):
+    """Kronecker factors built in registers give every kernel the bits of the loaded ones."""
+    c = codecs.get("taco", block_size=b)
+    on = common.KernelConfig.default(b, "compress", 16)
+    off = dataclasses.replace(on, hadamard_iota=False)
+    x = jnp.asarray(kernel_rows(16, b, "bf16"))
+    w = compress.compress(x, c, cfg=on, interpret=INTERPRET)
+    np.testing.assert_array_equal(
+        np.asarray(w), np.asarray(compress.compress(x, c, cfg=off, interpret=INTERPRET)))
+    dec_on = common.KernelConfig.default(b, "decompress")
+    dec_off = dataclasses.replace(dec_on, hadamard_iota=False)
+    np.testing.assert_array_equal(
+        np.asarray(decompress.decompress(w, c, cfg=dec_on, interpret=INTERPRET)),
+        np.asarray(decompress.decompress(w, c, cfg=dec_off, interpret=INTERPRET)))
+    recv = jnp.stack([w, w[::-1]])
+    np.testing.assert_array_equal(
+        np.asarray(reduce.reduce(recv, x, 0, c, cfg=dec_on, interpret=INTERPRET)),
+        np.asarray(reduce.reduce(recv, x, 0, c, cfg=dec_off, interpret=INTERPRET)))
+    np.testing.assert_array_equal(
+        np.asarray(decode_sum.decode_sum(recv, c, cfg=dec_on, interpret=INTERPRET)),
+        np.asarray(decode_sum.decode_sum(recv, c, cfg=dec_off, interpret=INTERPRET)))
 
 
 def test_compress_kernel_large_finite_inputs():

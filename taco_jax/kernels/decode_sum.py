@@ -14,7 +14,8 @@ from taco_jax.kernels import decompress, tiling
 
 def decode_sum_kernel(r_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows, n_parts):
     tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
-    h1, h2 = h1_ref[...], h2_ref[...]
+    h1 = tiling.factor_values(h1_ref, b, 0, False, cfg)
+    h2 = tiling.factor_values(h2_ref, b, 1, False, cfg)
     rows = tiling.mask_rows(cfg, n_rows)
 
     def tile(t):

@@ -30,7 +30,8 @@ def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
 
 def decompress_kernel(w_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
     tm, b = cfg.blocks_per_program, codec.block_size
-    h1, h2 = h1_ref[...], h2_ref[...]
+    h1 = tiling.factor_values(h1_ref, b, 0, False, cfg)
+    h2 = tiling.factor_values(h2_ref, b, 1, False, cfg)
     rows = tiling.mask_rows(cfg, n_rows)
 
     def tile(t):

@@ -17,8 +17,10 @@ from taco_jax.kernels import compress, decompress, tiling
 def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref, *, codec,
                   cfg, n_rows, n_peers):
     tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
-    h1, h2 = h1_ref[...], h2_ref[...]
-    h1s, h2s = h1s_ref[...], h2s_ref[...]      # the factors / their sizes, for the encode
+    h1 = tiling.factor_values(h1_ref, b, 0, False, cfg)
+    h2 = tiling.factor_values(h2_ref, b, 1, False, cfg)
+    h1s = tiling.factor_values(h1s_ref, b, 0, True, cfg)   # / their sizes, for the encode
+    h2s = tiling.factor_values(h2s_ref, b, 1, True, cfg)
     me, own_row0 = idx_ref[0], idx_ref[1]
     rows = tiling.mask_rows(cfg, n_rows)
 
