@@ -18,6 +18,8 @@
 #   train          python -m bench.profile train + python -m bench.train_step (TP=2 step)
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
 #   ncu_time       Nsight Compute kernel durations of x + 1, compress and decompress
+#   ncu_src        Nsight Compute full set of compress at 16 MiB (NCU_MIB): SASS source page
+#                  summarized by bench.ncu_source, and the details page
 #   ablation       python -m experiments.ablation (convergence per codec; ABL_* variables:
 #                  ABL_BUDGET seconds, ABL_VARIANTS, ABL_NAME, ABL_SET, ABL_WORKERS)
 set -u
@@ -27,7 +29,7 @@ export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1          # no NVLink multicast, anywhere
 export TACO_JAX_CALIBRATION=${TACO_JAX_CALIBRATION:-/tmp/taco_jax_calibration.json}
-: "${GIT_COMMIT:?set GIT_COMMIT (the GPU machine's copy of the tree has no git history)}"
+: "${GIT_COMMIT:?set GIT_COMMIT (the copy of the tree on the GPU machine has no git history)}"
 export GIT_COMMIT
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 JAXV=$(python -c 'import jax; print(jax.__version__)')
@@ -65,6 +67,13 @@ for s in "$@"; do
               python -m bench.ncu_time "$OUT"/ncu_time_raw.log --label default \
                 --commit "$GIT_COMMIT" --device "$DEVICE" --jax "$JAXV" \
                 > "$OUT/ncu_time.log" 2>&1 ;;
+    ncu_src) step ncu_src 200 ncu -k regex:taco_compress -c 1 --set full -o /tmp/ncu_src \
+               python -m bench.one_kernel compress taco --mib "${NCU_MIB:-16}"
+             ncu -i /tmp/ncu_src.ncu-rep --page source --csv --print-source sass \
+               | gzip > "$OUT/ncu_src_compress.csv.gz"
+             ncu -i /tmp/ncu_src.ncu-rep --page details --csv > "$OUT/ncu_details_compress.csv"
+             python -m bench.ncu_source "$OUT/ncu_src_compress.csv.gz" --label compress \
+               --out bench/results/ncu_src.json > "$OUT/ncu_src_summary.log" 2>&1 ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m experiments.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
                 --workers "${ABL_WORKERS:-1}" \

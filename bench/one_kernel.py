@@ -1,15 +1,16 @@
-"""Run one kernel once on --mib MiB (default 256) of bf16 input, for a kernel profiler (Nsight Compute):
+"""Run one kernel once on --mib MiB (default 256) of bf16 input, for a kernel profiler
+(Nsight Compute):
 
     ncu -k regex:taco_compress -c 1 --section SpeedOfLight --section WarpStateStats \
-        python -m bench.one_kernel compress taco [--impl triton|mosaic] [--tm 8] [--warps 2]
-        [--tiles 4] [--ieee-rowmath] [--row-masks] [--ctas-per-sm 2] [--steps 2] [--parts 1] [--tma-store]
-        [--roofline]
+        python -m bench.one_kernel compress taco [--impl triton|mosaic] [--mib 16] [--tm 8]
+        [--warps 2] [--tiles 4] [--ieee-rowmath] [--row-masks] [--ctas-per-sm 2] [--steps 2]
+        [--parts 1] [--tma-store] [--roofline]
 
 Kernel names: taco_compress / taco_decompress (Triton), taco_compress_mosaic… /
 taco_decompress_mosaic… (Mosaic GPU). GPU only (no interpreter): a profiler needs the
-compiled kernel. --tm/--warps/--tiles/--ieee-rowmath/--row-masks set the Triton KernelConfig (default: the
-library's for that size),
---ctas-per-sm/--steps/--parts/--tma-store the Mosaic one (default: the library's).
+compiled kernel. --tm/--warps/--tiles/--ieee-rowmath/--row-masks set the Triton
+KernelConfig (default: the library's for that size), --ctas-per-sm/--steps/--parts/
+--tma-store the Mosaic one (default: the library's).
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
     python -m bench.tilings [--kernels compress decompress] [--sizes-mib 16 64 256]
                             [--rounds 2] [--out bench/results/kernels_tilings.json]
 
-Each (kernel, size) is timed under the library default for that size ({}) and alternatives (tiles per
-program, blocks per tile, warps), interleaved over `--rounds` so drift shows; the figure is
+Each (kernel, size) is timed under the library default for that size ({}) and alternatives
+(tiles per program, blocks per tile, warps), interleaved over `--rounds` so drift shows; the figure is
 the fraction of the device-timed roofline (XLA f32 `x + 1`, 256 MiB). A row `x + 1` per
 size gives what XLA's own bf16 `x + 1` reaches there (its launch and tail included), the
 ceiling a kernel of that size can be read against."""

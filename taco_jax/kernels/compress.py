@@ -24,8 +24,9 @@ def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
 
     h1s, h2s: the Hadamard factors divided by their sizes (±1/r, ±1/c;
     `tiling.hadamard_operands(B, scaled=True)`); dot_in: x as loaded (bf16 data goes into
-    the tensor-core dot without a round trip). The kernel is bound by instruction issue, not
-    by memory (Nsight Compute on the H200), so per-element work is kept minimal:
+    the tensor-core dot without a round trip). The kernel is bound by instruction issue at
+    large sizes and by latency at small ones, not by memory (Nsight Compute on the H200), so
+    per-element and per-block work is kept minimal:
 
     * z0 = H·x/B from the scaled factors: no 1/B pass, and no partial sum can overflow
       (|z0| ≤ max|x|).

@@ -43,7 +43,7 @@ class KernelConfig:
     # Kronecker factors built in registers from iota (H[i, j] = (-1)^popcount(i & j))
     # instead of loaded from the operands: no global loads before the first dot and no
     # shared-memory reads of the factors per tile. Compress device time on the H200: 9.5 vs
-    # 10.1 µs at 16 MiB, 100.5 vs 101.5 µs at 256 MiB (bench/results/kernels_tilings_small.json).
+    # 10.1 µs at 16 MiB, 101.2 vs 101.6 µs at 256 MiB (bench/results/kernels_tilings_small.json).
     hadamard_iota: bool = True
     interpret: bool = False         # set by resolve(): no inline PTX in the interpreter
 
@@ -58,7 +58,8 @@ class KernelConfig:
         Device time on the H200, fraction of the roofline, against 8 blocks × 2 warps
         × 4 tiles: 0.56 vs 0.48 at 16 MiB, 0.77 vs 0.72 at 64 MiB, 0.90 vs 0.87 at 256 MiB,
         0.82 vs 0.79 at 1 GiB (bench/results/kernels_tilings.json); 4 tiles of 512 against 8:
-        0.58 vs 0.56 at 16 MiB, 0.75 vs 0.76 at 64 MiB (kernels_tilings_small.json)."""
+        0.58 vs 0.56 at 16 MiB, 0.75 vs 0.76 at 64 MiB; more warps per program lose at 16 MiB
+        (CHANGELOG.md, bench/results/kernels_alternatives.json)."""
         if kernel not in (None, "compress", "decompress", "reduce"):
             raise ValueError(f"KernelConfig.default: unknown kernel {kernel!r}")
         if kernel == "compress":

@@ -1,0 +1,42 @@
+"""bench/gpu_run.sh, the GPU batches: it parses, names every step it documents, and refuses
+to run without GIT_COMMIT or with an unknown step (a broken script costs a GPU call)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_run.sh"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def test_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_every_documented_step_has_a_case():
+    text = SCRIPT.read_text()
+    header = text.split("set -u")[0]
+    documented = set(re.findall(r"^#   (\w+)\s{2,}", header, re.M))
+    cases = set(re.findall(r"^\s{4}(\w+)\)", text, re.M))
+    assert documented and documented <= cases, documented - cases
+
+
+def run(env, *steps):
+    return subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"], **env}, timeout=60)
+
+
+def test_needs_git_commit(tmp_path):
+    r = run({"OUT": str(tmp_path)}, "kernels")
+    assert r.returncode != 0 and "GIT_COMMIT" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="CPU-only check")
+def test_unknown_step_is_refused(tmp_path):
+    r = run({"OUT": str(tmp_path), "GIT_COMMIT": "0" * 40}, "no_such_step")
+    assert r.returncode == 2 and "unknown step no_such_step" in r.stdout
