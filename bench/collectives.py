@@ -68,7 +68,13 @@ def run_children(argv: list[str], link: str, n_proc: int, out: str) -> dict:
 def measure(args) -> dict:
     import jax
     if args.distributed:
-        jax.distributed.initialize()
+        # Gloo carries CPU collectives between processes (a CPU smoke run of the network
+        # link); the setting is ignored on GPUs. jax reads only the coordinator's address
+        # from the environment, so the process count and index are passed.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"],
+                                   int(os.environ["JAX_NUM_PROCESSES"]),
+                                   int(os.environ["JAX_PROCESS_ID"]))
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -126,11 +132,24 @@ def measure(args) -> dict:
                        else codec, "transport": t, "link": link, "n_devices": n_dev,
                        "lax_psum_us": round(lax_us, 1), "taco_psum_us": round(us, 1),
                        "ratio": round(us / lax_us, 3),
-                       "fresh_ratio": round((ft - prep) / max(fl - prep, 1e-9), 3)}
+                       # None where the multiply alone took as long as lax.psum with it
+                       # (timer noise at tiny sizes): no ratio to report
+                       "fresh_ratio": (round((ft - prep) / (fl - prep), 3) if fl > prep
+                                       else None)}
                 result["rows"].append(row)
                 print(row, flush=True)
         del x
     return result
+
+
+def all_shards(arr) -> list:
+    """Every device's shard of `arr` as f32 numpy, from all processes, in device order."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    local = sorted(arr.addressable_shards, key=lambda s: s.device.id)
+    stacked = multihost_utils.process_allgather(
+        np.stack([np.asarray(s.data, np.float32) for s in local]))
+    return list(stacked.reshape(-1, *stacked.shape[2:]))
 
 
 def check(mesh, codecs_, transports, taco_fn, lax_fn, link) -> list[dict]:
@@ -150,16 +169,15 @@ def check(mesh, codecs_, transports, taco_fn, lax_fn, link) -> list[dict]:
                 xs = jax.device_put(x.reshape(-1), NamedSharding(mesh, P("tp")))
                 for vma in (True, False):
                     fn = taco_fn(codec, t, vma)
-                    got = fn(xs)
-                    shards = [np.asarray(s.data, np.float32) for s in got.addressable_shards]
-                    if not vma:
-                        shards = [np.asarray(a, np.float32) for a in
-                                  np.split(np.asarray(got, np.float32), n_dev)]
-                    ref = np.asarray(lax_fn(xs), np.float32)
+                    # every device's copy of the sum (out_specs P() or P("tp") alike), from
+                    # every process: what a multi-process run can compare
+                    shards = all_shards(fn(xs))
+                    ref = all_shards(lax_fn(xs))[0]
                     y = shards[0]
                     # a non-finite input makes its whole block non-finite (never finite)
                     fin = np.isfinite(ref) & np.isfinite(y)
-                    g = jax.grad(lambda v: jnp.sum(jnp.sin(fn(v).astype(jnp.float32))))(xs)
+                    g = np.concatenate(all_shards(jax.grad(
+                        lambda v: jnp.sum(jnp.sin(fn(v).astype(jnp.float32))))(xs)))
                     rows.append({
                         "codec": "none" if t == "fused-none" else codec, "transport": t,
                         "link": link, "dtype": jnp.dtype(dtype).name, "n": n,
@@ -171,8 +189,7 @@ def check(mesh, codecs_, transports, taco_fn, lax_fn, link) -> list[dict]:
                                                               & ~np.isfinite(y))),
                         "rel_error_vs_lax": float(np.linalg.norm(y[fin] - ref[fin])
                                                   / np.linalg.norm(ref[fin])),
-                        "grad_finite_frac": float(np.mean(np.isfinite(
-                            np.asarray(g, np.float32)))),
+                        "grad_finite_frac": float(np.mean(np.isfinite(g))),
                     })
                     print(rows[-1], flush=True)
     return rows
