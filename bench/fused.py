@@ -2,10 +2,11 @@
 
     python -m bench.fused [--sizes-mib 1 16 256] [--out bench/results/fused.json]
 
-On one GPU only the local path runs (P = 1: the kernel's shared-memory copies into its own
-receive buffer); on P ≥ 2 GPUs each device's bytes are checked in every peer's slot, for the
-all-gather and the all-to-all, and timed against lax.all_gather / lax.all_to_all of the same
-bytes side by side (`time_calls`)."""
+Needs P ≥ 2 GPUs driven by this process (on one GPU XLA refuses the kernel's collective
+metadata: "UNIMPLEMENTED: NVSHMEM is not supported in XLA"; elsewhere the fused transport's
+own reason); it exits with that reason otherwise. Each device's bytes are checked in every
+peer's slot, for the all-gather and the all-to-all, and timed against lax.all_gather /
+lax.all_to_all of the same bytes side by side (`time_calls`)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("tp",))
+    reason = fused.mesh_unavailable_reason(mesh) or (
+        None if n >= 2 else "one device (in-kernel peer stores need 2 or more GPUs)")
+    if reason:
+        raise SystemExit(f"bench.fused: cannot run here: {reason}")
     spec = P("tp")
     rows, checks = [], []
 

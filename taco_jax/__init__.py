@@ -4,7 +4,9 @@
     with taco_jax.config(codec="taco", min_bytes=1 << 20):
         ...                                    # the recipe for everything traced here
 """
-from taco_jax import calibrate, codecs, telemetry
+import importlib
+
+from taco_jax import codecs, telemetry
 from taco_jax.collectives import (DEFAULT_MIN_BYTES, UnboundAxisError, all_gather, feedback,
                                   ppermute, psum, psum_scatter, psum_two_level, pvary)
 from taco_jax.collectives.feedback import (FeedbackState, psum_with_feedback,
@@ -14,3 +16,15 @@ from taco_jax.recipe import Recipe, config
 __all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "psum_two_level", "psum_with_feedback",
            "pvary_with_feedback", "FeedbackState", "feedback", "config", "Recipe", "codecs",
            "telemetry", "calibrate", "UnboundAxisError", "DEFAULT_MIN_BYTES"]
+
+
+def __getattr__(name):
+    # `taco_jax.calibrate` on first use: imported eagerly, `python -m taco_jax.calibrate`
+    # would find its own module already loaded (runpy's RuntimeWarning).
+    if name == "calibrate":
+        return importlib.import_module("taco_jax.calibrate")
+    raise AttributeError(f"module 'taco_jax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), "calibrate"])
