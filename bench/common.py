@@ -34,11 +34,28 @@ def env_facts() -> dict:
             "commit": commit, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
+def write_json(path: str, payload: dict) -> str:
+    """Write payload as JSON; returns the path written. A run off the GPU (payload
+    "platform" not "gpu") never replaces GPU results: it goes beside them, as
+    <name>.<platform>.json."""
+    path = str(path)
+    platform = payload.get("platform")
+    if platform not in (None, "gpu") and os.path.exists(path):
+        try:
+            with open(path) as f:
+                old = json.load(f).get("platform")
+        except (OSError, ValueError, AttributeError):
+            old = None
+        if old == "gpu":
+            root, ext = os.path.splitext(path)
+            print(f"{path} holds GPU results: this {platform} run goes to "
+                  f"{root}.{platform}{ext}")
+            path = f"{root}.{platform}{ext}"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     print(f"wrote {path}")
+    return path
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:

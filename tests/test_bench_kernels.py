@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +168,14 @@ def test_ncu_time_knows_mosaic_kernel_names():
     assert ncu_time.kernel_bytes("taco_decompress_mosaic_mosaic_gpu_kernel") == \
         ncu_time.BYTES["taco_decompress"]
     assert ncu_time.kernel_bytes("taco_reduce") is None
+
+
+def test_write_json_keeps_gpu_results(tmp_path):
+    """A CPU smoke run of a benchmark never replaces the committed GPU figures."""
+    from bench.common import write_json
+    out = tmp_path / "r.json"
+    assert write_json(out, {"platform": "gpu", "x": 1}) == str(out)
+    side = write_json(out, {"platform": "cpu", "x": 2})
+    assert side == str(tmp_path / "r.cpu.json")
+    assert json.loads(out.read_text())["x"] == 1 and json.loads(Path(side).read_text())["x"] == 2
+    assert write_json(out, {"platform": "gpu", "x": 3}) == str(out)
