@@ -13,7 +13,7 @@ around the loop with `repeated(n)`, which counts each site traced inside n times
 traced in a loop body that no `repeated` declares is logged once as a WARNING naming the
 loop (and, for lax.scan, its length), at the next `sites()` / `site_report()` outside
 loop bodies, unless a caller that counts the iterations itself notes them by then with
-`note_site` (as models/pipeline.py does). The backward halves are not separate sites:
+`note_site` (with the site's own fields, `vma` included). The backward halves are not separate sites:
 `wire_bytes(site, backward=True)` adds what a site's transpose sends. A site in a
 `lax.cond` / `switch` branch counts as if its branch ran. `collect()` (below) records at
 run time, once per executed call, loops and branches included.
@@ -61,6 +61,7 @@ class Site:
     reason: str          # why not compressed ("" when compressed)
     p: int = 1           # devices over the axes
     transport: str = ""  # "xla" or "fused" when compressed
+    vma: bool = True     # traced under check_vma=True (False: psum's transpose all-reduces)
 
     @property
     def bytes_per_device(self) -> int:
@@ -159,22 +160,22 @@ def loop_bodies() -> list[tuple[str, int | None]]:
 
 
 def note_site(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1,
-              route: str = "lax") -> None:
+              route: str = "lax", vma: bool = True) -> None:
     """Record one traced collective call, counted once times the active `repeated` blocks.
     The collectives call it; so does a caller that counts a loop body's iterations itself,
     noting the other iterations of the body's sites (a site it notes again is then taken as
     counted, and not warned about)."""
-    site = _note(op, shape, dtype, axes, codec, reason, p, route)
+    site = _note(op, shape, dtype, axes, codec, reason, p, route, vma)
     with _sites_lock:
         _loop_pending.pop(site, None)
 
 
 def note_call(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1,
-              route: str = "lax") -> None:
+              route: str = "lax", vma: bool = True) -> None:
     """`note_site` for the collectives' own calls: a site traced in a loop body that no
     `repeated` declares is warned about (at the next `sites()` / `site_report()` outside
     loop bodies, unless its caller counted the iterations by then)."""
-    site = _note(op, shape, dtype, axes, codec, reason, p, route)
+    site = _note(op, shape, dtype, axes, codec, reason, p, route, vma)
     undeclared = loop_bodies()[len(getattr(_repeats, "stack", ())):]   # the inner loops
     if not undeclared:
         return
@@ -192,9 +193,9 @@ def note_call(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1
             f"iterations itself")
 
 
-def _note(op, shape, dtype, axes, codec, reason, p, route) -> Site:
+def _note(op, shape, dtype, axes, codec, reason, p, route, vma=True) -> Site:
     site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
-                reason is None, reason or "", p, route if reason is None else "")
+                reason is None, reason or "", p, route if reason is None else "", bool(vma))
     times = math.prod(getattr(_repeats, "stack", ()))
     forward_only = getattr(_repeats, "forward_only", False)
     if forward_only and op in BACKWARD_ONLY:
@@ -256,9 +257,11 @@ def wire_bytes(site: Site, backward: bool = False) -> int:
 
     backward: also what the call's transpose sends when the function is differentiated (a
     training step): ppermute's reverse send, all_gather's reduce-scatter of the gathered
-    cotangent, psum_scatter's all-gather of its part, all through the site's codec. psum
-    and pvary count their one all-reduce either way (pvary's runs in the backward pass;
-    under check_vma=True psum's transpose sends nothing)."""
+    cotangent, psum_scatter's all-gather of its part, all through the site's codec; psum's
+    all-reduce of the cotangent where it was traced under check_vma=False (or jax.vmap),
+    where JAX transposes psum to psum. Under check_vma=True psum's transpose sends nothing
+    and pvary counts its one all-reduce, which runs in the backward pass (under
+    check_vma=False pvary is the identity both ways and records no site)."""
     from taco_jax import codecs
     p = site.p
     if p <= 1:
@@ -268,7 +271,8 @@ def wire_bytes(site: Site, backward: bool = False) -> int:
                               "allreduce") else 1
     # the transposes send what the forward sends: the reverse permutation the same codes;
     # all_gather ↔ psum_scatter the same segments of n (resp. n/P) values each way
-    back = 2 if backward and site.op in SENDS_BACK else 1
+    back = 2 if backward and (site.op in SENDS_BACK or (site.op in PSUM_OPS and not site.vma)
+                              ) else 1
     if not site.compressed:
         if site.op == "ppermute":
             return back * site.bytes_per_device
@@ -285,6 +289,8 @@ def wire_bytes(site: Site, backward: bool = False) -> int:
 
 # the ops whose transpose is a send of its own through the same codec (`wire_bytes`)
 SENDS_BACK = ("ppermute", "all_gather", "psum_scatter")
+# ... and those whose transpose is one only under check_vma=False (psum's is psum there)
+PSUM_OPS = ("psum", "psum_with_feedback")
 
 
 # -- per-call error records (opt-in) ---------------------------------------------------------

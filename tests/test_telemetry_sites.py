@@ -66,6 +66,27 @@ def test_wire_bytes_backward_is_what_each_transpose_sends(codec):
         assert telemetry.wire_bytes(s, backward=True) == telemetry.wire_bytes(s) > 0
 
 
+@pytest.mark.parametrize("codec", ["taco", "none"])
+def test_psum_under_check_vma_false_counts_its_transpose(codec):
+    """Under check_vma=False JAX transposes psum to psum and pvary is the identity (no
+    site): the backward all-reduce is psum's, and wire_bytes(backward=True) counts it;
+    under check_vma=True the site sends once (its transpose broadcasts)."""
+    x = jnp.zeros((4, 3, 1024), jnp.float32)
+
+    def block(v):          # g then f: psum's output is invariant, pvary's input must be
+        return taco_jax.pvary(taco_jax.psum(v, "tp", codec=codec, min_bytes=0), "tp",
+                              codec=codec, min_bytes=0)
+
+    for vma in (False, True):
+        found = new_sites(on_mesh(block, vma), x)
+        by_op = {s.op: s for s in found}
+        assert ("pvary" in by_op) is vma, found
+        s = by_op["psum"]
+        assert s.vma is vma and s.compressed is (codec != "none")
+        assert telemetry.wire_bytes(s, backward=True) == (1 if vma else 2) * (
+            telemetry.wire_bytes(s)) > 0
+
+
 # -- loop bodies -----------------------------------------------------------------------------
 def scanned(length, declare=None, codec="taco"):
     def body(c, _):
@@ -140,7 +161,7 @@ def test_a_caller_that_counts_the_iterations_itself_is_not_warned(caplog):
         for s, n in telemetry.sites():
             for _ in range(4 * (n - before.get(s, 0))):
                 telemetry.note_site(s.op, s.shape, s.dtype, s.axes, s.codec, None, s.p,
-                                    s.transport)
+                                    s.transport, s.vma)
         return y, None
 
     fn = on_mesh(lambda v: lax.scan(body, v, None, length=5)[0], vma=False)

@@ -78,7 +78,7 @@ class Call:
         (telemetry.sites)."""
         route, why = self._route(v, invariant)
         telemetry.note_call(self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
-                            self.p, route)
+                            self.p, route, self.vma)
         return route
 
     def _route(self, v, invariant: bool) -> tuple[str, str | None]:
