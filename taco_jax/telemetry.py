@@ -23,9 +23,9 @@ run time, once per executed call, loops and branches included.
     log.records  # [{"op", "axis", "codec", "rel_error", "wire_bytes", "bf16_bytes", "nonfinite"}]
 
 One record per executed compressed all-reduce ("psum": psum, pvary's backward) and per
-compressed send ("ppermute", forward and backward), each against the exact collective in
-f32: an exact lax.psum (a send: the exact lax.ppermute and a psum of three scalars) and a
-host callback.
+compressed send ("ppermute", "all_gather", "psum_scatter", forward and backward), each
+against the exact collective in f32: an exact lax.psum (a send: the exact lax collective
+and a psum of three scalars) and a host callback.
 
 `capture()` (below) hands the tensors at the all-reduce and send sites themselves to the
 host, for the fidelity study (experiments/fidelity.py); same rule: off by default, free when off.
@@ -332,9 +332,9 @@ def report(op: str, x, y, axis, codec, wire_bytes: int) -> None:
 
 
 def report_send(op: str, exact, y, axis, codec, wire_bytes: int, bf16_bytes: int) -> None:
-    """Record a send's error (ppermute): ‖y − exact‖ / ‖exact‖ over every device of the
-    axis (one value per call; devices that receive nothing add zeros to both), bytes on
-    the wire per sender and non-finite values received. A send of zeros only, decoded as
+    """Record a send's error (ppermute, all_gather, psum_scatter): ‖y − exact‖ / ‖exact‖
+    over every device of the axis (one value per call; devices that receive nothing add
+    zeros to both), bytes on the wire per sender and non-finite values received. A send of zeros only, decoded as
     zeros (a pipeline's bubble ticks), records nothing: it has no relative error."""
     log = _state.log
     diff = (y.astype(jnp.float32) - exact).ravel()

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import codecs
+from taco_jax import codecs, telemetry
 from taco_jax.collectives import axes as axes_lib
 from taco_jax.collectives.call import Call, transport_move
 from taco_jax.collectives.two_shot import gather_decoded, scatter_sum
@@ -22,12 +22,22 @@ def _gather(x, axis, codec, p, dim: int, tiled: bool, transport: str):
 def _gathered(x, axis, codec, p, dim: int, tiled: bool, transport: str, invariant: bool):
     """Every device decodes the same bytes, its own part included, so all copies agree."""
     blocks = codecs.to_blocks(x, codec.block_size)                   # (nb, B)
-    dec = gather_decoded(dispatch.compress(blocks, codec), axis, codec, p, x.dtype,
-                         vma=invariant, move=transport_move(transport))
+    wire = dispatch.compress(blocks, codec)
+    dec = gather_decoded(wire, axis, codec, p, x.dtype, vma=invariant,
+                         move=transport_move(transport))
     parts = jax.vmap(lambda b: codecs.from_blocks(b, x.shape))(
         dec.reshape(p, blocks.shape[0], codec.block_size))           # (P, *x.shape)
     y = jnp.moveaxis(parts, 0, dim) if not tiled else jnp.concatenate(list(parts), axis=dim)
-    return y if invariant else axes_lib.per_member(y, axes_lib.as_tuple(axis), force=True)
+    y = y if invariant else axes_lib.per_member(y, axes_lib.as_tuple(axis), force=True)
+    if telemetry.enabled():   # against the exact gather of the same tensor, in f32
+        exact = lax.all_gather(x.astype(jnp.float32), axis, axis=dim, tiled=tiled,
+                               to="invarying" if invariant else "varying")
+        got = y
+        if invariant:          # the record sums over the axis: make both varying
+            exact, got = (lax.pcast(v, axis, to="varying") for v in (exact, y))
+        telemetry.report_send("all_gather", exact, got, axis, codec,
+                              wire_bytes=(p - 1) * wire.size, bf16_bytes=2 * (p - 1) * x.size)
+    return y
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
@@ -66,7 +76,14 @@ def _scatter(x, axis, codec, p, dim: int, tiled: bool, transport: str):
     blocks = jnp.pad(segs, ((0, 0), (0, nb * codec.block_size - m))).reshape(p * nb, -1)
     total, _ = scatter_sum(blocks, nb, axis, codec, p, transport_move(transport))
     out = total.reshape(-1)[:m].astype(x.dtype).reshape(seg_shape)  # (k, *rest) or rest
-    return jnp.moveaxis(out, 0, dim) if tiled else out
+    out = jnp.moveaxis(out, 0, dim) if tiled else out
+    if telemetry.enabled():   # against the exact reduce-scatter, in f32
+        exact = lax.psum_scatter(x.astype(jnp.float32), axis, scatter_dimension=dim,
+                                 tiled=tiled)
+        telemetry.report_send("psum_scatter", exact, out, axis, codec,
+                              wire_bytes=(p - 1) * nb * codec.row_bytes,
+                              bf16_bytes=2 * (p - 1) * m)
+    return out
 
 
 def _transpose_pair(forward_a, forward_b):
