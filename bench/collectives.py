@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,9 +54,12 @@ def run_children(argv: list[str], link: str, n_proc: int, out: str) -> dict:
         subprocess.run(cmd, env=child_env(LINK_ENV[link]), check=True)
     else:
         procs = []
+        with socket.socket() as s:       # a free port for the coordinator
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         for i in range(n_proc):
             env = child_env({**LINK_ENV[link], "CUDA_VISIBLE_DEVICES": str(i),
-                             "JAX_COORDINATOR_ADDRESS": "127.0.0.1:12355",
+                             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                              "JAX_NUM_PROCESSES": str(n_proc), "JAX_PROCESS_ID": str(i)})
             procs.append(subprocess.Popen(cmd + ["--distributed"], env=env))
         codes = [p.wait() for p in procs]
