@@ -16,6 +16,10 @@
 #                  and bench/results/calibrate.json
 #   psum           python -m bench.profile psum: device profile of the all-reduce per transport
 #   train          python -m bench.profile train + python -m bench.train_step (TP=2 step)
+#   fused          python -m bench.fused: the fused exchange kernel against lax, 1/16/256 MiB
+#                  (2+ GPUs of one process)
+#   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
+#                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
 #   ncu_time       Nsight Compute kernel durations of x + 1, compress and decompress
 #   ncu_src        Nsight Compute full set of compress at 16 MiB (NCU_MIB): SASS source page
@@ -59,6 +63,14 @@ for s in "$@"; do
              --out bench/results/profile_train.json
            step train_step 240 python -m bench.train_step --presets comm_heavy small 350m \
              --variants none taco ;;
+    fused) step fused 300 python -m bench.fused --sizes-mib 1 16 256 \
+             --out bench/results/fused.json ;;
+    train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
+               --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \
+               --out bench/results/train_step_pp.json
+             step train3d_dp 240 python -m bench.train_step --presets small comm_heavy \
+               --mesh 2,1,1 --variants none dp dp@default \
+               --out bench/results/train_step_dp.json ;;
     fidelity) step fidelity 300 python -m experiments.fidelity --config small --steps 1000 \
                 --capture-at 100 1000 --set train.progress=false ;;
     ncu_time) step ncu_time_raw 200 ncu --clock-control none --metrics \
