@@ -5,8 +5,9 @@
 Needs P ≥ 2 GPUs driven by this process (on one GPU XLA refuses the kernel's collective
 metadata: "UNIMPLEMENTED: NVSHMEM is not supported in XLA"; elsewhere the fused transport's
 own reason); it exits with that reason otherwise. Each device's bytes are checked in every
-peer's slot, for the all-gather and the all-to-all, and timed against lax.all_gather /
-lax.all_to_all of the same bytes side by side (`time_calls`)."""
+peer's slot, for the all-gather and the all-to-all, with and without the ready handshake
+(`fused.HANDSHAKE`), and timed against lax.all_gather / lax.all_to_all of the same bytes
+side by side (`time_calls`)."""
 from __future__ import annotations
 
 import argparse
@@ -48,20 +49,22 @@ def main(argv=None):
             shape = (n, m) if gather else (n, n, m // n)
             x = jax.random.randint(jax.random.key(0), shape, 0, 256, jnp.int32)
             x = jax.device_put(x.astype(jnp.uint8), NamedSharding(mesh, spec))
-            ours = sharded(lambda v: fused.exchange(v[0], "tp", n, gather=gather,
-                                                    vma=False)[None])
             ref = sharded(lambda v: (lax.all_gather(v[0], "tp") if gather else
                                      lax.all_to_all(v[0], "tp", 0, 0))[None])
-            ok = bool(np.array_equal(np.asarray(ours(x)), np.asarray(ref(x))))
-            checks.append({"mib": mib, "op": "all_gather" if gather else "all_to_all",
-                           "n_devices": n, "equal_to_lax": ok})
-            print(checks[-1], flush=True)
-            if ok:
-                t_ours = calibrate.time_calls(ours, x, iters=5)
-                t_ref = calibrate.time_calls(ref, x, iters=5)
-                rows.append({"mib": mib, "op": checks[-1]["op"], "n_devices": n,
-                             "fused_us": round(t_ours, 1), "lax_us": round(t_ref, 1),
-                             "ratio": round(t_ours / t_ref, 3)})
+            want = np.asarray(ref(x))
+            t_ref = calibrate.time_calls(ref, x, iters=5)
+            for handshake in (False, True):
+                ours = sharded(lambda v, h=handshake: fused.exchange(
+                    v[0], "tp", n, gather=gather, vma=False, handshake=h)[None])
+                ok = bool(np.array_equal(np.asarray(ours(x)), want))
+                checks.append({"mib": mib, "op": "all_gather" if gather else "all_to_all",
+                               "handshake": handshake, "n_devices": n, "equal_to_lax": ok})
+                print(checks[-1], flush=True)
+                if ok:
+                    t_ours = calibrate.time_calls(ours, x, iters=5)
+                    rows.append({"mib": mib, "op": checks[-1]["op"], "handshake": handshake,
+                                 "n_devices": n, "fused_us": round(t_ours, 1),
+                                 "lax_us": round(t_ref, 1), "ratio": round(t_ours / t_ref, 3)})
     print_table(checks, list(checks[0]))
     if rows:
         print_table(rows, list(rows[0]))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import collectives
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,3 +37,27 @@ def test_child_environment_keeps_multicast_off(monkeypatch):
     env = collectives.child_env(collectives.LINK_ENV["network"])
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert env["NCCL_P2P_DISABLE"] == "1" and env["NCCL_SHM_DISABLE"] == "1"
+
+
+def test_bench_fused_program_with_lax_in_place_of_the_kernel(monkeypatch, tmp_path):
+    """bench.fused's own logic (checks, both handshake variants, rows) on CPU, the Mosaic
+    kernel replaced by lax's collectives; on a real CPU run it exits with the reason."""
+    from jax import lax
+
+    from bench import fused as bench_fused
+    from taco_jax.collectives import fused
+
+    with pytest.raises(SystemExit, match="cannot run here"):
+        bench_fused.main(["--sizes-mib", "0.0625", "--out", str(tmp_path / "no.json")])
+
+    def lax_kernel(send, axis, p, gather, out_mat, handshake=False):
+        return lax.all_gather(send, axis) if gather else lax.all_to_all(send, axis, 0, 0)
+
+    monkeypatch.setattr(fused, "_kernel_exchange", lax_kernel)
+    monkeypatch.setattr(fused, "mesh_unavailable_reason", lambda mesh: None)
+    out = tmp_path / "fused.json"
+    bench_fused.main(["--sizes-mib", "0.0625", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert len(res["check"]) == 4 and all(c["equal_to_lax"] for c in res["check"])
+    assert {(r["op"], r["handshake"]) for r in res["rows"]} == {
+        (op, h) for op in ("all_gather", "all_to_all") for h in (False, True)}

@@ -110,7 +110,7 @@ def test_one_shot_under_check_vma_is_invariant():
 
 
 # -- the fused exchange's packing, with lax in place of the kernel -------------------------
-def _lax_kernel(send, axis, p, gather, out_mat):
+def _lax_kernel(send, axis, p, gather, out_mat, handshake=False):
     assert send.dtype == jnp.uint8 and send.shape[-1] % fused.TILE_BYTES == 0
     return lax.all_gather(send, axis) if gather else lax.all_to_all(send, axis, 0, 0)
 
@@ -145,6 +145,24 @@ def test_fused_schedules_with_lax_in_place_of_the_kernel(monkeypatch):
     exact = per_device(lambda v: taco_jax.psum(v, "tp", codec="none", transport="fused"), x2)
     np.testing.assert_array_equal(exact, per_device(lambda v: lax.psum(v, "tp"), x2))
 
+
+
+@pytest.mark.parametrize("p,gather,handshake", [(2, True, False), (2, False, True),
+                                               (4, True, True), (4, False, False)])
+def test_exchange_kernel_lowers_for_cuda(p, gather, handshake):
+    """The Mosaic GPU exchange kernel itself (not run: it needs 2+ GPUs) traces and lowers
+    to one Mosaic GPU custom call for a CUDA target from this CPU-only machine, with and
+    without the ready handshake."""
+    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+    shape = (p, 3 * fused.TILE_BYTES) if gather else (p, p, fused.TILE_BYTES + 5)
+
+    def body(v):
+        return fused.exchange(v[0], "tp", p, gather=gather, vma=False,
+                              handshake=handshake)[None]
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
+    x = jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=jax.NamedSharding(mesh, P("tp")))
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1 and text.count("custom_call") == 1
 
 
 # -- the calibration cache ------------------------------------------------------------------

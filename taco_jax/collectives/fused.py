@@ -36,6 +36,9 @@ LINE = 256                   # bytes per row of the byte view (TMA copies ≤ 25
 TILE_ROWS = 128              # rows per TMA copy: 32 KiB of shared memory per program
 TILE_BYTES = TILE_ROWS * LINE
 MAX_PROGRAMS = 132           # one program per SM of an H100 / H200
+# A ready handshake before the first remote store (`exchange`); off as in jax's own collective
+# kernels until two GPUs measure both (`python -m bench.fused` times each).
+HANDSHAKE = False
 
 
 # -- availability ---------------------------------------------------------------------
@@ -72,13 +75,20 @@ def mesh_unavailable_reason(mesh) -> str | None:
 
 
 # -- the communication kernel -----------------------------------------------------------
-def _exchange_body(send_ref, recv_ref, smem, bar, sem, *, axis, p, gather, tiles, nprog):
+def _exchange_body(send_ref, recv_ref, smem, bar, sem, ready, *, axis, p, gather, tiles, nprog,
+                   handshake):
     """Program b copies tiles b, b + nprog, … (TILE_ROWS rows of LINE bytes): for each peer,
     through shared memory into the peer's receive buffer (slot `me`); then signals that
     peer's program b and waits for all P − 1 peers' program b. When every program has
-    passed its wait, recv is complete."""
+    passed its wait, recv is complete. handshake: first signal every peer's program b on
+    `ready` and wait for theirs, so no store reaches a peer whose kernel has not started
+    (as jax's remote-copy tests do; jax's collective kernels rely on XLA instead)."""
     me = lax.axis_index(axis)
     b = lax.axis_index("prog")
+    if handshake and p > 1:
+        for k in range(1, p):
+            pl.semaphore_signal(ready, 1, device_id=(me + k) % p)
+        pl.semaphore_wait(ready, p - 1)
     for k in range(p):                       # k = 0: this device's own slot, locally
         dst = (me + k) % p
         src = send_ref if gather else send_ref.at[dst]
@@ -98,29 +108,31 @@ def _exchange_body(send_ref, recv_ref, smem, bar, sem, *, axis, p, gather, tiles
         pl.semaphore_wait(sem, p - 1)
 
 
-def _kernel_exchange(send, axis, p: int, gather: bool, out_mat):
+def _kernel_exchange(send, axis, p: int, gather: bool, out_mat, handshake: bool = False):
     """send (m,) or (P, m) uint8, m a multiple of TILE_BYTES → (P, m)."""
     m = send.shape[-1]
     lines = send.reshape(*send.shape[:-1], m // LINE, LINE)         # (…, rows, LINE)
     tiles = m // TILE_BYTES
     nprog = min(MAX_PROGRAMS, tiles)
     body = functools.partial(_exchange_body, axis=axis, p=p, gather=gather, tiles=tiles,
-                             nprog=nprog)
+                             nprog=nprog, handshake=handshake)
     shape = (p, m // LINE, LINE)
     out = (jax.ShapeDtypeStruct(shape, jnp.uint8) if out_mat is None else
            jax.ShapeDtypeStruct(shape, jnp.uint8, manual_axis_type=out_mat))
     kernel = plgpu.kernel(
         body, out_type=out,
         scratch_types=[plgpu.SMEM((TILE_ROWS, LINE), jnp.uint8), plgpu.Barrier(),
-                       plgpu.SemaphoreType.REGULAR],
+                       plgpu.SemaphoreType.REGULAR, plgpu.SemaphoreType.REGULAR],
         grid=(nprog,), grid_names=("prog",))
     return kernel(lines).reshape(p, m)
 
 
-def exchange(send, axis, p: int, *, gather: bool, vma: bool):
+def exchange(send, axis, p: int, *, gather: bool, vma: bool, handshake: bool | None = None):
     """`two_shot.lax_exchange` by in-kernel stores: gather=True: send (…) → (P, …), row j
     from device j; gather=False: send (P, …) → (P, …), row j = device j's send[me]. Any
-    dtype: the bytes travel as they are."""
+    dtype: the bytes travel as they are. handshake: a ready signal between the programs
+    before the first remote store (None: HANDSHAKE)."""
+    handshake = HANDSHAKE if handshake is None else handshake
     lead = () if gather else send.shape[:1]
     item_shape = send.shape[len(lead):]
     raw = lax.bitcast_convert_type(send, jnp.uint8) if send.dtype != jnp.uint8 else send
@@ -132,7 +144,7 @@ def exchange(send, axis, p: int, *, gather: bool, vma: bool):
     mat = getattr(jax.typeof(send), "manual_axis_type", None)
     if mat is not None and vma and gather:    # every device holds the same bytes after it
         mat = mat.update(varying=frozenset(mat.varying) - {axis})
-    got = _kernel_exchange(flat, axis, p, gather, mat)[:, :width]    # (P, width)
+    got = _kernel_exchange(flat, axis, p, gather, mat, handshake)[:, :width]   # (P, width)
     if send.dtype != jnp.uint8:
         got = lax.bitcast_convert_type(
             got.reshape(p, *item_shape, send.dtype.itemsize), send.dtype)
