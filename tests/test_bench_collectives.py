@@ -1,5 +1,6 @@
-"""bench.collectives on CPU: the network link's two processes (jax.distributed) run, time
-and write the issue's row schema; a link's child processes keep NVLink multicast off."""
+"""bench.collectives and bench.fused on CPU: the network link's two processes
+(jax.distributed) run, time and write the row schema; a link's child processes keep NVLink
+multicast off; bench.fused's checks and rows, with lax in place of its kernel."""
 from __future__ import annotations
 
 import json
