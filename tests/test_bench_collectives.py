@@ -43,18 +43,14 @@ def test_child_environment_keeps_multicast_off(monkeypatch):
 def test_bench_fused_program_with_lax_in_place_of_the_kernel(monkeypatch, tmp_path):
     """bench.fused's own logic (checks, both handshake variants, rows) on CPU, the Mosaic
     kernel replaced by lax's collectives; on a real CPU run it exits with the reason."""
-    from jax import lax
-
     from bench import fused as bench_fused
+    from meshes import lax_exchange_kernel
     from taco_jax.collectives import fused
 
     with pytest.raises(SystemExit, match="cannot run here"):
         bench_fused.main(["--sizes-mib", "0.0625", "--out", str(tmp_path / "no.json")])
 
-    def lax_kernel(send, axis, p, gather, out_mat, handshake=False):
-        return lax.all_gather(send, axis) if gather else lax.all_to_all(send, axis, 0, 0)
-
-    monkeypatch.setattr(fused, "_kernel_exchange", lax_kernel)
+    monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
     monkeypatch.setattr(fused, "mesh_unavailable_reason", lambda mesh: None)
     out = tmp_path / "fused.json"
     bench_fused.main(["--sizes-mib", "0.0625", "--out", str(out)])

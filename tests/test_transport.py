@@ -16,7 +16,7 @@ import taco_jax
 from taco_jax import calibrate, codecs, telemetry
 from taco_jax.collectives import fused, two_shot
 
-from meshes import per_device
+from meshes import lax_exchange_kernel, per_device
 
 
 def gauss(shape, seed=0, dtype=np.float32):
@@ -110,15 +110,10 @@ def test_one_shot_under_check_vma_is_invariant():
 
 
 # -- the fused exchange's packing, with lax in place of the kernel -------------------------
-def _lax_kernel(send, axis, p, gather, out_mat, handshake=False):
-    assert send.dtype == jnp.uint8 and send.shape[-1] % fused.TILE_BYTES == 0
-    return lax.all_gather(send, axis) if gather else lax.all_to_all(send, axis, 0, 0)
-
-
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("gather", [True, False])
 def test_fused_exchange_packs_any_bytes(monkeypatch, dtype, gather):
-    monkeypatch.setattr(fused, "_kernel_exchange", _lax_kernel)
+    monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
     p = 4
     x = jnp.asarray(gauss((p, p, 3, 100), seed=5) * 50).astype(dtype)
     send = (lambda v: v[0]) if gather else (lambda v: v)
@@ -131,7 +126,7 @@ def test_fused_exchange_packs_any_bytes(monkeypatch, dtype, gather):
 def test_fused_schedules_with_lax_in_place_of_the_kernel(monkeypatch):
     """taco_jax.psum(transport="fused") end to end on CPU, the kernel emulated: P = 2 is the
     one-shot, P = 4 the two-shot (the xla transport's numbers exactly)."""
-    monkeypatch.setattr(fused, "_kernel_exchange", _lax_kernel)
+    monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
     monkeypatch.setattr(fused, "unavailable_reason", lambda axes: None)
     c = codecs.get("taco")
     x2 = gauss((2, 3, 300), seed=6)
