@@ -1,2 +1,2 @@
-"""Training presets (tiny, small, 350m, comm_heavy) as package data: `python -m train
---config NAME` finds them with importlib.resources, in a checkout or an installed wheel."""
+"""Training presets (tiny, small, 350m, comm_heavy, fidelity) as YAML files: `python -m train
+--config NAME` finds them beside train/ in the checkout (train.config.PRESET_DIR)."""

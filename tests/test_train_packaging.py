@@ -1,22 +1,25 @@
-"""Installing like a library: the presets ship as package data of the wheel, every import of
-installed code is a declared dependency (lower bounds; the tested pins in constraints.txt,
-which CI installs with), and the tools of the checkout run as modules."""
+"""Installing like a library: the wheel holds taco_jax alone and requires only what it imports;
+the GPT, the training program (presets in configs/), experiments and benchmarks run from a
+checkout with their dependencies in extras (lower bounds; the tested pins in constraints.txt
+and constraints-latest.txt, which CI installs with), and the tools run as modules."""
 import ast
 import fnmatch
 import importlib.metadata
-import importlib.resources
 import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from train import config as config_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-INSTALLED = ("taco_jax", "models", "train", "configs")      # the wheel's packages
-CHECKOUT_ONLY = ("experiments", "bench", "tests")
+INSTALLED = ("taco_jax",)      # the wheel's packages
+CHECKOUT_ONLY = ("models", "train", "configs", "experiments", "bench", "tests")
+PINS = ("constraints.txt", "constraints-latest.txt")
 
 
 def _name(requirement: str) -> str:
@@ -37,11 +40,26 @@ def _third_party_imports(package: str) -> set[str]:
 
 
 def _declared(*extras: str) -> set[str]:
+    """Distributions required by the package with these extras ("taco_jax[train]" inside an
+    extra is followed)."""
     project = PYPROJECT["project"]
-    reqs = list(project["dependencies"])
-    for e in extras:
-        reqs += project["optional-dependencies"][e]
-    return {_name(r) for r in reqs}
+    names, todo, seen = {_name(r) for r in project["dependencies"]}, list(extras), set()
+    while todo:
+        extra = todo.pop()
+        seen.add(extra)
+        for r in project["optional-dependencies"][extra]:
+            if _name(r) == _name(project["name"]):
+                todo += [e.strip() for e in re.search(r"\[(.*)\]", r)[1].split(",")
+                         if e.strip() not in seen]
+            else:
+                names.add(_name(r))
+    return names
+
+
+def _pins(path: str) -> dict[str, str]:
+    return {_name(line): line.split("==")[1].strip()
+            for line in (ROOT / path).read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
 
 
 def _distributions(imports: set[str]) -> set[str]:
@@ -49,16 +67,22 @@ def _distributions(imports: set[str]) -> set[str]:
     return {_name(d) for name in imports for d in dists.get(name, [name])}
 
 
-def test_presets_are_package_data():
+def test_presets_are_found_from_any_directory(tmp_path, monkeypatch):
     names = config_lib.preset_names()
     assert names == sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
     assert {"tiny", "small", "350m", "comm_heavy"} <= set(names)
+    monkeypatch.chdir(tmp_path)                 # not the checkout: found beside train/
     for name in names:
-        packaged = importlib.resources.files("configs") / f"{name}.yaml"
-        assert packaged.is_file()
-        assert config_lib.resolve_preset(name).read_text() == packaged.read_text()
+        preset = ROOT / "configs" / f"{name}.yaml"
+        for spelling in (name, f"{name}.yaml", f"configs/{name}.yaml"):
+            assert config_lib.resolve_preset(spelling).read_text() == preset.read_text()
         assert config_lib.load_config(name).name == name
     assert config_lib.load_config(ROOT / "configs" / "small.yaml").name == "small"   # a path
+    with pytest.raises(ValueError, match="'nope'"):
+        config_lib.resolve_preset("nope")
+
+
+def test_the_wheel_holds_taco_jax_alone():
     tools = PYPROJECT["tool"]["setuptools"]
     include = tools["packages"]["find"]["include"]
     for pkg in INSTALLED:
@@ -66,37 +90,46 @@ def test_presets_are_package_data():
         assert (ROOT / pkg / "__init__.py").is_file(), pkg
     for pkg in CHECKOUT_ONLY:
         assert not any(fnmatch.fnmatch(pkg, pat) for pat in include), pkg
-    assert "*.yaml" in tools["package-data"]["configs"]
+    assert tools["package-data"] == {"taco_jax": ["py.typed"]}
+    assert (ROOT / "taco_jax" / "py.typed").is_file()
+    # pytest imports the checkout's packages from the repository root
+    assert "." in PYPROJECT["tool"]["pytest"]["ini_options"]["pythonpath"]
 
 
 def test_dependencies_are_declared_and_pinned():
     deps = PYPROJECT["project"]["dependencies"]
     assert all(">=" in d and "==" not in d for d in deps), deps
-    assert {"jax", "flax", "optax", "orbax-checkpoint"} <= {_name(d) for d in deps}
-    assert "jax>=0.11.2" in deps and "flax>=0.12.10" in deps
+    assert "jax>=0.11.2" in deps
     assert "jax[cuda13]>=0.11.2" in PYPROJECT["project"]["optional-dependencies"]["cuda"]
-    installed = _third_party_imports("taco_jax") | _third_party_imports("models") \
-        | _third_party_imports("train")
-    assert _distributions(installed - set(INSTALLED)) <= _declared(), installed
-    experiments = _third_party_imports("experiments") - set(INSTALLED) - set(CHECKOUT_ONLY)
-    assert "scipy" in experiments
-    assert _distributions(experiments) <= _declared("experiments")
-    assert "scipy" in _declared("test")               # the tests import the drivers
-    pins = {_name(line): line.split("==")[1].strip()
-            for line in (ROOT / "constraints.txt").read_text().splitlines()
-            if line.strip() and not line.startswith("#")}
-    for dist in _declared("test", "experiments"):
-        assert dist in pins, f"{dist} has no tested version in constraints.txt"
-    assert pins["jax"] == "0.11.2" and pins["jaxlib"] == "0.11.2"
+    checkout = set(INSTALLED) | set(CHECKOUT_ONLY)
+    library = _third_party_imports("taco_jax") - checkout
+    assert _distributions(library) == _declared(), library      # exactly what it imports
+    for extra, packages in [("train", ("models", "train", "bench", "examples")),
+                            ("experiments", ("experiments",)), ("test", ("tests",))]:
+        imports = set().union(*map(_third_party_imports, packages)) - checkout
+        imports -= {"meshes", "numpy_taco", "test_kernels", "test_model", "test_train"}
+        assert _distributions(imports) <= _declared(extra), (extra, imports)
+    assert {"flax", "optax", "orbax-checkpoint"} <= _declared("train")
+    assert {"scipy", "pytest", "hypothesis", "flax"} <= _declared("test")
+    for path in PINS:
+        pins = _pins(path)
+        for dist in _declared("test", "experiments"):
+            assert dist in pins, f"{dist} has no tested version in {path}"
+    assert _pins("constraints.txt")["jax"] == "0.11.2"
+    old, new = _pins("constraints.txt"), _pins("constraints-latest.txt")
+    assert old.keys() <= new.keys() and new["jax"] != old["jax"], new
 
 
-def test_ci_installs_the_pins_and_runs_the_readme_command():
+def test_ci_runs_the_suite_on_both_pins():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci            # pytest's exit 5 (no tests ran) fails CI
-    assert "pip install -q -c constraints.txt -e '.[test]'" in ci
-    command = ".venv/bin/python -m pytest -q tests"
-    assert ci.rstrip().splitlines()[-1] == command
-    assert command in (ROOT / "README.md").read_text()
+    for path in PINS:
+        assert f"suite {path} " in ci, path
+    assert "pip wheel --no-deps" in ci
+    readme = (ROOT / "README.md").read_text()
+    assert ".venv/bin/python -m pytest -q tests" in readme
+    for path in PINS:
+        assert path in readme and f"jax {_pins(path)['jax']}" in readme, path
 
 
 def test_tools_run_as_modules():

@@ -1,4 +1,4 @@
-"""Run configuration: frozen dataclasses, YAML presets (the `configs` package), dotted CLI
+"""Run configuration: frozen dataclasses, YAML presets (`configs/*.yaml`), dotted CLI
 overrides.
 
     cfg = load_config("tiny", ["model.n_layer=2", "codec=none"])   # or a YAML path
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.resources
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -46,13 +45,14 @@ def read_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
-PRESET_PACKAGE = "configs"  # the presets ship inside the wheel as this package's data
+# train/ runs from a checkout (the wheel installs taco_jax alone), so the presets are found
+# beside it rather than through the working directory or sys.path.
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def preset_names() -> list[str]:
-    """Names of the packaged presets ("tiny", "small", ...)."""
-    return sorted(f.name[:-5] for f in importlib.resources.files(PRESET_PACKAGE).iterdir()
-                  if f.name.endswith(".yaml"))
+    """Names of the presets in configs/ ("tiny", "small", ...)."""
+    return sorted(f.stem for f in PRESET_DIR.glob("*.yaml"))
 
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -346,14 +346,14 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def resolve_preset(path: str | Path):
-    """A YAML path, or the name of a packaged preset ("tiny" or "tiny.yaml") -> a readable
-    file (a Path, or an importlib.resources Traversable inside the installed package)."""
+    """A YAML path, or the name of a preset in configs/ ("tiny", "tiny.yaml" or
+    "configs/tiny.yaml", from any working directory) -> its Path."""
     p = Path(path)
     if p.is_file():
         return p
     name = p.name[:-5] if p.name.endswith(".yaml") else p.name
-    if p.parent == Path(".") or p.parent == Path(PRESET_PACKAGE):  # "tiny", configs/tiny.yaml
-        preset = importlib.resources.files(PRESET_PACKAGE) / f"{name}.yaml"
+    if p.parent == Path(".") or p.parent == Path(PRESET_DIR.name):  # "tiny", configs/tiny.yaml
+        preset = PRESET_DIR / f"{name}.yaml"
         if preset.is_file():
             return preset
     raise ValueError(f"config {str(path)!r} not found: neither a file nor a preset "
