@@ -71,11 +71,11 @@ def variant_overrides(variant: str, codecs: dict) -> list[str]:
     """Config overrides of one variant: its codecs per axis, the model's fields following
     the TP one, sequence parallelism, and its min_bytes for every collective."""
     _, sp, min_bytes = split_variant(variant)
-    return [f"model.sequence_parallel={str(sp).lower()}",f"recipe.codec={codecs['tp']}", f"model.codec_fwd={codecs['tp']}",
-            f"model.codec_bwd={codecs['tp']}", "model.codec_head=",
-            f"recipe.codec_pp={codecs['pp']}", f"recipe.codec_dp={codecs['dp']}",
-            "model.min_bytes=-1",
-            f"recipe.min_bytes={-1 if min_bytes == 'default' else int(min_bytes or 0)}"]
+    return [f"model.sequence_parallel={str(sp).lower()}", f"recipe.codec={codecs['tp']}",
+            f"model.codec_fwd={codecs['tp']}", f"model.codec_bwd={codecs['tp']}",
+            "model.codec_head=null", f"recipe.codec_pp={codecs['pp']}",
+            f"recipe.codec_dp={codecs['dp']}", "model.min_bytes=null",
+            f"recipe.min_bytes={'null' if min_bytes == 'default' else int(min_bytes or 0)}"]
 
 
 def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str]) -> dict:

@@ -259,8 +259,9 @@ def main(argv=None) -> dict:
     else:
         start = 0
         capture_at = sorted(set(args.capture_at or [max(1, steps // 10), steps // 2, steps]))
-    print(f"[fidelity] {cfg.name}, tp={mesh.shape['tp']}, trained with {cfg.model.codec_fwd}/"
-          f"{cfg.model.codec_bwd}, capture after steps {capture_at}, codecs {names}", flush=True)
+    trained = cfg.codecs()
+    print(f"[fidelity] {cfg.name}, tp={mesh.shape['tp']}, trained with {trained['fwd']}/"
+          f"{trained['bwd']}, capture after steps {capture_at}, codecs {names}", flush=True)
 
     rows, tensors, losses, last = [], [], {}, None
     step = start
@@ -283,7 +284,7 @@ def main(argv=None) -> dict:
     facts = env_facts()
     payload = {"device": facts["device"], "commit": facts["commit"], "preset": cfg.name,
                "tp": int(mesh.shape["tp"]), "dtype": str(last[1][0]["value"].dtype),
-               "train_codec": cfg.model.codec_fwd, "train_steps": steps,
+               "train_codec": trained["fwd"], "train_steps": steps,
                "steps_captured": capture_at, "loss_at_capture": losses,
                "env": facts, "rows": rows, "tensors": tensors}
     write_json(args.out, payload)

@@ -17,9 +17,11 @@ input gradients, and nothing else crosses devices. With `sequence_parallel=True`
 the stream between them holds this device's part of the sequence and f / g are an all-gather
 and a reduce-scatter along it (`_TPSublayer`).
 
-Codecs and the size threshold come from the `taco_jax.config` recipe active when the model
-is traced; `GPTConfig.codec_fwd` / `codec_bwd` / `codec_head` / `min_bytes`, when set,
-override it for their sites.
+Compression policy has one home, the `taco_jax.config` recipe in effect where the model is
+traced; a GPTConfig names only the sites that differ from it (`codec_fwd`, `codec_bwd`,
+`codec_head`, `min_bytes`; None = the recipe's). `GPTConfig.sites(recipe)` resolves them
+against a recipe given explicitly, so checking a config never depends on the context it is
+checked in; the model resolves them against `taco_jax.recipe.current()` when traced.
 
 Error feedback (`feedback=True`, Echo, docs/echo.md): the forward sites (and with
 `feedback_bwd=True` the backward ones) go through
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,16 +72,15 @@ class GPTConfig:
     d_model: int = 128
     d_ff: int = 0  # MLP hidden size; 0 means 4 * d_model
     dtype: str = "bfloat16"  # compute dtype (params are fp32); auto = fp32 on CPU, else bf16
-    # codec of the forward all-reduces (row-parallel outputs); "" = the recipe's
-    codec_fwd: str = ""
-    # codec of the backward all-reduces (column-parallel inputs); "" = the recipe's
-    codec_bwd: str = ""
-    # codec of the LM head's backward all-reduce (its f: the cotangent every parameter's
-    # gradient descends from); "" = codec_bwd
-    codec_head: str = ""
+    # Compression at the TP sites; None = the value of the taco_jax recipe the model is
+    # traced under (train/: the run's `recipe:` section), a value wins at its own sites.
+    codec_fwd: str | None = None  # codec of the forward all-reduces (g: row-parallel outputs)
+    codec_bwd: str | None = None  # codec of the backward all-reduces (f: column-parallel inputs)
+    # codec of the LM head's f (the cotangent every parameter's gradient descends from);
+    # None = the backward sites' codec
+    codec_head: str | None = None
     attention: str = "auto"  # jax.nn.dot_product_attention implementation: auto | xla | cudnn
-    # all-reduces smaller than this stay lax.psum; -1 = the recipe's (taco_jax's default)
-    min_bytes: int = -1
+    min_bytes: int | None = None  # TP all-reduces smaller than this stay lax.psum
     feedback: bool = False  # Echo error feedback at the compressed forward sites (docs/echo.md)
     # also at the backward sites: more accurate per step, yet worse training (docs/echo.md)
     feedback_bwd: bool = False
@@ -86,30 +88,20 @@ class GPTConfig:
     # sequence over "tp"; each TP all-reduce becomes a reduce-scatter and an all-gather
     sequence_parallel: bool = False
 
-    @property
-    def comm(self) -> dict:
-        """Keyword arguments of taco_jax.psum / pvary besides the codec (none: the recipe's
-        min_bytes)."""
-        return {} if self.min_bytes < 0 else {"min_bytes": self.min_bytes}
+    def sites(self, recipe: taco_jax.Recipe) -> "SiteCodecs":
+        """The compression of each TP site under `recipe`: every None field takes the
+        recipe's value. The model calls it with `taco_jax.recipe.current()` where it is
+        traced; checks call it with the run's recipe.
 
-    # The codecs in effect, read where the model is traced: the field, or when it is empty
-    # the active taco_jax.config recipe's codec (a name or a Codec object).
-    @property
-    def fwd_codec(self):
-        return self.codec_fwd or taco_jax.recipe.current().codec
-
-    @property
-    def bwd_codec(self):
-        return self.codec_bwd or taco_jax.recipe.current().codec
-
-    @property
-    def head_codec(self):
-        """The codec of the LM head's f (model.codec_head, or the backward codec)."""
-        return self.codec_head or self.bwd_codec
-
-    def compresses(self, direction: str) -> bool:
-        """Whether the "fwd" or "bwd" codec in effect changes the values it sums."""
-        return not is_exact(self.fwd_codec if direction == "fwd" else self.bwd_codec)
+        Raises ValueError if model.feedback is on and no feedback site compresses."""
+        fwd = recipe.codec if self.codec_fwd is None else self.codec_fwd
+        bwd = recipe.codec if self.codec_bwd is None else self.codec_bwd
+        head = bwd if self.codec_head is None else self.codec_head
+        _check_feedback(self, fwd, bwd)
+        return SiteCodecs(fwd=fwd, bwd=bwd, head=head, min_bytes=self.min_bytes,
+                          feedback=self.feedback,
+                          feedback_bwd=(self.feedback and self.feedback_bwd
+                                        and not is_exact(bwd)))
 
     def attention_impl(self, dt) -> str:
         """auto: cuDNN's fused attention on GPU in 16-bit (its supported case), else XLA's."""
@@ -133,8 +125,11 @@ class GPTConfig:
             return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
         return _DTYPES[self.dtype]
 
-    def validate(self, tp: int = 1) -> "GPTConfig":
-        """Raise ValueError naming the values if this shape cannot run with `tp` shards."""
+    def validate(self, tp: int = 1, recipe: taco_jax.Recipe | None = None) -> "GPTConfig":
+        """Raise ValueError naming the values if this config cannot run with `tp` shards.
+        With `recipe` the sites it decides (fields left None) are checked too (feedback
+        needs a compressing codec); without it only the fields set here are, and the model
+        checks the rest where it is traced. Returns self."""
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
@@ -148,9 +143,11 @@ class GPTConfig:
                              f"{[*_DTYPES, 'auto']}")
         if self.attention not in ("auto", "xla", "cudnn"):
             raise ValueError(f"model.attention={self.attention!r} must be auto, xla or cudnn")
-        if self.min_bytes < -1:
-            raise ValueError(f"model.min_bytes={self.min_bytes} must be >= 0, or -1 for the "
-                             f"recipe's")
+        if self.min_bytes is not None and (isinstance(self.min_bytes, bool)
+                                           or not isinstance(self.min_bytes, int)
+                                           or self.min_bytes < 0):
+            raise ValueError(f"model.min_bytes={self.min_bytes!r} must be an int >= 0, or null "
+                             f"(the key left out) for the recipe's threshold")
         if tp <= 0:
             raise ValueError(f"tp={tp} must be positive")
         for name, size in (("n_head", self.n_head), ("d_ff", self.ff),
@@ -159,12 +156,16 @@ class GPTConfig:
                 raise ValueError(f"model.{name}={size} is not divisible by tp={tp}: "
                                  f"Megatron TP splits it evenly over the 'tp' mesh axis")
         for name in ("codec_fwd", "codec_bwd", "codec_head"):  # the one place names are checked
-            if not getattr(self, name):  # "": the recipe's, which taco_jax.config checks
+            value = getattr(self, name)
+            if value == "":
+                raise ValueError(f"model.{name}='' is not a codec: write null (or leave the key "
+                                 f"out) for the recipe's codec")
+            if value is None:  # the recipe's, which taco_jax.config checks
                 continue
             try:
-                taco_jax.codecs.get(getattr(self, name))
+                taco_jax.codecs.get(value)
             except ValueError as e:
-                raise ValueError(f"model.{name}={getattr(self, name)!r}: {e}") from None
+                raise ValueError(f"model.{name}={value!r}: {e}") from None
         if self.feedback_bwd and not self.feedback:
             raise ValueError("model.feedback_bwd=True needs model.feedback=True")
         if self.sequence_parallel and self.seq_len % tp:
@@ -173,26 +174,67 @@ class GPTConfig:
         if self.sequence_parallel and self.feedback:
             raise ValueError("model.feedback=True is not supported with "
                              "model.sequence_parallel=True")
-        if self.feedback and not (self.compresses("fwd") or self.bwd_feedback):
-            raise ValueError(f"model.feedback=True needs a compressing codec, but the forward "
-                             f"codec {codec_name(self.fwd_codec)!r} (model.codec_fwd="
-                             f"{self.codec_fwd!r}) is exact and backward feedback is "
-                             f"{'on' if self.feedback_bwd else 'off'} (model.feedback_bwd="
-                             f"{self.feedback_bwd}, backward codec "
-                             f"{codec_name(self.bwd_codec)!r}): there is no error to feed back "
-                             f"(set model.feedback=false, or model.feedback_bwd=true with a "
-                             f"compressing backward codec)")
+        if recipe is not None:
+            self.sites(recipe)
+        else:  # the sites the recipe does not decide
+            _check_feedback(self, self.codec_fwd, self.codec_bwd)
         return self
-
-    @property
-    def bwd_feedback(self) -> bool:
-        """Do the backward (f) sites feed their error back?"""
-        return self.feedback and self.feedback_bwd and self.compresses("bwd")
 
     def num_params(self) -> int:
         d, ff, v, n = self.d_model, self.ff, self.vocab_size, self.n_layer
         block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)
         return v * d + self.seq_len * d + n * block + 2 * d + d * v
+
+
+def is_exact(codec) -> bool:
+    """Does this codec (a name or a Codec) pass values through unchanged (no error to feed
+    back)?"""
+    return getattr(taco_jax.codecs.get(codec), "is_identity", False)
+
+
+def codec_name(codec) -> str:
+    """A codec's name, for messages and summaries (a name or a Codec object)."""
+    return codec if isinstance(codec, str) else codec.name
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteCodecs:
+    """What each TP site of the model does under one recipe (`GPTConfig.sites`)."""
+
+    fwd: Any  # codec of the g sites (row-parallel outputs): a name or a Codec
+    bwd: Any  # codec of the f sites (column-parallel inputs)
+    head: Any  # codec of the LM head's f
+    min_bytes: int | None  # the model's threshold; None: taco_jax reads the recipe's
+    feedback: bool  # the g sites feed their error forward (Echo)
+    feedback_bwd: bool  # the f sites feed theirs back (model.feedback_bwd, compressing bwd)
+
+    @property
+    def comm(self) -> dict:
+        """Keyword arguments of taco_jax.psum / pvary besides the codec."""
+        return {} if self.min_bytes is None else {"min_bytes": self.min_bytes}
+
+
+def traced_sites(cfg: GPTConfig) -> SiteCodecs:
+    """cfg's sites under the recipe in effect here: called where the model is traced, the
+    recipe that taco_jax's collectives read too."""
+    return cfg.sites(taco_jax.recipe.current())
+
+
+def _check_feedback(cfg: GPTConfig, fwd, bwd) -> None:
+    """model.feedback needs a site whose error it can feed back: a compressing forward codec,
+    or backward feedback with a compressing backward codec. fwd / bwd: the codecs in effect,
+    None where not known (no recipe given): then nothing is concluded from them."""
+    if not cfg.feedback or fwd is None or not is_exact(fwd):
+        return
+    if cfg.feedback_bwd and (bwd is None or not is_exact(bwd)):
+        return
+    bwd_text = "the recipe's" if bwd is None else repr(codec_name(bwd))
+    raise ValueError(f"model.feedback=True needs a compressing codec, but the forward codec "
+                     f"{codec_name(fwd)!r} (model.codec_fwd={cfg.codec_fwd!r}) is exact and "
+                     f"backward feedback is {'on' if cfg.feedback_bwd else 'off'} "
+                     f"(model.feedback_bwd={cfg.feedback_bwd}, backward codec "
+                     f"{bwd_text}): there is no error to feed back (set model.feedback=false, or "
+                     f"model.feedback_bwd=true with a compressing backward codec)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,15 +272,14 @@ class _TPSublayer:
     pair shares its site's codec: codec_bwd at f, codec_fwd at g."""
 
     def __call__(self, x):  # x: (B, T, d), invariant over "tp"; (B, T/tp, d) with SP
-        cfg, dt = self.cfg, self.cfg.compute_dtype
-        if cfg.sequence_parallel:
-            x = taco_jax.all_gather(x, TP, axis=1, tiled=True, codec=cfg.bwd_codec,
-                                    **cfg.comm)
+        sites, dt = traced_sites(self.cfg), self.cfg.compute_dtype
+        if self.cfg.sequence_parallel:
+            x = taco_jax.all_gather(x, TP, axis=1, tiled=True, codec=sites.bwd, **sites.comm)
             y = taco_jax.psum_scatter(self.partial(x), TP, scatter_dimension=1, tiled=True,
-                                      codec=cfg.fwd_codec, **cfg.comm)
+                                      codec=sites.fwd, **sites.comm)
             return y + self.bias(dt)
-        x = taco_jax.pvary(x, TP, codec=cfg.bwd_codec, **cfg.comm)  # Megatron f
-        y = taco_jax.psum(self.partial(x), TP, codec=cfg.fwd_codec, **cfg.comm)  # Megatron g
+        x = taco_jax.pvary(x, TP, codec=sites.bwd, **sites.comm)  # Megatron f
+        y = taco_jax.psum(self.partial(x), TP, codec=sites.fwd, **sites.comm)  # Megatron g
         return y + self.bias(dt)
 
 
@@ -293,40 +334,28 @@ class MLP(_TPSublayer, nnx.Module):
         return h @ self.down_kernel[...].astype(dt)  # partial sum over the hidden shards
 
 
-def is_exact(codec) -> bool:
-    """Does this codec (a name or a Codec) pass values through unchanged (no error to feed
-    back)?"""
-    return getattr(taco_jax.codecs.get(codec), "is_identity", False)
-
-
-def codec_name(codec) -> str:
-    """A codec's name, for messages and summaries (a name or a Codec object)."""
-    return codec if isinstance(codec, str) else codec.name
-
-
-def f_site(x, ln, cfg: GPTConfig, state, codec: str | None = None):
+def f_site(x, ln, sites: SiteCodecs, state, codec=None):
     """LayerNorm + Megatron f with error feedback -> (ln(x) varying over "tp", state).
-    Identity forward; backward, the all-reduce of the cotangent (codec_bwd) subtracts the
-    error the later backward site left and leaves its own. The site sits *before* `ln`, on
-    the stream itself, so its error lands directly in the stream's cotangent, where the next
-    backward site cancels it. Without backward feedback (model.feedback_bwd=false, the
-    default, or an exact backward codec): plain pvary after `ln` (as without feedback), and
-    the state passes through. codec: this site's codec (default the backward codec; the LM
-    head passes cfg.head_codec); an exact one also means plain pvary."""
-    codec = codec or cfg.bwd_codec
-    if not cfg.bwd_feedback or is_exact(codec):
-        return taco_jax.pvary(ln(x), TP, codec=codec, **cfg.comm), state
-    u, state = taco_jax.feedback.pvary_with_feedback(x, TP, state, codec=codec, **cfg.comm)
+    Identity forward; backward, the all-reduce of the cotangent (the backward codec)
+    subtracts the error the later backward site left and leaves its own. The site sits
+    *before* `ln`, on the stream itself, so its error lands directly in the stream's
+    cotangent, where the next backward site cancels it. Without backward feedback
+    (model.feedback_bwd=false, the default, or an exact backward codec): plain pvary after
+    `ln` (as without feedback), and the state passes through. codec: this site's codec
+    (default sites.bwd; the LM head passes sites.head); an exact one also means plain pvary."""
+    codec = sites.bwd if codec is None else codec
+    if not sites.feedback_bwd or is_exact(codec):
+        return taco_jax.pvary(ln(x), TP, codec=codec, **sites.comm), state
+    u, state = taco_jax.feedback.pvary_with_feedback(x, TP, state, codec=codec, **sites.comm)
     return ln(u), state
 
 
-def g_site(y, cfg: GPTConfig, state):
+def g_site(y, sites: SiteCodecs, state):
     """Megatron g with error feedback: all-reduce (forward codec) of y minus this device's
     share of the previous site's error -> (sum, state holding this site's error share)."""
-    codec = cfg.fwd_codec
-    if is_exact(codec):
-        return taco_jax.psum(y, TP, codec=codec, **cfg.comm), state
-    return taco_jax.feedback.psum_with_feedback(y, TP, state, codec=codec, **cfg.comm)
+    if is_exact(sites.fwd):
+        return taco_jax.psum(y, TP, codec=sites.fwd, **sites.comm), state
+    return taco_jax.feedback.psum_with_feedback(y, TP, state, codec=sites.fwd, **sites.comm)
 
 
 def feedback_zeros(x) -> taco_jax.feedback.FeedbackState:
@@ -349,9 +378,10 @@ class Block(nnx.Module):
         if state is None:
             x = x + self.attn(self.ln1(x))
             return x + self.mlp(self.ln2(x))
+        sites = traced_sites(self.cfg)
         for ln, branch in ((self.ln1, self.attn), (self.ln2, self.mlp)):
-            h, state = f_site(x, ln, self.cfg, state)
-            y, state = g_site(branch.partial(h), self.cfg, state)
+            h, state = f_site(x, ln, sites, state)
+            y, state = g_site(branch.partial(h), sites, state)
             x = x + (y + branch.bias(self.cfg.compute_dtype))
         return x, state
 
@@ -395,12 +425,12 @@ class GPT(nnx.Module):
         """Stream (B, T, d) -> local logits (B, T, V/tp) fp32: final LayerNorm, the LM
         head's f (with sequence parallelism the all-gather of the sequence), the
         vocab-parallel matmul."""
-        cfg = self.cfg
-        if cfg.sequence_parallel:
-            x = taco_jax.all_gather(self.ln_f(x), TP, axis=1, tiled=True,
-                                    codec=cfg.head_codec, **cfg.comm)
+        sites = traced_sites(self.cfg)
+        if self.cfg.sequence_parallel:
+            x = taco_jax.all_gather(self.ln_f(x), TP, axis=1, tiled=True, codec=sites.head,
+                                    **sites.comm)
         else:
-            x = taco_jax.pvary(self.ln_f(x), TP, codec=cfg.head_codec, **cfg.comm)
+            x = taco_jax.pvary(self.ln_f(x), TP, codec=sites.head, **sites.comm)
         return self.logits(x)
 
     def logits(self, x):
@@ -417,7 +447,8 @@ class GPT(nnx.Module):
             for block in self.blocks:
                 x, state = block(x, state)
             # f of the LM head: first backward site
-            x, _ = f_site(x, self.ln_f, cfg, state, codec=cfg.head_codec)
+            sites = traced_sites(cfg)
+            x, _ = f_site(x, self.ln_f, sites, state, codec=sites.head)
             return self.logits(x)
         for block in self.blocks:
             x = block(x)

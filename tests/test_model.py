@@ -107,6 +107,8 @@ def test_causal_and_vocab_parallel_logits():
     (dict(d_ff=42), 4, "model.d_ff=42 is not divisible by tp=4"),
     (dict(codec_fwd="tacoo"), 1, "tacoo"),
     (dict(codec_head="tac0"), 1, "model.codec_head='tac0'"),
+    (dict(codec_fwd=""), 1, r"model.codec_fwd='' is not a codec: write null"),
+    (dict(min_bytes=-1), 1, r"model.min_bytes=-1 must be an int >= 0, or null"),
     (dict(dtype="fp8"), 1, "model.dtype='fp8'"),
     (dict(n_layer=0), 1, "model.n_layer=0"),
 ])
@@ -120,8 +122,9 @@ def test_codec_head_compresses_only_the_head_site(reference):
     the codec's error; codec_head='none' with codec_bwd='taco' leaves the head site exact:
     the head's own weight gradient is exact then (nothing below it is compressed yet)."""
     loss0, grads0, _ = reference
-    assert CFG.head_codec == "none" and dataclasses.replace(CFG, codec_bwd="taco").head_codec \
-        == "taco"
+    recipe = taco_jax.Recipe(codec="fp8")
+    assert CFG.sites(recipe).head == "none"
+    assert dataclasses.replace(CFG, codec_bwd="taco").sites(recipe).head == "taco"
     head_only = dataclasses.replace(CFG, codec_head="taco", min_bytes=0)
     loss, grads, _ = _loss_and_grads(head_only, 1, 2)
     assert abs(loss - loss0) < 1e-5 * loss0
@@ -129,20 +132,22 @@ def test_codec_head_compresses_only_the_head_site(reference):
     np.testing.assert_allclose(grads["lm_head"], grads0["lm_head"], rtol=1e-4, atol=1e-7)
     rest = dataclasses.replace(CFG, codec_bwd="taco", codec_head="none", min_bytes=0)
     _, g_rest, _ = _loss_and_grads(rest, 1, 2)
-    _, g_all, _ = _loss_and_grads(dataclasses.replace(rest, codec_head=""), 1, 2)
+    _, g_all, _ = _loss_and_grads(dataclasses.replace(rest, codec_head=None), 1, 2)
     # the block sites still compress; the head's setting changes the gradients on top
     assert _rel(g_rest, grads0) > 1e-4 and _rel(g_all, g_rest) > 1e-4
 
 
 def test_default_codecs_follow_the_recipe():
-    """codec_fwd / codec_bwd / min_bytes left at their defaults take the active
-    taco_jax.config recipe: under codec="none" the loss is bit for bit that of a model that
-    names "none" itself. A field that is set wins over the recipe."""
-    default = dataclasses.replace(CFG, codec_fwd="", codec_bwd="")
-    assert GPTConfig().codec_fwd == GPTConfig().codec_bwd == "" and GPTConfig().min_bytes == -1
+    """codec_fwd / codec_bwd / min_bytes left at their defaults (None) take the
+    taco_jax.config recipe the model is traced under: under codec="none" the loss is bit for
+    bit that of a model that names "none" itself. A field that is set wins over the recipe.
+    Checking a config depends on the recipe it is given, never on the one in effect."""
+    default = dataclasses.replace(CFG, codec_fwd=None, codec_bwd=None)
+    assert GPTConfig().codec_fwd is GPTConfig().codec_bwd is GPTConfig().min_bytes is None
     with taco_jax.config(codec="none"):
         loss_recipe, grads_recipe, _ = _loss_and_grads(default, 1, 2)
-        assert default.fwd_codec == default.head_codec == "none"
+    sites = default.sites(taco_jax.Recipe(codec="none"))
+    assert sites.fwd == sites.bwd == sites.head == "none" and sites.comm == {}
     loss_named, grads_named, _ = _loss_and_grads(CFG, 1, 2)
     assert loss_recipe == loss_named
     jax.tree.map(np.testing.assert_array_equal, grads_recipe, grads_named)
@@ -167,11 +172,17 @@ def test_default_codecs_follow_the_recipe():
         assert sites(default) == {("psum", "taco", False), ("pvary", "taco", False)}
         assert sites(dataclasses.replace(default, min_bytes=0)) == {
             ("psum", "taco", True), ("pvary", "taco", True)}
-    with taco_jax.config(codec="none"):                         # feedback needs a codec
+    feedback = dataclasses.replace(default, feedback=True)      # feedback needs a codec
+    with pytest.raises(ValueError, match="model.feedback=True needs a compressing"):
+        feedback.validate(recipe=taco_jax.Recipe(codec="none"))
+    feedback.validate(recipe=taco_jax.Recipe(codec="echo4"))
+    with taco_jax.config(codec="none"):                         # the ambient recipe: unread
+        feedback.validate()
+        feedback.validate(recipe=taco_jax.Recipe(codec="echo4"))
+        # ... until the model is traced under it
         with pytest.raises(ValueError, match="model.feedback=True needs a compressing"):
-            dataclasses.replace(default, feedback=True).validate()
-    with taco_jax.config(codec="echo4"):
-        dataclasses.replace(default, feedback=True).validate()
+            model = parallel.shard_gpt(feedback, mesh)
+            jax.eval_shape(model.loss_and_grad_fn(), model.abstract_params(), x, x)
 
 
 def test_bad_meshes_fail_clearly():

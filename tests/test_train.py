@@ -110,6 +110,12 @@ def test_overrides_and_codec_shorthand():
     assert cfg.model.feedback is True and cfg.model.feedback_bwd is False   # preset's value
     # the dump of a config loads back to the same config
     assert config_lib.from_dict(__import__("yaml").safe_load(config_lib.dump(cfg))) == cfg
+    # null: the recipe's setting, from YAML or the command line
+    cfg = config_lib.load_config("tiny", ["model.codec_fwd=null", "recipe.min_bytes=null",
+                                          "recipe.codec=fp8"])
+    assert cfg.model.codec_fwd is None and cfg.recipe.min_bytes is None
+    assert cfg.codecs()["fwd"] == "fp8" and cfg.recipe.fields()["min_bytes"] is None
+    assert config_lib.from_dict(__import__("yaml").safe_load(config_lib.dump(cfg))) == cfg
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -125,6 +131,11 @@ def test_overrides_and_codec_shorthand():
     (["optim.min_lr=1.0"], r"optim.min_lr=1.0 <= optim.lr=0.003"),
     (["train.steps"], r"must look like key=value"),
     (["codec=none", "model.feedback=true"], r"model.feedback=True needs a compressing codec"),
+    # "the recipe's" is spelled null: the empty string and -1 are refused, naming the key
+    (["model.codec_head="], r"model.codec_head='' is not a codec: write null"),
+    (["model.min_bytes=-1"], r"model.min_bytes=-1 must be an int >= 0, or null"),
+    (["recipe.codec_pp="], r"recipe.codec_pp='' is not a codec: write null"),
+    (["recipe.min_bytes=-1"], r"recipe.min_bytes=-1 must be >= 0, or null"),
 ])
 def test_bad_configs_fail_clearly(overrides, match):
     with pytest.raises(ValueError, match=match):

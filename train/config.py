@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -78,56 +79,66 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RecipeConfig:
-    """The `taco_jax.config` recipe every jitted function of the run is traced under; the
-    model's codec_* and min_bytes fields, when set, override it per site."""
+    """The `taco_jax.config` recipe every jitted function of the run is traced under (the
+    one home of the compression policy: the model's codec_* and min_bytes fields name only
+    the TP sites that differ from it). None = the value named in each field's comment."""
 
-    codec: str = "taco"  # the default codec: TP sites whose model.codec_* is "", and below
-    codec_pp: str = ""  # pipeline stage hand-offs (activations, cotangents); "" = codec
-    # data-parallel gradient all-reduce; "" = codec. Exact unless asked: gradients feed the
+    codec: str = "taco"  # the default codec: the TP sites the model leaves None, and below
+    codec_pp: str | None = None  # pipeline stage hand-offs (activations, cotangents); None = codec
+    # data-parallel gradient all-reduce; None = codec. Exact unless asked: gradients feed the
     # optimizer directly, and runs saved before the field existed resume unchanged
-    codec_dp: str = "none"
+    codec_dp: str | None = "none"
     # ZeRO-1's weight all-gather (parallel.zero=1): "none" sends the updated shards exactly;
     # a lossy codec sends the quantized difference to the replicas (the exact master shard
-    # kept with the optimizer state); "" = codec. Not set by the `codec=X` shorthand
-    codec_wd: str = "none"
-    min_bytes: int = -1  # collectives smaller than this stay lax's; -1 = taco_jax's default
+    # kept with the optimizer state); None = codec. Not set by the `codec=X` shorthand
+    codec_wd: str | None = "none"
+    # collectives smaller than this stay lax's; None = taco_jax's (calibrated or default)
+    min_bytes: int | None = None
     # kernels: auto (Pallas on GPU, jnp elsewhere) | pallas | interpret | reference
     backend: str = "auto"
 
     @property
     def pp_codec(self) -> str:
         """The codec of the pipeline hand-offs in effect."""
-        return self.codec_pp or self.codec
+        return self.codec if self.codec_pp is None else self.codec_pp
 
     @property
     def dp_codec(self) -> str:
         """The codec of the data-parallel gradient all-reduce in effect."""
-        return self.codec_dp or self.codec
+        return self.codec if self.codec_dp is None else self.codec_dp
 
     @property
     def wd_codec(self) -> str:
         """The codec of ZeRO-1's weight all-gather in effect."""
-        return self.codec_wd or self.codec
+        return self.codec if self.codec_wd is None else self.codec_wd
 
     def fields(self) -> dict:
         """Keyword arguments of taco_jax.config."""
-        return {"codec": self.codec, "min_bytes": None if self.min_bytes < 0 else self.min_bytes,
-                "backend": self.backend}
+        return {"codec": self.codec, "min_bytes": self.min_bytes, "backend": self.backend}
+
+    def recipe(self) -> taco_jax.Recipe:
+        """This recipe as a value (what `context()` puts in effect), for the checks that
+        resolve the model's sites against it."""
+        return taco_jax.Recipe(**self.fields())
 
     def context(self) -> contextlib.AbstractContextManager:
         return taco_jax.config(**self.fields())
 
     def validate(self) -> "RecipeConfig":
         for name in ("codec", "codec_pp", "codec_dp", "codec_wd"):
-            if not getattr(self, name) and name != "codec":
+            value = getattr(self, name)
+            if value is None and name != "codec":
                 continue
+            if value == "" and name != "codec":
+                raise ValueError(f"recipe.{name}='' is not a codec: write null (or leave the "
+                                 f"key out) for recipe.codec")
             try:
-                taco_jax.codecs.get(getattr(self, name))
+                taco_jax.codecs.get(value)
             except ValueError as e:
-                raise ValueError(f"recipe.{name}={getattr(self, name)!r}: {e}") from None
-        if self.min_bytes < -1:
-            raise ValueError(f"recipe.min_bytes={self.min_bytes} must be >= 0, or -1 for the "
-                             f"taco_jax default")
+                raise ValueError(f"recipe.{name}={value!r}: {e}") from None
+        if self.min_bytes is not None and self.min_bytes < 0:
+            raise ValueError(f"recipe.min_bytes={self.min_bytes} must be >= 0, or null (the key "
+                             f"left out) for taco_jax's threshold")
         if self.backend not in taco_jax.recipe.BACKENDS:
             raise ValueError(f"recipe.backend={self.backend!r} must be one of "
                              f"{list(taco_jax.recipe.BACKENDS)}")
@@ -220,9 +231,8 @@ class Config:
             raise ValueError(f"recipe.codec_wd={self.recipe.wd_codec!r} compresses ZeRO-1's "
                              f"weight all-gather, but parallel.zero=0 sends no weights (set "
                              f"parallel.zero=1, or recipe.codec_wd=none)")
-        with self.recipe.validate().context():  # the model's "" codecs are the recipe's
-            self.model.validate(tp=pa.emulate_tp or pa.tp or 1)
-            check_pipeline(self.model, pa.pipe, pa.microbatches, pa.emulate_tp)
+        self.model.validate(tp=pa.emulate_tp or pa.tp or 1, recipe=self.recipe.recipe())
+        check_pipeline(self.model, pa.pipe, pa.microbatches, pa.emulate_tp)
         t, o, d = self.train, self.optim, self.data
         for name in ("steps", "batch_size", "log_every", "eval_batches", "keep"):
             if getattr(t, name) <= 0:
@@ -253,11 +263,10 @@ class Config:
     def codecs(self) -> dict:
         """Names of the codecs in effect: {"fwd", "bwd", "head"} at the model's TP sites,
         "pp" at the pipeline hand-offs, "dp" at the data-parallel gradient all-reduce."""
-        with self.recipe.context():
-            m = self.model
-            return {"fwd": codec_name(m.fwd_codec), "bwd": codec_name(m.bwd_codec),
-                    "head": codec_name(m.head_codec), "pp": self.recipe.pp_codec,
-                    "dp": self.recipe.dp_codec}
+        sites = self.model.sites(self.recipe.recipe())
+        return {"fwd": codec_name(sites.fwd), "bwd": codec_name(sites.bwd),
+                "head": codec_name(sites.head), "pp": self.recipe.pp_codec,
+                "dp": self.recipe.dp_codec}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -291,18 +300,31 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     raise ValueError(f"{key}={value!r}: expected {type(default).__name__}")
 
 
+def _optional(hint) -> type | None:
+    """T for a field annotated `T | None` (null in YAML means the field's default policy),
+    else None."""
+    args = typing.get_args(hint)
+    if type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
 def _build(cls, values: dict, prefix: str = ""):
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for k, v in (values or {}).items():
         key = f"{prefix}{k}"
         if k not in fields:
             raise ValueError(f"unknown config key {key!r}; valid keys here: {sorted(fields)}")
         default = fields[k].default
+        base = _optional(hints[k])
         if dataclasses.is_dataclass(default):
             if not isinstance(v, dict):
                 raise ValueError(f"{key} must be a mapping, got {v!r}")
             kwargs[k] = _build(type(default), v, prefix=f"{key}.")
+        elif base is not None:  # `T | None`: null, or a value of type T
+            kwargs[k] = None if v is None else _coerce(key, v, base())
         else:
             kwargs[k] = _coerce(key, v, default)
     return cls(**kwargs)

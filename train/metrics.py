@@ -100,7 +100,7 @@ def _label(run: Path) -> str:
         import yaml
         values = yaml.safe_load(cfg_file.read_text()) or {}
         m, recipe = values.get("model", {}), values.get("recipe", {})
-        fwd = m.get("codec_fwd") or recipe.get("codec")   # "": the recipe's codec
+        fwd = m.get("codec_fwd") or recipe.get("codec")   # null: the recipe's codec
         bwd = m.get("codec_bwd") or recipe.get("codec")
         codec = fwd if fwd == bwd else f"{fwd}/{bwd}"
         return f"{run.name} [{codec}]"
