@@ -7,6 +7,8 @@ from typing import Hashable
 import jax
 from jax import lax
 
+from taco_jax import _jax_private
+
 
 class UnboundAxisError(NameError):
     """An axis name that is not bound where the collective runs. A NameError, as lax's own
@@ -40,10 +42,11 @@ def size(axes: tuple, op: str) -> int:
         try:
             p *= lax.axis_size(a)
         except NameError as e:
+            # jax's own first sentence (as lax.psum words it), then where to call it from
             raise UnboundAxisError(
-                f"taco_jax.{op}: axis_name={a!r} is not a mesh axis bound here; call it "
-                f"inside jax.shard_map over a mesh with that axis (or jax.vmap with "
-                f"axis_name={a!r}) ({e})") from None
+                f"Found an unbound axis name: {a}. taco_jax.{op}: axis_name={a!r} is not a "
+                f"mesh axis bound here; call it inside jax.shard_map over a mesh with that "
+                f"axis (or jax.vmap with axis_name={a!r})") from None
     return p
 
 
@@ -58,7 +61,10 @@ def check_vma(axes: tuple) -> bool:
     if emulated(axes):
         from taco_jax import recipe
         return recipe.current().vmap_check_vma
-    mat = _mat(lax.axis_index(name(axes)))
+    # Asked in a throwaway trace of its own: an axis_index in the caller's trace would stay
+    # in its jaxpr, and the plain route must trace to exactly the lax collective.
+    index = jax.make_jaxpr(lambda: lax.axis_index(name(axes)))().out_avals[0]
+    mat = getattr(index, "manual_axis_type", None)
     return mat is not None and bool(set(axes) & set(mat.varying))
 
 
@@ -84,18 +90,17 @@ def bound(axes: tuple, p: int):
     vmap has returned, where the axis name is no longer bound (lax's own collectives are
     batched before that and do not meet this). Re-binding the named axis with its size
     lets the backward's collectives batch as the forward's did. Under shard_map the axes
-    are still bound and nothing changes. JAX exposes no public API for this; the private
-    `extend_axis_env_nd` is the mechanism vmap itself uses."""
+    are still bound and nothing changes. JAX exposes no public API for this
+    (`taco_jax._jax_private.extend_axis_env`)."""
     try:
         for a in axes:
             lax.axis_size(a)
         return contextlib.nullcontext()
     except NameError:
-        from jax._src import core
         if len(axes) != 1:
             raise UnboundAxisError(f"axes {axes} are unbound in a backward pass; under "
                                    f"jax.vmap use one named axis") from None
-        return core.extend_axis_env_nd([(axes[0], p)])
+        return _jax_private.extend_axis_env(axes[0], p)
 
 
 def emulated(axes: tuple) -> bool:
