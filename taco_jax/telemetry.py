@@ -9,11 +9,11 @@ when off, as the flag is read when a function is traced.
 What a count is: one per trace of the call, in the forward pass. A site inside a loop body
 (`lax.scan`, `fori_loop`, `while_loop`) is traced once and runs once per iteration, and
 JAX's public API does not tell the collectives how many iterations they are in; declare it
-around the loop with `repeated(n)`, which counts each site traced inside n times. A site
-traced in a loop body that no `repeated` declares is logged once as a WARNING naming the
-loop (and, for lax.scan, its length), at the next `sites()` / `site_report()` outside
-loop bodies, unless a caller that counts the iterations itself notes them by then with
-`note_site` (with the site's own fields, `vma` included). The backward halves are not separate sites:
+around the loop with `repeated(n)`, which counts each site traced inside n times (a caller
+that counts the iterations itself may instead note the other ones with `note_site`, with
+the site's own fields, `vma` included). `check_loops(fn, *args)` traces a function once and
+warns about the loops that hold collectives and that no site counts per iteration. The
+backward halves are not separate sites:
 `wire_bytes(site, backward=True)` adds what a site's transpose sends. A site in a
 `lax.cond` / `switch` branch counts as if its branch ran. `collect()` (below) records at
 run time, once per executed call, loops and branches included.
@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import logging
 import math
-import sys
 import threading
 
 import jax
@@ -80,8 +79,6 @@ _sites_lock = threading.Lock()
 
 
 _repeats = threading.local()      # the active `repeated` counts, outermost first
-_loop_warned: set = set()          # sites already warned about (an undeclared loop)
-_loop_pending: dict = {}           # site -> its warning, until a read outside loop bodies
 
 
 @contextlib.contextmanager
@@ -123,74 +120,15 @@ def undifferentiated(site: Site) -> int:
         return _undiff.get(site, 0)
 
 
-_LOOP_CODE = None
-
-
-def _loop_code():
-    """The code objects of the lax loops whose bodies are traced in their own frame."""
-    global _LOOP_CODE
-    if _LOOP_CODE is None:
-        import inspect
-        try:
-            from jax._src.lax.control_flow import loops
-            _LOOP_CODE = {inspect.unwrap(loops.scan).__code__: "lax.scan",
-                          inspect.unwrap(loops.while_loop).__code__: "lax.while_loop"}
-        except (ImportError, AttributeError):   # another JAX layout: nothing detected
-            _LOOP_CODE = {}
-    return _LOOP_CODE
-
-
-def loop_bodies() -> list[tuple[str, int | None]]:
-    """The lax loops whose bodies are being traced at this point, outermost first:
-    [("lax.scan", length) or ("lax.while_loop", None)] (a static fori_loop is a scan).
-    Read from the Python stack: JAX has no public API for it, so this is best effort (an
-    empty list where JAX's layout differs). Empty under jax.disable_jit, where a body runs
-    once per iteration and every iteration is counted anyway."""
-    if jax.config.jax_disable_jit:
-        return []
-    code, found = _loop_code(), []
-    frame = sys._getframe(1)
-    while frame is not None:
-        kind = code.get(frame.f_code)
-        if kind is not None:
-            length = frame.f_locals.get("length") if kind == "lax.scan" else None
-            found.append((kind, length if isinstance(length, int) else None))
-        frame = frame.f_back
-    return found[::-1]
-
-
 def note_site(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1,
               route: str = "lax", vma: bool = True) -> None:
     """Record one traced collective call, counted once times the active `repeated` blocks.
     The collectives call it; so does a caller that counts a loop body's iterations itself,
-    noting the other iterations of the body's sites (a site it notes again is then taken as
-    counted, and not warned about)."""
-    site = _note(op, shape, dtype, axes, codec, reason, p, route, vma)
-    with _sites_lock:
-        _loop_pending.pop(site, None)
+    noting the other iterations of the body's sites."""
+    _note(op, shape, dtype, axes, codec, reason, p, route, vma)
 
 
-def note_call(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1,
-              route: str = "lax", vma: bool = True) -> None:
-    """`note_site` for the collectives' own calls: a site traced in a loop body that no
-    `repeated` declares is warned about (at the next `sites()` / `site_report()` outside
-    loop bodies, unless its caller counted the iterations by then)."""
-    site = _note(op, shape, dtype, axes, codec, reason, p, route, vma)
-    undeclared = loop_bodies()[len(getattr(_repeats, "stack", ())):]   # the inner loops
-    if not undeclared:
-        return
-    with _sites_lock:
-        if site in _loop_warned or site in _loop_pending:
-            return
-    lengths = [n for _, n in undeclared]
-    runs = f"{math.prod(lengths)} times" if None not in lengths else "an unknown number of times"
-    loops = " > ".join(k if n is None else f"{k}(length={n})" for k, n in undeclared)
-    with _sites_lock:
-        _loop_pending[site] = (
-            f"taco_jax site in a {loops} body, which runs {runs} per call, counted once per "
-            f"trace by sites() and wire_bytes: {site.describe()}. Declare the loop with "
-            f"taco_jax.telemetry.repeated(n) around it, unless its caller counts the other "
-            f"iterations itself")
+note_call = note_site     # the collectives' own calls
 
 
 def _note(op, shape, dtype, axes, codec, reason, p, route, vma=True) -> Site:
@@ -210,24 +148,73 @@ def _note(op, shape, dtype, axes, codec, reason, p, route, vma=True) -> Site:
     return site
 
 
-def _warn_loops() -> None:
-    """Log the pending loop-body warnings (outside loop bodies only: inside one, its caller
-    may still count the iterations)."""
-    if not _loop_pending or loop_bodies():
-        return
-    with _sites_lock:
-        pending = list(_loop_pending.items())
-        _loop_pending.clear()
-        _loop_warned.update(site for site, _ in pending)
-    for _, message in pending:
+# the primitives a collective traces to (taco_jax's compressed routes move their codes with
+# all_to_all / all_gather; the plain route is lax's own)
+COLLECTIVE_PRIMITIVES = frozenset({
+    "psum", "psum_invariant", "all_gather", "all_gather_invariant", "all_to_all", "ppermute",
+    "reduce_scatter", "psum_scatter"})
+
+
+def _loops_with_collectives(jaxpr, outer=()) -> list[tuple[tuple, frozenset]]:
+    """[(loop nest, collective primitives in its body)] for each innermost-to-the-collective
+    loop of `jaxpr`: a nest is ((kind, length or None), ...), outermost first."""
+    from jax.extend import core as jex_core
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("scan", "while"):
+            nest = outer + ((("lax.scan", eqn.params["length"]) if name == "scan"
+                             else ("lax.while_loop", None)),)
+        else:
+            nest = outer
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            found += _loops_with_collectives(sub, nest)
+        if outer and name in COLLECTIVE_PRIMITIVES:
+            found.append((outer, frozenset({name})))
+    merged: dict = {}
+    for nest, prims in found:
+        merged[nest] = merged.get(nest, frozenset()) | prims
+    return list(merged.items())
+
+
+def check_loops(fn, *args, **kwargs) -> list[str]:
+    """Trace fn(*args, **kwargs) once (`jax.make_jaxpr`, nothing runs) and warn about loop
+    bodies whose collectives the sites do not count per iteration: a `lax.scan` (or
+    `fori_loop`) of length n whose body holds a collective while no taco_jax site traced by
+    fn counts a multiple of n calls, or a `while_loop` whose body holds one while none
+    counts more than one. Declare such a loop with `repeated(n)` around it (or note the
+    other iterations with `note_site`). Returns the warnings, each also logged (WARNING,
+    "taco_jax" logger). Call it once per function (a trainer at start-up, or a test); fn
+    must trace afresh (a jitted function traced before is cached: its sites are not seen,
+    and no warning is given for its loops)."""
+    before = dict(sites())
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    counts = [n - before.get(s, 0) for s, n in sites() if n > before.get(s, 0)]
+    if not counts:
+        return []
+    warned = []
+    for nest, prims in _loops_with_collectives(closed.jaxpr):
+        lengths = [n for _, n in nest]
+        runs = None if None in lengths else math.prod(lengths)
+        if (runs is not None and any(c % runs == 0 for c in counts)) or (
+                runs is None and any(c > 1 for c in counts)):
+            continue
+        loops = " > ".join(k if n is None else f"{k}(length={n})" for k, n in nest)
+        times = "an unknown number of times" if runs is None else f"{runs} times"
+        warned.append(f"taco_jax: a {loops} body holds collectives ({', '.join(sorted(prims))})"
+                      f" and runs {times} per call, but no taco_jax site traced here counts "
+                      f"{'more than one call' if runs is None else f'a multiple of {runs} calls'}"
+                      f": sites() and wire_bytes count its sites once per trace. Declare "
+                      f"the loop with taco_jax.telemetry.repeated(n) around it")
+    for message in warned:
         _log.warning(message)
+    return warned
 
 
 def sites() -> list[tuple[Site, int]]:
     """[(site, calls)] for every distinct collective call site traced so far: the calls one
     run of the traced functions makes, as far as the trace tells (each trace counts once,
     times its `repeated` blocks)."""
-    _warn_loops()
     with _sites_lock:
         return list(_sites.items())
 
@@ -236,13 +223,11 @@ def clear_sites() -> None:
     with _sites_lock:
         _sites.clear()
         _undiff.clear()
-        _loop_warned.clear()
-        _loop_pending.clear()
 
 
 def site_report() -> str:
     """One line per distinct site: what it sends, and compressed or plain and why."""
-    rows = sites()     # (logs the pending loop-body warnings)
+    rows = sites()
     if not rows:
         return "no taco_jax collective traced"
     return "\n".join(f"{n:>4} × {s.describe()}" for s, n in rows)

@@ -100,14 +100,39 @@ def scanned(length, declare=None, codec="taco"):
     return on_mesh(fn, vma=False)
 
 
-def test_site_in_a_scan_counts_once_per_trace_and_warns(caplog):
+def checked(fn, x):
+    """({site: calls} that tracing fn(x) adds, check_loops' warnings)."""
+    before = dict(telemetry.sites())
+    with jax.set_mesh(mesh4()):
+        warned = telemetry.check_loops(fn, jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.NamedSharding(mesh4(), P("tp"))))
+    return ({s: n - before.get(s, 0) for s, n in telemetry.sites() if n > before.get(s, 0)},
+            warned)
+
+
+def test_site_in_a_scan_counts_once_per_trace_and_check_loops_warns(caplog):
     x = jnp.ones((4, 512))
     with caplog.at_level(logging.WARNING, logger="taco_jax"):
         counts = new_sites(scanned(5, codec="echo4"), x)
     assert list(counts.values()) == [1]
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "lax.scan(length=5) body, which runs 5 times per call" in warned[0]
-    assert "telemetry.repeated" in warned[0]
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]   # tracing: silent
+    with caplog.at_level(logging.WARNING, logger="taco_jax"):
+        counts, warned = checked(scanned(5, codec="echo4"), x)
+    assert list(counts.values()) == [1]
+    assert len(warned) == 1 and "lax.scan(length=5) body" in warned[0], warned
+    assert "runs 5 times per call" in warned[0] and "telemetry.repeated" in warned[0]
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert logged == warned
+
+
+@pytest.mark.parametrize("codec", ["taco", "none"])
+def test_check_loops_is_silent_for_a_declared_loop(codec):
+    """Compressed or plain (the body's psum is lax's own), a declared scan is not warned
+    about; the plain route's scan is still found, as the undeclared case shows."""
+    x = jnp.ones((4, 512))
+    counts, warned = checked(scanned(5, declare=5, codec=codec), x)
+    assert list(counts.values()) == [5] and warned == []
+    assert len(checked(scanned(3, codec=codec), x)[1]) == 1
 
 
 def test_repeated_declares_the_loop_and_nests(caplog):
@@ -166,19 +191,37 @@ def test_a_caller_that_counts_the_iterations_itself_is_not_warned(caplog):
 
     fn = on_mesh(lambda v: lax.scan(body, v, None, length=5)[0], vma=False)
     with caplog.at_level(logging.WARNING, logger="taco_jax"):
-        assert list(new_sites(fn, jnp.ones((4, 512))).values()) == [5]
+        counts, warned = checked(fn, jnp.ones((4, 512)))
+    assert list(counts.values()) == [5] and warned == []
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
-def test_while_loop_body_warns_of_an_unknown_count(caplog):
+def test_while_loop_body_warns_of_an_unknown_count():
     def fn(v):
         return lax.while_loop(lambda c: c[0] < 3.0,
                               lambda c: taco_jax.psum(c, "tp", codec="block-fp8",
                                                       min_bytes=0) * 0 + c + 1.0, v)
-    with caplog.at_level(logging.WARNING, logger="taco_jax"):
-        new_sites(on_mesh(fn, vma=False), jnp.zeros((4, 256)))
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "lax.while_loop body, which runs an unknown number" in warned[0]
+    _, warned = checked(on_mesh(fn, vma=False), jnp.zeros((4, 256)))
+    assert len(warned) == 1 and "lax.while_loop body" in warned[0], warned
+    assert "an unknown number of times" in warned[0]
+
+
+def test_check_loops_sees_nested_scans():
+    """3 iterations of a 5-step scan: the sites must count multiples of 15."""
+    def fn(v, declare):
+        def inner(c):
+            return lax.scan(lambda a, _: (taco_jax.psum(a, "tp", codec="int4-sym",
+                                                        min_bytes=0), None), c, None,
+                            length=5)[0]
+        if declare:
+            with telemetry.repeated(15):
+                return lax.fori_loop(0, 3, lambda i, c: inner(c), v)
+        with telemetry.repeated(5):     # the inner loop only
+            return lax.fori_loop(0, 3, lambda i, c: inner(c), v)
+    x = jnp.ones((4, 512))
+    assert checked(on_mesh(lambda v: fn(v, True), vma=False), x)[1] == []
+    warned = checked(on_mesh(lambda v: fn(v, False), vma=False), x)[1]
+    assert len(warned) == 1 and "lax.scan(length=3) > lax.scan(length=5)" in warned[0], warned
 
 
 # -- ppermute's error records ----------------------------------------------------------------
