@@ -40,15 +40,30 @@ class Recipe:
     vmap_check_vma: bool = False
 
     def __post_init__(self):
+        # every field is checked here, where the recipe is made, rather than at the first
+        # call that reads it (which may come much later, or never under this recipe)
+        from taco_jax import codecs     # imported here: the codecs' kernels read the recipe
+        if isinstance(self.codec, str):
+            if self.codec not in codecs.names():
+                raise ValueError(f"taco_jax recipe: codec={self.codec!r} is not a codec name; "
+                                 f"taco_jax.codecs.names(): {', '.join(codecs.names())}")
+        elif not isinstance(self.codec, codecs.Codec):
+            raise TypeError(f"taco_jax recipe: codec={self.codec!r} must be a codec name "
+                            f"({', '.join(codecs.names())}) or a taco_jax.codecs.Codec")
         if self.backend not in BACKENDS:
-            raise ValueError(f"taco_jax backend {self.backend!r} is not one of {BACKENDS}")
+            raise ValueError(f"taco_jax recipe: backend={self.backend!r} is not one of "
+                             f"{BACKENDS}")
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"taco_jax transport {self.transport!r} is not one of "
+            raise ValueError(f"taco_jax recipe: transport={self.transport!r} is not one of "
                              f"{TRANSPORTS}")
         if self.min_bytes is not None and (isinstance(self.min_bytes, bool)
                                            or not isinstance(self.min_bytes, int)
                                            or self.min_bytes < 0):
-            raise ValueError(f"min_bytes={self.min_bytes!r} must be None or an int >= 0")
+            raise ValueError(f"taco_jax recipe: min_bytes={self.min_bytes!r} must be None or "
+                             f"an int >= 0")
+        if not isinstance(self.vmap_check_vma, bool):
+            raise TypeError(f"taco_jax recipe: vmap_check_vma={self.vmap_check_vma!r} must be "
+                            f"True or False")
 
 
 _state = threading.local()
@@ -66,14 +81,46 @@ def current() -> Recipe:
     return stack[-1] if stack else _base()
 
 
-@contextlib.contextmanager
-def config(**fields) -> Iterator[Recipe]:
-    """Set recipe fields (codec, min_bytes, backend, transport) for the code traced inside."""
+def config(**fields) -> contextlib.AbstractContextManager[Recipe]:
+    """Set recipe fields for the taco_jax collectives traced inside the block.
+
+        with taco_jax.config(codec="taco", min_bytes=1 << 20):
+            step = jax.jit(train_step)
+
+    Every field is checked when `config(...)` is called, before the block is entered.
+
+    Args:
+      **fields: any of `Recipe`'s fields; the others keep their value in the enclosing
+        recipe (the defaults outside any `config`).
+        codec: a name from `taco_jax.codecs.names()` or a `taco_jax.codecs.Codec` object.
+          Default "taco".
+        min_bytes: an int >= 0: tensors with fewer bytes per device go through the exact
+          lax collective; None (default): this machine's calibration, else
+          `taco_jax.DEFAULT_MIN_BYTES`.
+        backend: "auto" (default), "pallas", "interpret" or "reference".
+        transport: "auto" (default), "xla" or "fused".
+        vmap_check_vma: bool, default False (see `Recipe`).
+
+    Returns:
+      A context manager; entering it yields the `Recipe` in effect inside the block.
+
+    Raises:
+      TypeError: a field that `Recipe` does not have (the message lists them), a codec that
+        is neither a name nor a Codec, or a vmap_check_vma that is not a bool.
+      ValueError: a codec name that is not registered, or a backend, transport or min_bytes
+        outside the values above; each message names the value and the valid ones.
+    """
     unknown = set(fields) - {f.name for f in dataclasses.fields(Recipe)}
     if unknown:
         raise TypeError(f"taco_jax.config: unknown field(s) {sorted(unknown)}; fields: "
                         f"{[f.name for f in dataclasses.fields(Recipe)]}")
-    recipe = dataclasses.replace(current(), **fields)
+    dataclasses.replace(current(), **fields)        # checks every field now
+    return _entered(fields)
+
+
+@contextlib.contextmanager
+def _entered(fields) -> Iterator[Recipe]:
+    recipe = dataclasses.replace(current(), **fields)   # relative to the recipe at entry
     stack = getattr(_state, "stack", None)
     if stack is None:
         stack = _state.stack = []

@@ -51,8 +51,28 @@ def test_recipe_rejects_bad_fields():
     with pytest.raises(ValueError, match="min_bytes=-1"):
         with taco_jax.config(min_bytes=-1):
             pass
-    with taco_jax.config(codec="tacoo"), pytest.raises(ValueError, match="tacoo"):
-        per_device(lambda v: taco_jax.psum(v, "tp"), gauss((4, 8)))
+
+
+
+def test_recipe_checks_every_field_when_made():
+    """config(...) raises at the call, before its block (nothing traced), naming the value
+    and the valid names; so does Recipe(...)."""
+    with pytest.raises(ValueError, match="codec='fp4'.*taco, ") as e:
+        taco_jax.config(codec="fp4")
+    assert all(n in str(e.value) for n in taco_jax.codecs.names())
+    with pytest.raises(ValueError, match="codec='tacoo'"):
+        taco_jax.Recipe(codec="tacoo")
+    with pytest.raises(TypeError, match="codec=3"):
+        taco_jax.config(codec=3)
+    with pytest.raises(ValueError, match="transport='nccl'"):
+        taco_jax.config(transport="nccl")
+    with pytest.raises(TypeError, match="vmap_check_vma=1"):
+        taco_jax.config(vmap_check_vma=1)
+    with pytest.raises(ValueError, match="min_bytes=1.5"):
+        taco_jax.Recipe(min_bytes=1.5)
+    assert taco_jax.recipe.current() == taco_jax.Recipe()      # nothing was pushed
+    with taco_jax.config(codec=taco_jax.codecs.get("tah4")) as r:   # a Codec object
+        assert r.codec.name == "tah4"
 
 
 # -- tuples of axes ---------------------------------------------------------------------------
