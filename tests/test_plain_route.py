@@ -74,3 +74,22 @@ def test_the_compressed_route_does_differ():
     """The comparison can fail: a compressed psum traces to something else."""
     ours, theirs = PAIRS["psum"]
     assert jaxpr(lambda v: ours(v, codec="taco", min_bytes=0), False) != jaxpr(theirs, False)
+
+
+@pytest.mark.parametrize("n,compressed", [((256 << 20) // 4 - 256, False), ((256 << 20) // 4, True)])
+def test_default_threshold_is_256_mib_per_device(n, compressed):
+    """Without a calibration (conftest's cache path does not exist), min_bytes=None
+    compresses from DEFAULT_MIN_BYTES, 256 MiB per device, the measured break-even."""
+    from taco_jax import telemetry
+    assert taco_jax.DEFAULT_MIN_BYTES == 256 << 20
+    mesh = mesh4()
+    sm = jax.shard_map(lambda v: taco_jax.psum(v, "tp", codec="taco"), mesh=mesh,
+                       in_specs=P("tp"), out_specs=P(), check_vma=False)
+    before = dict(telemetry.sites())
+    with jax.set_mesh(mesh):
+        jax.make_jaxpr(sm)(jax.ShapeDtypeStruct((4 * n,), jnp.float32,
+                                                sharding=NamedSharding(mesh, P("tp"))))
+    new = [s for s, k in telemetry.sites() if k > before.get(s, 0)]
+    assert len(new) == 1 and new[0].shape == (n,) and new[0].compressed is compressed, new
+    if not compressed:
+        assert new[0].reason == f"{4 * n} B < min_bytes={256 << 20}"

