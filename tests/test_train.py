@@ -345,6 +345,32 @@ def test_resume_skips_a_corrupt_checkpoint(full_run, cache, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, *finals)
 
 
+def test_a_fresh_run_refuses_a_run_dir_with_checkpoints(full_run, cache, tmp_path,
+                                                        monkeypatch, capsys):
+    """A run without resume into a directory that holds checkpoints stops at the start,
+    before anything is built (nothing compiled, the old run's files untouched), with a
+    message naming the directory, its newest step and --resume; the CLI exits 2 with that
+    message and no traceback."""
+    from train.__main__ import main
+    run_dir = tmp_path / "again"
+    shutil.copytree(full_run["run_dir"], run_dir)
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    overrides = _overrides(cache, run_dir, "train.codec_error=false")
+    cfg = config_lib.load_config("tiny", overrides)
+
+    def no_build(*args):
+        raise AssertionError("built a program for a run that is refused")
+    monkeypatch.setattr(train.loop, "build", no_build)
+    want = rf"run directory {re.escape(str(run_dir))} already holds checkpoints \(newest: step 6\)"
+    with pytest.raises(train.RunDirInUse, match=want + r".*--resume"):
+        train.run(cfg)
+    assert main(overrides) == 2
+    err = capsys.readouterr().err
+    assert re.search(want, err) and f"--resume {run_dir}" in err and "Traceback" not in err
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["3", "6"]
+
+
 def test_echo4_with_feedback_trains(full_run, cache, tmp_path):
     """The tiny GPT with echo4 both ways and error feedback (data=2 x tp=2, every all-reduce
     compressed): finite losses that go down and track TACO's; the feedback state is per

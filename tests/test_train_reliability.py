@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from train import multihost
-from train.checkpoint import Checkpointer, fingerprint
+from train.checkpoint import Checkpointer, fingerprint, saved_steps
 
 
 def _state(step):
@@ -46,6 +46,11 @@ def test_fingerprint_sees_one_changed_element():
     assert fingerprint(b) != f
     # the same values on one device: same fingerprint (exact integer sums)
     assert fingerprint(jax.device_get(a)) == f
+
+
+def test_saved_steps_reads_without_creating(tmp_path):
+    assert saved_steps(_checkpoints(tmp_path)) == [1, 2, 3]
+    assert saved_steps(tmp_path / "none") == [] and not (tmp_path / "none").exists()
 
 
 def test_restore_latest_skips_corrupt_steps(tmp_path):

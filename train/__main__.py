@@ -44,7 +44,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     cfg, args = parse_args(argv)
     import jax
-    from train.loop import run, setup_backend
+    from train.loop import RunDirInUse, run, setup_backend
 
     if args.distributed or args.coordinator:
         # Gloo carries CPU collectives between processes; the setting is ignored on GPUs.
@@ -52,7 +52,11 @@ def main(argv=None) -> int:
         setup_backend(cfg)
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
-    summary = run(cfg, resume=args.resume is not None)
+    try:
+        summary = run(cfg, resume=args.resume is not None)
+    except RunDirInUse as e:  # an expected refusal: the message says what to do
+        print(f"python -m train: {e}", file=sys.stderr)
+        return 2
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=1))
     return 130 if summary["interrupted"] and summary["step"] != cfg.train.halt_at else 0

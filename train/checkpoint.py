@@ -59,6 +59,12 @@ def fingerprint(state: Any) -> list[int]:
             for s in sums]
 
 
+def saved_steps(directory: str | Path) -> list[int]:
+    """The steps of the finished checkpoints in `directory` (none if it does not exist),
+    read without opening a CheckpointManager (which would create the directory)."""
+    return sorted(ocp.utils.checkpoint_steps(Path(directory).absolute()))
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()

@@ -33,7 +33,7 @@ from models import parallel, zero as zero_lib
 from models.parallel import ShardedGPT
 from taco_jax import telemetry
 from train import config as config_lib
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, saved_steps
 from train.config import Config
 from train.data import load_corpus, split_batches
 from train.metrics import MetricsWriter, plot_runs
@@ -149,18 +149,16 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> Program:
     """Validate `cfg` on `mesh` and build the jitted init / train step / eval loss.
     Raises ValueError before anything compiles if the config does not fit the mesh."""
     cfg.validate()
-    with cfg.recipe.context():  # the model's checks read the codecs the recipe gives it
-        model = parallel.shard_gpt(cfg.model, mesh, emulate_tp=cfg.parallel.emulate_tp,
-                                   microbatches=cfg.parallel.microbatches,
-                                   schedule=cfg.parallel.schedule,
-                                   codec_dp=cfg.recipe.dp_codec, codec_pp=cfg.recipe.pp_codec)
+    model = parallel.shard_gpt(cfg.model, mesh, emulate_tp=cfg.parallel.emulate_tp,
+                               microbatches=cfg.parallel.microbatches,
+                               schedule=cfg.parallel.schedule,
+                               codec_dp=cfg.recipe.dp_codec, codec_pp=cfg.recipe.pp_codec)
     parallel.check_batch(cfg.train.batch_size, cfg.model.seq_len, cfg.model, mesh,
                          cfg.parallel.microbatches)
     zero = None
     if cfg.parallel.zero and model.data > 1:  # with data=1 there is nothing to shard over
-        with cfg.recipe.context():
-            zero = zero_lib.Zero1.build(model, decay_mask(model.param_shapes()),
-                                        cfg.recipe.dp_codec, cfg.recipe.wd_codec)
+        zero = zero_lib.Zero1.build(model, decay_mask(model.param_shapes()),
+                                    cfg.recipe.dp_codec, cfg.recipe.wd_codec)
     tx, schedule = make_optimizer(cfg, decay_mask if zero is None else zero.decay_mask())
     replicated = NamedSharding(mesh, P())
     param_sh = model.shardings
@@ -425,195 +423,283 @@ class _Profile:
 
 
 # ---------------------------------------------------------------------------------------------
+# The run: set-up, restore, the step loop, the summary
+
+class RunDirInUse(FileExistsError):
+    """A fresh run (no resume) was given a run directory that holds checkpoints."""
+
+
+def check_fresh_run_dir(run_dir: Path) -> None:
+    """A fresh run would train from step 0 and fail when it reached a step already saved in
+    `run_dir`: refuse it at the start. Raises RunDirInUse naming the directory, its newest
+    checkpoint and how to continue that run instead."""
+    steps = saved_steps(run_dir / "ckpt")
+    if not agree_any(bool(steps)):
+        return
+    newest = f"step {max(steps)}" if steps else "seen by another process"
+    raise RunDirInUse(f"run directory {run_dir} already holds checkpoints (newest: {newest}); "
+                      f"continue that run with `python -m train --resume {run_dir}` "
+                      f"(train.run(..., resume=True)), or give another train.run_dir")
+
+
+def _as_config(config: Config | dict | str | Path) -> Config:
+    """A Config, a dict like the YAML presets, or a preset name / YAML path -> a checked
+    Config."""
+    if isinstance(config, (str, Path)):
+        return config_lib.load_config(config)
+    if isinstance(config, dict):
+        return config_lib.from_dict(config)
+    return config.validate()
+
+
+def _load_batches(cfg: Config, verbose: bool) -> tuple:
+    """-> (training batches, validation batches) of the run's corpus."""
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size, verbose=verbose)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer vocabulary {corpus.vocab_size} > model.vocab_size="
+                         f"{cfg.model.vocab_size}")
+    return split_batches(corpus, cfg.train.batch_size, cfg.model.seq_len, cfg.train.seed)
+
+
+def _restore(prog: Program, ckpt: Checkpointer, resume: bool
+             ) -> tuple[State, int, int | None]:
+    """-> (the state to start from, its data position, the step it was restored from or
+    None): a fresh state, or with `resume` the newest checkpoint that verifies."""
+    state = prog.init(prog.cfg.train.seed)
+    if not resume:
+        return state, 0, None
+    try:
+        restored = ckpt.restore_latest(state, name=prog.cfg.name,
+                                       optimizer=prog.optimizer_layout)
+    except BaseException:
+        ckpt.close()
+        raise
+    if restored is None:
+        return state, 0, None
+    state, meta, step = restored
+    return state, int(meta["data_pos"]), step
+
+
+def _describe(prog: Program, run_dir: Path, n_params: int, codecs: dict,
+              resumed_at: int | None) -> str:
+    """The line a run starts with: model size, mesh, codecs per axis, run directory."""
+    cfg, model = prog.cfg, prog.model
+    pipe = (f" x pipe={model.pipe} ({model.schedule}, {model.microbatches} micro-batches, "
+            f"bubble {model.bubble_fraction:.0%})" if model.pipe > 1 else "")
+    zero = (f", ZeRO-1 over data (weights: {cfg.recipe.wd_codec})" if prog.zero else
+            ", parallel.zero=1 has nothing to shard at data=1" if cfg.parallel.zero else "")
+    return (f"[train] {cfg.name}: {n_params / 1e6:.2f}M params, mesh "
+            f"data={prog.mesh.shape['data']}{pipe} x tp={model.tp}"
+            f"{' (emulated)' if model.emulate_tp else ''} on {jax.devices()[0].platform}, "
+            f"codec fwd={codecs['fwd']} bwd={codecs['bwd']} head={codecs['head']} "
+            f"pp={codecs['pp']} dp={codecs['dp']}{zero}"
+            + (", error feedback" if cfg.model.feedback else "") + f", run dir {run_dir}"
+            + (f", resumed at step {resumed_at}" if resumed_at is not None else ""))
+
+
+class _Loop:
+    """The step loop of one run, and what it measures on the way: step times, the last
+    losses, the train step's collectives (from its first trace) and memory."""
+
+    def __init__(self, prog: Program, state: State, start: int, batches: tuple,
+                 run_dir: Path, ckpt: Checkpointer, writer: MetricsWriter):
+        t = prog.cfg.train
+        self.prog, self.t, self.state, self.start, self.step = prog, t, state, start, start
+        self.train_batches, self.val_batches = batches
+        self.ckpt, self.writer = ckpt, writer
+        self.lead, self.multi = jax.process_index() == 0, jax.process_count() > 1
+        self.tokens_per_step = t.batch_size * prog.cfg.model.seq_len
+        self.probe = CodecErrorProbe(prog) if t.codec_error else None
+        self.profile = _Profile(t.profile_range(), run_dir / "profile"
+                                / (f"process{jax.process_index()}" if self.multi else ""))
+        self.step_times, self.compile_s, self.row = [], None, {}
+        self.last_loss = self.val_loss = None
+        self.sites = self.wire_bytes = self.memory = None
+        self.stop, self.stopped, self.bar = None, False, None
+
+    def run(self) -> None:
+        """Steps start+1 .. train.steps, or to a halt (train.halt_at, a signal), which is
+        checkpointed. Closes the checkpointer and the metrics writer."""
+        self.t0 = self.t_prev = time.perf_counter()
+        self.pending = 0  # steps since the last host sync
+        if self.lead and self.t.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.t.steps, initial=self.start, desc=self.prog.cfg.name,
+                            unit="step", dynamic_ncols=True)
+        self.say = self.bar.write if self.bar is not None else functools.partial(print,
+                                                                                 flush=True)
+        with _StopFlag() as self.stop:
+            try:
+                for self.step in range(self.start + 1, self.t.steps + 1):
+                    if self._train_step(self.step):
+                        break
+            finally:
+                self.profile.stop()
+                if self.bar is not None:
+                    self.bar.close()
+                self.ckpt.close()
+                self.writer.close()
+
+    def _train_step(self, step: int) -> bool:
+        """One step, then its log row, evaluation and checkpoint where due -> halt?"""
+        t, prog = self.t, self.prog
+        x, y = self.train_batches[step - 1]
+        self.profile.before(step)
+        batch = (prog.put_batch(x), prog.put_batch(y))
+        if self.sites is None:
+            metrics = self._first_step(batch)
+        else:
+            self.state, metrics = prog.step(self.state, *batch)
+        self.profile.after(step, metrics)
+        self.pending += 1
+        last = step == t.steps
+        is_eval = bool(t.eval_every and step % t.eval_every == 0) or last
+        every_ckpt = bool(t.ckpt_every and step % t.ckpt_every == 0) or last
+        is_log = step % t.log_every == 0 or is_eval or every_ckpt
+        # Stop on a signal only when every process does: with several, the flags are
+        # compared at the log steps (the host waits for the step there anyway), so all
+        # processes save the same step and none is left in a collective alone.
+        signalled = self.stop.signum is not None
+        if self.multi:
+            signalled = agree_any(signalled) if is_log else False
+        self.stopped = self.stopped or signalled
+        halt = step == t.halt_at or signalled
+        if is_log or halt:
+            self._log(step, metrics, is_eval)
+        if self.bar is not None:
+            self.bar.update(1)
+        if every_ckpt or halt:
+            self.ckpt.save(step, self.state, {"data_pos": step, "name": prog.cfg.name,
+                                              "time": time.time(),
+                                              "optimizer": prog.optimizer_layout})
+        if is_eval or every_ckpt or halt:
+            self.t_prev = time.perf_counter()  # keep eval/save time out of step times
+        return halt
+
+    def _first_step(self, batch) -> dict:
+        """The step that traces and compiles: note its collectives, the bytes they send and
+        its memory; report them. -> the step's metrics."""
+        (self.state, metrics), self.sites = traced_sites(self.prog.step, self.state, *batch)
+        self.wire_bytes = step_wire_bytes(self.sites)
+        self.memory = step_memory(self.prog.step, self.state, *batch)
+        if self.probe is not None and not any(s.compressed for s, _ in self.sites):
+            self.probe = None  # nothing compressed: no error to measure
+        if self.lead:
+            self.say(f"[train] taco_jax collectives of one train step "
+                     f"({self.wire_bytes / 2**20:.3g} MiB sent per device):\n"
+                     + sites_report(self.sites))
+        return metrics
+
+    def _log(self, step: int, metrics: dict, is_eval: bool) -> None:
+        """A metrics row; it syncs the host, so the interval's time is real. At evaluations
+        the validation loss and the codec error too. A non-finite loss raises
+        FloatingPointError."""
+        m = jax.tree.map(_host, metrics)
+        now = time.perf_counter()
+        dt = (now - self.t_prev) / self.pending
+        if self.compile_s is None:
+            self.compile_s = now - self.t_prev  # first interval includes compilation
+        else:
+            self.step_times.append(dt)
+        self.t_prev, self.pending = now, 0
+        self.last_loss = float(m["loss"])
+        self.row = row = {"step": step, "loss": self.last_loss, "lr": float(m["lr"]),
+                          "grad_norm": float(m["grad_norm"]), "step_time_s": dt,
+                          "tokens_per_s": self.tokens_per_step / dt, "elapsed_s": now - self.t0,
+                          "wire_bytes": self.wire_bytes}
+        if "wd_rel_error" in m:
+            row["wd_rel_error"] = float(m["wd_rel_error"])
+        if not math.isfinite(self.last_loss):
+            raise FloatingPointError(f"loss became {self.last_loss} at step {step}")
+        if is_eval:
+            params = self.state["params"]
+            self.val_loss = row["val_loss"] = evaluate(self.prog, params, self.val_batches,
+                                                       self.t.eval_batches)
+            if self.probe is not None:
+                row.update(self.probe(params, *self.val_batches[0]))
+        self.writer.write(row)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{self.last_loss:.4f}",
+                                 tok_s=f"{row['tokens_per_s']:.0f}", ms=f"{1e3 * dt:.1f}",
+                                 refresh=False)
+            if is_eval:
+                self.bar.write(f"step {step}: val loss {self.val_loss:.4f}")
+
+    @property
+    def interrupted(self) -> bool:
+        return self.step < self.t.steps
+
+    def why_stopped(self) -> str:
+        if not self.stopped:
+            return "train.halt_at"
+        return ("signal " + str(self.stop.signum)) if self.stop.signum is not None \
+            else "a signal to another process"
+
+
+def _summary(prog: Program, loop: _Loop, run_dir: Path, resumed_from: int | None,
+             n_params: int, codecs: dict) -> dict:
+    """The run's summary (returned by `run` and written to summary.json)."""
+    cfg, model, sites = prog.cfg, prog.model, loop.sites or ()
+    step_time = statistics.median(loop.step_times) if loop.step_times else None
+    return {
+        "run_dir": str(run_dir), "name": cfg.name, "step": loop.step, "steps": cfg.train.steps,
+        "interrupted": loop.interrupted, "resumed_from": resumed_from,
+        "final_train_loss": loop.last_loss, "final_val_loss": loop.val_loss,
+        "step_time_s": step_time,
+        "tokens_per_s": loop.tokens_per_step / step_time if step_time else None,
+        "compile_s": loop.compile_s, "params": n_params,
+        "mesh": {"data": model.data, "pipe": model.pipe, "tp": model.tp,
+                 "emulated_tp": bool(model.emulate_tp)},
+        "microbatches": model.microbatches, "bubble_fraction": model.bubble_fraction,
+        "schedule": model.schedule,
+        "platform": jax.devices()[0].platform, "devices": jax.device_count(),
+        "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
+        "codec_pp": codecs["pp"], "codec_dp": codecs["dp"],
+        "feedback": cfg.model.feedback, "sequence_parallel": cfg.model.sequence_parallel,
+        "zero": 1 if prog.zero else 0, "codec_wd": cfg.recipe.wd_codec if prog.zero else None,
+        "wire_bytes_per_step": loop.wire_bytes, "step_memory": loop.memory,
+        "state_bytes": state_bytes(loop.state),
+        "sites": {"compressed": sum(n for s, n in sites if s.compressed),
+                  "plain": sum(n for s, n in sites if not s.compressed)},
+    }
+
 
 def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     """Train per `config` (a Config, a dict like the YAML presets, or a preset name/path).
 
     resume=True continues the run in `train.run_dir` (or the newest `<name>-*` in out_dir)
     from its newest checkpoint that restores and verifies (a corrupt newer one is reported
-    and set aside). Returns a summary dict (also written to summary.json).
+    and set aside). Without it, a run directory that holds checkpoints raises RunDirInUse
+    before anything is built. Returns a summary dict (also written to summary.json).
     """
-    if isinstance(config, (str, Path)):
-        cfg = config_lib.load_config(config)
-    elif isinstance(config, dict):
-        cfg = config_lib.from_dict(config)
-    else:
-        cfg = config.validate()
+    cfg = _as_config(config)
     setup_backend(cfg)
-    mesh = build_mesh(cfg)
-    prog = build(cfg, mesh)
-    t_cfg, lead = cfg.train, jax.process_index() == 0
-    multi = jax.process_count() > 1
-    codecs = cfg.codecs()
-
-    corpus = load_corpus(cfg.data, cfg.model.vocab_size, verbose=lead)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer vocabulary {corpus.vocab_size} > model.vocab_size="
-                         f"{cfg.model.vocab_size}")
-    seq = cfg.model.seq_len
-    train_batches, val_batches = split_batches(corpus, t_cfg.batch_size, seq, t_cfg.seed)
-
+    lead = jax.process_index() == 0
     run_dir = _run_dir(cfg, resume)
+    if not resume:
+        check_fresh_run_dir(run_dir)
+    prog = build(cfg, build_mesh(cfg))
+    batches = _load_batches(cfg, verbose=lead)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(run_dir / "ckpt", keep=t_cfg.keep, async_save=t_cfg.async_ckpt)
-    state = prog.init(t_cfg.seed)
-    start, resumed_from = 0, None
-    try:
-        restored = (ckpt.restore_latest(state, name=cfg.name, optimizer=prog.optimizer_layout)
-                    if resume else None)
-    except BaseException:
-        ckpt.close()
-        raise
-    if restored is not None:
-        state, meta, resumed_from = restored
-        start = int(meta["data_pos"])
+    ckpt = Checkpointer(run_dir / "ckpt", keep=cfg.train.keep, async_save=cfg.train.async_ckpt)
+    state, start, resumed_from = _restore(prog, ckpt, resume)
     if lead:
         (run_dir / "config.yaml").write_text(config_lib.dump(cfg))
     writer = MetricsWriter(run_dir, truncate_after=start if resumed_from is not None else None,
                            enabled=lead)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+    codecs = cfg.codecs()
     if lead:
-        pipe = (f" x pipe={prog.model.pipe} ({prog.model.schedule}, {prog.model.microbatches} "
-                f"micro-batches, bubble "
-                f"{prog.model.bubble_fraction:.0%})" if prog.model.pipe > 1 else "")
-        print(f"[train] {cfg.name}: {n_params / 1e6:.2f}M params, mesh data={mesh.shape['data']}"
-              f"{pipe} x tp={prog.model.tp}{' (emulated)' if prog.model.emulate_tp else ''} on "
-              f"{jax.devices()[0].platform}, codec fwd="
-              f"{codecs['fwd']} bwd={codecs['bwd']} head={codecs['head']} pp={codecs['pp']} "
-              f"dp={codecs['dp']}"
-              + (f", ZeRO-1 over data (weights: {cfg.recipe.wd_codec})" if prog.zero else
-                 ", parallel.zero=1 has nothing to shard at data=1" if cfg.parallel.zero else "")
-              + (", error feedback" if cfg.model.feedback else "") + f", run dir {run_dir}"
-              + (f", resumed at step {start}" if resumed_from is not None else ""), flush=True)
-
-    def save(step: int) -> None:
-        ckpt.save(step, state, {"data_pos": step, "name": cfg.name, "time": time.time(),
-                                "optimizer": prog.optimizer_layout})
-
-    tokens_per_step = t_cfg.batch_size * seq
-    step_times, compile_s, row = [], None, {}
-    last_loss = val_loss = None
-    step_sites, wire_bytes = None, None  # the train step's collectives, from its first trace
-    memory = None
-    probe = CodecErrorProbe(prog) if t_cfg.codec_error else None
-    profile = _Profile(t_cfg.profile_range(), run_dir / "profile"
-                       / (f"process{jax.process_index()}" if multi else ""))
-    t0 = t_prev = time.perf_counter()
-    pending = 0  # steps since the last host sync
-    bar = None
-    if lead and t_cfg.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=t_cfg.steps, initial=start, desc=cfg.name, unit="step",
-                   dynamic_ncols=True)
-    say = bar.write if bar is not None else functools.partial(print, flush=True)
-    step, stopped = start, False
-    with _StopFlag() as stop:
-        try:
-            for step in range(start + 1, t_cfg.steps + 1):
-                x, y = train_batches[step - 1]
-                profile.before(step)
-                batch = (prog.put_batch(x), prog.put_batch(y))
-                if step_sites is None:  # traces and compiles the step
-                    (state, metrics), step_sites = traced_sites(prog.step, state, *batch)
-                    wire_bytes = step_wire_bytes(step_sites)
-                    memory = step_memory(prog.step, state, *batch)
-                    if probe is not None and not any(s.compressed for s, _ in step_sites):
-                        probe = None  # nothing compressed: no error to measure
-                    if lead:
-                        say(f"[train] taco_jax collectives of one train step "
-                            f"({wire_bytes / 2**20:.3g} MiB sent per device):\n"
-                            + sites_report(step_sites))
-                else:
-                    state, metrics = prog.step(state, *batch)
-                profile.after(step, metrics)
-                pending += 1
-                last = step == t_cfg.steps
-                is_eval = bool(t_cfg.eval_every and step % t_cfg.eval_every == 0) or last
-                every_ckpt = bool(t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last
-                is_log = step % t_cfg.log_every == 0 or is_eval or every_ckpt
-                # Stop on a signal only when every process does: with several, the flags are
-                # compared at the log steps (the host waits for the step there anyway), so
-                # all processes save the same step and none is left in a collective alone.
-                signalled = stop.signum is not None
-                if multi:
-                    signalled = agree_any(signalled) if is_log else False
-                stopped = stopped or signalled
-                halt = step == t_cfg.halt_at or signalled
-                is_ckpt = every_ckpt or halt
-                if is_log or halt:
-                    m = jax.tree.map(_host, metrics)  # syncs: the interval's time is real
-                    now = time.perf_counter()
-                    dt = (now - t_prev) / pending
-                    if compile_s is None:
-                        compile_s = now - t_prev  # first interval includes compilation
-                    else:
-                        step_times.append(dt)
-                    t_prev, pending = now, 0
-                    last_loss = float(m["loss"])
-                    row = {"step": step, "loss": last_loss, "lr": float(m["lr"]),
-                           "grad_norm": float(m["grad_norm"]), "step_time_s": dt,
-                           "tokens_per_s": tokens_per_step / dt, "elapsed_s": now - t0,
-                           "wire_bytes": wire_bytes}
-                    if "wd_rel_error" in m:
-                        row["wd_rel_error"] = float(m["wd_rel_error"])
-                    if not math.isfinite(last_loss):
-                        raise FloatingPointError(f"loss became {last_loss} at step {step}")
-                    if is_eval:
-                        val_loss = row["val_loss"] = evaluate(prog, state["params"], val_batches,
-                                                              t_cfg.eval_batches)
-                        if probe is not None:
-                            row.update(probe(state["params"], *val_batches[0]))
-                    writer.write(row)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                                        ms=f"{1e3 * dt:.1f}", refresh=False)
-                        if is_eval:
-                            bar.write(f"step {step}: val loss {val_loss:.4f}")
-                if bar is not None:
-                    bar.update(1)
-                if is_ckpt:
-                    save(step)
-                if is_eval or is_ckpt:
-                    t_prev = time.perf_counter()  # keep eval/save time out of step times
-                if halt:
-                    break
-        finally:
-            profile.stop()
-            if bar is not None:
-                bar.close()
-            ckpt.close()
-            writer.close()
-
-    interrupted = step < t_cfg.steps
-    if lead and (run_dir / "metrics.jsonl").exists() and row:
+        print(_describe(prog, run_dir, n_params, codecs,
+                        start if resumed_from is not None else None), flush=True)
+    loop = _Loop(prog, state, start, batches, run_dir, ckpt, writer)
+    loop.run()
+    if lead and (run_dir / "metrics.jsonl").exists() and loop.row:
         plot_runs([run_dir], run_dir / "loss.png", title=f"{cfg.name}: loss")
-    step_time = statistics.median(step_times) if step_times else None
-    summary = {
-        "run_dir": str(run_dir), "name": cfg.name, "step": step, "steps": t_cfg.steps,
-        "interrupted": interrupted, "resumed_from": resumed_from,
-        "final_train_loss": last_loss, "final_val_loss": val_loss,
-        "step_time_s": step_time,
-        "tokens_per_s": tokens_per_step / step_time if step_time else None,
-        "compile_s": compile_s, "params": n_params,
-        "mesh": {"data": prog.model.data, "pipe": prog.model.pipe, "tp": prog.model.tp,
-                 "emulated_tp": bool(prog.model.emulate_tp)},
-        "microbatches": prog.model.microbatches, "bubble_fraction": prog.model.bubble_fraction,
-        "schedule": prog.model.schedule,
-        "platform": jax.devices()[0].platform, "devices": jax.device_count(),
-        "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
-        "codec_pp": codecs["pp"], "codec_dp": codecs["dp"],
-        "feedback": cfg.model.feedback, "sequence_parallel": cfg.model.sequence_parallel,
-        "zero": 1 if prog.zero else 0, "codec_wd": cfg.recipe.wd_codec if prog.zero else None,
-        "wire_bytes_per_step": wire_bytes, "step_memory": memory,
-        "state_bytes": state_bytes(state),
-        "sites": {"compressed": sum(n for s, n in step_sites or () if s.compressed),
-                  "plain": sum(n for s, n in step_sites or () if not s.compressed)},
-    }
+    summary = _summary(prog, loop, run_dir, resumed_from, n_params, codecs)
     if lead:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        if interrupted:
-            why = (("signal " + str(stop.signum)) if stop.signum is not None
-                   else "a signal to another process") if stopped else "train.halt_at"
-            print(f"[train] stopped at step {step} ({why}); checkpoint saved. Continue with: "
-                  f"python -m train --resume {run_dir}", flush=True)
+        if loop.interrupted:
+            print(f"[train] stopped at step {loop.step} ({loop.why_stopped()}); checkpoint "
+                  f"saved. Continue with: python -m train --resume {run_dir}", flush=True)
     return summary
