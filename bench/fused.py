@@ -1,75 +1,362 @@
-"""The fused transport's exchange kernel on the GPUs of this process: correctness, then time.
+"""The fused all-reduce kernel on one GPU, through a loopback: checks, device time, and a
+projection for two GPUs.
 
-    python -m bench.fused [--sizes-mib 1 16 256] [--out bench/results/fused.json]
+    python -m bench.fused [--p 2 4 8] [--sizes 1KiB 1MiB+5 16MiB ...] [--dtypes bf16 f32]
+                          [--time] [--out bench/results/fused_loopback.json]
 
-Needs P ≥ 2 GPUs driven by this process (on one GPU XLA refuses the kernel's collective
-metadata: "UNIMPLEMENTED: NVSHMEM is not supported in XLA"; elsewhere the fused transport's
-own reason); it exits with that reason otherwise. Each device's bytes are checked in every
-peer's slot, for the all-gather and the all-to-all, with and without the ready handshake
-(`fused.HANDSHAKE`), and timed against lax.all_gather / lax.all_to_all of the same bytes
-side by side (`time_calls`)."""
+P virtual devices are P groups of programs of the one-launch kernel
+(`kernels.fused_allreduce.loopback_allreduce`): the kernel body, tile math and protocol of
+the two-GPU kernel, with a peer's receive buffer a slice of one buffer. Each configuration
+(P, size, dtype) runs in its own subprocess under a timeout (a hang costs only itself) and
+makes `--calls` back-to-back calls, each on fresh random inputs with a NaN block and an Inf
+block (from 8 blocks up), and checks every call:
+
+  * same_on_every_device: the P results are the same bits;
+  * the non-finite blocks, and only they, are NaN, as the xla transport's;
+  * rel_err (vs the exact f32 sum of the inputs, finite blocks) ≤ xla_rel_err: the xla
+    transport (`taco_jax.psum(transport="xla")` under `jax.vmap` with the same P) on the
+    same input.
+
+Any failure, timeout or crash: the program exits non-zero with a one-line reason (the
+first), after writing what it measured. With --time, per configuration: the loopback's
+device time, per virtual device, beside the Triton compress + decode_sum device time of
+one device at that size ("separate"), and at P = 2 a projection for two GPUs (labelled
+as one): fixed + max(per-device compute, wire bytes / link bandwidth), divided by the
+2×H200 lax.psum of bench/results/collectives.json. The same kind of projection for the xla
+transport (its kernels' device times plus the all-to-all and all-gather at the link rate,
+in series) is set beside what two GPUs measured for it there ("method_check").
+
+On CPU (tests) `--impl emulated` stands a jnp model of the kernel's exchange in for the
+kernel, and `--wrong-exchange slot|drop` breaks that exchange, so the checks can be seen
+failing.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bench.common import env_facts, print_table, write_json
-from taco_jax import calibrate
-from taco_jax.collectives import fused
 
 MIB = 1 << 20
+DEFAULT_SIZES = ["1KiB", "1MiB+5", "16MiB", "64MiB", "256MiB", "1024MiB"]
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+LINK_GBPS = 350.0            # 2×H200 NVLink, per direction, as lax.psum's wire rate allows
+FIXED_US = 15.0              # launch, XLA's barrier and the last signal's round trip
+COLLECTIVES = os.path.join(os.path.dirname(__file__), "results", "collectives.json")
 
 
-def main(argv=None):
+def parse_size(text: str) -> int:
+    """'1KiB', '16MiB', '1MiB+5', '4096' → bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(KiB|MiB|GiB)?(?:\+(\d+))?", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected e.g. 1KiB, 16MiB, 1MiB+5")
+    unit = {"KiB": 1 << 10, "MiB": MIB, "GiB": 1 << 30, None: 1}[m.group(2)]
+    return int(float(m.group(1)) * unit) + int(m.group(3) or 0)
+
+
+# -- implementations --------------------------------------------------------------------
+def emulated_loopback(xs, codec, wrong: str | None = None):
+    """The kernel's protocol in jnp: every device encodes, its wire reaches slot `me` of
+    every device's receive buffer, each device decodes its P slots in order. wrong="slot":
+    the last device finds its own wire in slot 0 (a store to the wrong place); "drop":
+    slot P − 1 is never delivered anywhere (a receive buffer left as it was: zeros)."""
+    from taco_jax import codecs
+    from taco_jax.kernels import decode_sum
+    p = xs.shape[0]
+    enc = lambda v: codec.compress_reference(    # noqa: E731
+        codecs.to_blocks(v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v,
+                         codec.block_size))
+    wires = [enc(xs[j]) for j in range(p)]
+    out = []
+    for d in range(p):
+        recv = list(wires)
+        if wrong == "slot" and d == p - 1:
+            recv[0] = wires[d]
+        if wrong == "drop":
+            recv[p - 1] = jnp.zeros_like(wires[p - 1])
+        y = decode_sum.decode_sum_reference(jnp.stack(recv), codec, xs.dtype)
+        out.append(codecs.from_blocks(y, xs.shape[1:]))
+    return jnp.stack(out)
+
+
+def implementation(name: str, codec, wrong: str | None):
+    if name == "kernel":
+        from taco_jax.kernels import fused_allreduce
+        return jax.jit(lambda xs: fused_allreduce.loopback_allreduce(xs, codec))
+    return jax.jit(lambda xs: emulated_loopback(xs, codec, wrong))
+
+
+def xla_transport(p: int):
+    import taco_jax
+    return jax.jit(jax.vmap(lambda v: taco_jax.psum(v, "tp", min_bytes=0, transport="xla"),
+                            axis_name="tp"))
+
+
+# -- one configuration (the child process) ----------------------------------------------
+def make_input(key, p: int, n: int, dtype, block: int):
+    """(P, n) normal values with per-device scales; from 8 blocks up, device 0 has a NaN in
+    block 1 and device P − 1 an Inf in block n_blocks // 2."""
+    k1, k2 = jax.random.split(key)
+    scale = jnp.exp(jax.random.normal(k2, (p, 1)))
+    xs = (jax.random.normal(k1, (p, n), jnp.float32) * scale).astype(dtype)
+    bad = []
+    if n >= 8 * block:
+        b_nan, b_inf = 1, (n // block) // 2
+        xs = xs.at[0, b_nan * block + 3].set(jnp.nan)
+        xs = xs.at[p - 1, b_inf * block + 7].set(jnp.inf)
+        bad = [b_nan, b_inf]
+    return xs, bad
+
+
+@jax.jit
+def _same_bits(y):
+    u = jax.lax.bitcast_convert_type(y, jnp.uint16 if y.dtype.itemsize == 2 else jnp.uint32)
+    return jnp.all(u == u[:1])
+
+
+@jax.jit
+def _rel_err(y, exact, finite):
+    d = jnp.where(finite, y.astype(jnp.float32) - exact, 0.0)
+    e = jnp.where(finite, exact, 0.0)
+    return jnp.sqrt(jnp.sum(d * d)) / jnp.sqrt(jnp.sum(e * e))
+
+
+def check_call(fn, ref, xs, bad, block):
+    """One call's checks → (dict of figures, failure reason or None)."""
+    y = fn(xs)
+    same = bool(_same_bits(y))
+    y_xla = ref(xs)
+    exact = jnp.sum(xs.astype(jnp.float32), axis=0)
+    n = xs.shape[1]
+    blk = jnp.arange(n) // block
+    want_nan = jnp.isin(blk, jnp.asarray(bad, jnp.int32)) if bad else jnp.zeros(n, bool)
+    nan_ok = bool(jnp.array_equal(jnp.isnan(y[0]), want_nan))
+    xla_nan_ok = bool(jnp.array_equal(jnp.isnan(y_xla[0]), want_nan))
+    finite = ~want_nan
+    rel = float(_rel_err(y[0], exact, finite))
+    xla_rel = float(_rel_err(y_xla[0], exact, finite))
+    figures = {"same_on_every_device": same, "nan_blocks_ok": nan_ok,
+               "rel_err": rel, "xla_rel_err": xla_rel}
+    why = None
+    if not same:
+        why = "results differ between virtual devices"
+    elif not nan_ok:
+        why = "NaN where the input was finite, or a non-finite block not NaN"
+    elif not xla_nan_ok:
+        why = "the xla transport's NaN blocks are not the non-finite ones (reference broken)"
+    elif not rel <= xla_rel:        # also catches NaN
+        why = f"rel_err {rel:.4g} > the xla transport's {xla_rel:.4g}"
+    return figures, why
+
+
+def run_config(a) -> dict:
+    from taco_jax import codecs
+    codec = codecs.get(a.codec)
+    p, nbytes, dtype = a.one_p, a.one_bytes, DTYPES[a.one_dtype]
+    n = max(1, nbytes // jnp.dtype(dtype).itemsize)
+    fn = implementation(a.impl, codec, a.wrong_exchange)
+    ref = xla_transport(p)
+    row = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": a.one_dtype,
+           "kernel": "one_launch" if a.impl == "kernel" else f"emulated({a.impl})"}
+    worst, why = None, None
+    for call in range(a.calls):              # back to back, fresh inputs each time
+        xs, bad = make_input(jax.random.key(1000 * p + call), p, n, dtype, codec.block_size)
+        figures, why = check_call(fn, ref, xs, bad, codec.block_size)
+        if worst is None or figures["rel_err"] > worst["rel_err"] or why:
+            worst = figures
+        if why:
+            why = f"call {call + 1}: {why}"
+            break
+    row.update(worst, calls=a.calls, ok=why is None, reason=why)
+    if why is None and a.time:
+        row.update(time_config(fn, p, n, dtype, codec))
+    return row
+
+
+def time_config(fn, p, n, dtype, codec) -> dict:
+    """Device time of the loopback (all P virtual devices), and of the three-launch path's
+    kernels for one device (Triton compress of its tensor + decode_sum of P wires)."""
+    from bench.common import device_time
+    from taco_jax import codecs
+    from taco_jax.kernels import compress, decode_sum
+    xs, _ = make_input(jax.random.key(7), p, n, dtype, codec.block_size)
+    iters = 3 if n * jnp.dtype(dtype).itemsize * p >= 1 << 30 else 10
+    loop = device_time(fn, xs, iters=iters)
+    blocks = codecs.to_blocks(xs[0], codec.block_size)
+    comp = device_time(lambda b: compress.compress(b, codec), blocks, iters=iters)
+    wire = compress.compress(blocks, codec)
+    recv = jnp.stack([wire] * p)
+    dsum = device_time(lambda r: decode_sum.decode_sum(r, codec, dtype), recv, iters=iters)
+    out = {"device_us": round(loop["us"], 2), "per_device_us": round(loop["us"] / p, 2),
+           "kernel_us": round(sum(v for k, v in loop["kernels"].items() if "fused" in k), 2),
+           "separate_us": round(comp["us"] + dsum["us"], 2),
+           "compress_us": round(comp["us"], 2), "decode_sum_us": round(dsum["us"], 2)}
+    if p == 2:
+        wire_bytes = (p - 1) * wire.size
+        out["projected_us_nvlink"] = round(
+            FIXED_US + max(out["per_device_us"], wire_bytes / LINK_GBPS / 1e3), 2)
+    return out
+
+
+# -- the projection's check on what two GPUs measured ---------------------------------------
+def lax_psum_us(mib: float) -> float | None:
+    try:
+        rows = json.load(open(COLLECTIVES))["rows"]
+    except (OSError, ValueError, KeyError):
+        return None
+    for r in rows:
+        if r.get("codec") == "taco" and abs(r["mib_per_device"] - mib) < 1e-9:
+            return r["lax_psum_us"]
+    return None
+
+
+def method_check(sizes_mib, a) -> list[dict]:
+    """The xla transport at P = 2, projected as fixed-per-collective + its kernels' device
+    times + all-to-all and all-gather of the wire at the link rate, in series; against its
+    2×H200 rows ("compressed_us": the compressed path forced)."""
+    from bench.common import device_time
+    try:
+        rows = {r["mib_per_device"]: r for r in json.load(open(COLLECTIVES))["rows"]
+                if r.get("codec") == "taco"}
+    except (OSError, ValueError, KeyError):
+        return []
+    from taco_jax import codecs
+    codec = codecs.get(a.codec)
+    out = []
+    for mib in sizes_mib:
+        if mib not in rows:
+            continue
+        n = int(mib * MIB) // 2
+        xs, _ = make_input(jax.random.key(3), 2, n, jnp.bfloat16, codec.block_size)
+        t = device_time(xla_transport(2), xs, iters=3 if mib >= 256 else 10)
+        kern = sum(v for k, v in t["kernels"].items() if "taco" in k) / 2
+        wire = -(-n // codec.block_size) * codec.row_bytes
+        link = 2 * (wire / 2) / LINK_GBPS / 1e3           # (P−1)/P of the wire, twice
+        proj = 2 * FIXED_US + kern + link
+        meas = rows[mib]["compressed_us"]
+        out.append({"mib": mib, "xla_kernels_us": round(kern, 2), "link_us": round(link, 2),
+                    "projected_us": round(proj, 2), "measured_2gpu_us": meas,
+                    "error": round(proj / meas - 1, 3)})
+    return out
+
+
+# -- the driver -----------------------------------------------------------------------------
+def child_cmd(a, p, nbytes, dtype) -> list[str]:
+    cmd = [sys.executable, "-m", "bench.fused", "--one", str(p), str(nbytes), dtype,
+           "--impl", a.impl, "--calls", str(a.calls), "--codec", a.codec]
+    if a.wrong_exchange:
+        cmd += ["--wrong-exchange", a.wrong_exchange]
+    if a.time:
+        cmd.append("--time")
+    return cmd
+
+
+def run_children(a, configs) -> list[dict]:
+    """Each configuration in its own process, `a.jobs` at a time, each under a.timeout."""
+    rows, running = [], []
+    pending = list(configs)
+    while pending or running:
+        while pending and len(running) < a.jobs:
+            cfg = pending.pop(0)
+            proc = subprocess.Popen(child_cmd(a, *cfg), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            running.append((cfg, proc, time.monotonic()))
+        time.sleep(0.2)
+        for item in list(running):
+            cfg, proc, t0 = item
+            if proc.poll() is None and time.monotonic() - t0 < a.timeout:
+                continue
+            running.remove(item)
+            p, nbytes, dtype = cfg
+            base = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": dtype}
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+                rows.append({**base, "ok": False, "reason": f"timed out after {a.timeout} s"})
+            else:
+                text = proc.communicate()[0]
+                found = [ln for ln in text.splitlines() if ln.startswith("ROW ")]
+                if proc.returncode == 0 and found:
+                    rows.append(json.loads(found[-1][4:]))
+                else:
+                    tail = " | ".join(text.strip().splitlines()[-3:])[-300:]
+                    rows.append({**base, "ok": False,
+                                 "reason": f"exit {proc.returncode}: {tail}"})
+            r = rows[-1]
+            print(f"P={p} {r['mib']} MiB {dtype}: " + ("ok" if r["ok"] else r["reason"]),
+                  flush=True)
+    order = {c: i for i, c in enumerate(configs)}
+    return sorted(rows, key=lambda r: order.get((r["p"], r["bytes"], r["dtype"]), 0))
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 256])
-    ap.add_argument("--out", default="bench/results/fused.json")
+    ap.add_argument("--p", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--sizes", type=parse_size, nargs="+",
+                    default=[parse_size(s) for s in DEFAULT_SIZES])
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    ap.add_argument("--codec", default="taco")
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--method-check", action="store_true",
+                    help="project the xla transport and compare with its 2-GPU rows")
+    ap.add_argument("--impl", choices=["kernel", "emulated"], default=None,
+                    help="default: the kernel on GPU, the emulation elsewhere")
+    ap.add_argument("--wrong-exchange", choices=["slot", "drop"], default=None)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--out", default="bench/results/fused_loopback.json")
+    ap.add_argument("--one", nargs=3, metavar=("P", "BYTES", "DTYPE"), default=None,
+                    help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    n = jax.device_count()
-    mesh = jax.make_mesh((n,), ("tp",))
-    reason = fused.mesh_unavailable_reason(mesh) or (
-        None if n >= 2 else "one device (in-kernel peer stores need 2 or more GPUs)")
-    if reason:
-        raise SystemExit(f"bench.fused: cannot run here: {reason}")
-    spec = P("tp")
-    rows, checks = [], []
-
-    def sharded(fn):
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
-                                     check_vma=False))
-
-    for mib in a.sizes_mib:
-        m = int(mib * MIB)
-        for gather in (True, False):
-            shape = (n, m) if gather else (n, n, m // n)
-            x = jax.random.randint(jax.random.key(0), shape, 0, 256, jnp.int32)
-            x = jax.device_put(x.astype(jnp.uint8), NamedSharding(mesh, spec))
-            ref = sharded(lambda v: (lax.all_gather(v[0], "tp") if gather else
-                                     lax.all_to_all(v[0], "tp", 0, 0))[None])
-            want = np.asarray(ref(x))
-            t_ref = calibrate.time_calls(ref, x, iters=5)
-            for handshake in (False, True):
-                ours = sharded(lambda v, h=handshake: fused.exchange(
-                    v[0], "tp", n, gather=gather, vma=False, handshake=h)[None])
-                ok = bool(np.array_equal(np.asarray(ours(x)), want))
-                checks.append({"mib": mib, "op": "all_gather" if gather else "all_to_all",
-                               "handshake": handshake, "n_devices": n, "equal_to_lax": ok})
-                print(checks[-1], flush=True)
-                if ok:
-                    t_ours = calibrate.time_calls(ours, x, iters=5)
-                    rows.append({"mib": mib, "op": checks[-1]["op"], "handshake": handshake,
-                                 "n_devices": n, "fused_us": round(t_ours, 1),
-                                 "lax_us": round(t_ref, 1), "ratio": round(t_ours / t_ref, 3)})
-    print_table(checks, list(checks[0]))
-    if rows:
-        print_table(rows, list(rows[0]))
-    write_json(a.out, {**env_facts(), "link": calibrate.link(), "check": checks, "rows": rows})
+    if a.impl is None:
+        a.impl = "kernel" if jax.default_backend() == "gpu" else "emulated"
+    if a.impl == "kernel" and jax.default_backend() != "gpu":
+        raise SystemExit(f"bench.fused: cannot run here: the kernel needs a Hopper GPU "
+                         f"(platform {jax.default_backend()!r}; --impl emulated runs the "
+                         f"checks on a jnp model)")
+    if a.one:
+        a.one_p, a.one_bytes, a.one_dtype = int(a.one[0]), int(a.one[1]), a.one[2]
+        print("ROW " + json.dumps(run_config(a)), flush=True)
+        return 0
+    configs = [(p, s, d) for p in a.p for s in a.sizes for d in a.dtypes]
+    rows = run_children(a, configs)
+    for r in rows:
+        if r.get("ok") and r.get("projected_us_nvlink"):
+            lax_us = lax_psum_us(r["mib"])
+            r["lax_psum_us_2gpu"] = lax_us
+            r["projected_ratio_nvlink"] = (round(r["projected_us_nvlink"] / lax_us, 3)
+                                           if lax_us else None)
+    checks = method_check([r["mib"] for r in rows if r.get("p") == 2 and r.get("ok")
+                           and r["dtype"] == "bf16"], a) if a.method_check else []
+    cols = ["p", "mib", "dtype", "ok", "same_on_every_device", "rel_err", "xla_rel_err",
+            "device_us", "per_device_us", "separate_us", "projected_ratio_nvlink"]
+    print_table(rows, cols)
+    if checks:
+        print("projection method on the xla transport (2×H200 measured):")
+        print_table(checks, list(checks[0]))
+    write_json(a.out, {**env_facts(), "impl": a.impl, "codec": a.codec, "calls": a.calls,
+                       "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,
+                       "projection": "projected for 2 GPUs: fixed_us + max(per_device_us, "
+                                     "wire bytes / link_gbps), / 2xH200 lax.psum",
+                       "rows": rows, "method_check": checks})
+    failed = [r for r in rows if not r.get("ok")]
+    if failed:
+        r = failed[0]
+        print(f"bench.fused: FAILED P={r['p']} {r['mib']} MiB {r['dtype']}: {r['reason']} "
+              f"({len(failed)} of {len(rows)} configurations failed)")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -42,8 +42,13 @@ def test_fused_transport_on_cpu_is_a_clear_error():
 
 def test_fused_unavailable_reasons():
     assert "cpu" in fused.mesh_unavailable_reason(jax.make_mesh((2,), ("tp",)))
-    assert "other mesh axes" in fused.mesh_unavailable_reason(
+    # other axes are fine (peers are addressed by axis name); the device order is not
+    assert "cpu" in fused.mesh_unavailable_reason(
         jax.make_mesh((2, 2), ("data", "tp"), devices=jax.devices()[:4]))
+    devs = jax.devices()
+    for order in ([devs[1], devs[0]], [devs[0], devs[2]]):
+        mesh = jax.sharding.Mesh(np.array(order), ("tp",))
+        assert "not 0..1 in order" in fused.mesh_unavailable_reason(mesh)
     f = jax.vmap(lambda v: jnp.asarray(fused.unavailable_reason(("tp",)) is not None),
                  axis_name="tp")
     assert bool(f(jnp.ones(2)).all())
@@ -124,9 +129,11 @@ def test_fused_exchange_packs_any_bytes(monkeypatch, dtype, gather):
 
 
 def test_fused_schedules_with_lax_in_place_of_the_kernel(monkeypatch):
-    """taco_jax.psum(transport="fused") end to end on CPU, the kernel emulated: P = 2 is the
-    one-shot, P = 4 the two-shot (the xla transport's numbers exactly)."""
+    """taco_jax.psum(transport="fused") end to end on CPU through the three-launch
+    schedules, the exchange kernel emulated: P = 2 is the one-shot, P = 4 the two-shot (the
+    xla transport's numbers exactly)."""
     monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
+    monkeypatch.setattr(fused, "one_launch_reason", lambda codec, p, dtype: "emulated")
     monkeypatch.setattr(fused, "unavailable_reason", lambda axes: None)
     c = codecs.get("taco")
     x2 = gauss((2, 3, 300), seed=6)
@@ -142,18 +149,15 @@ def test_fused_schedules_with_lax_in_place_of_the_kernel(monkeypatch):
 
 
 
-@pytest.mark.parametrize("p,gather,handshake", [(2, True, False), (2, False, True),
-                                               (4, True, True), (4, False, False)])
-def test_exchange_kernel_lowers_for_cuda(p, gather, handshake):
+@pytest.mark.parametrize("p,gather", [(2, True), (2, False), (4, True), (4, False)])
+def test_exchange_kernel_lowers_for_cuda(p, gather):
     """The Mosaic GPU exchange kernel itself (not run: it needs 2+ GPUs) traces and lowers
-    to one Mosaic GPU custom call for a CUDA target from this CPU-only machine, with and
-    without the ready handshake."""
+    to one Mosaic GPU custom call for a CUDA target from this CPU-only machine."""
     mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
     shape = (p, 3 * fused.TILE_BYTES) if gather else (p, p, fused.TILE_BYTES + 5)
 
     def body(v):
-        return fused.exchange(v[0], "tp", p, gather=gather, vma=False,
-                              handshake=handshake)[None]
+        return fused.exchange(v[0], "tp", p, gather=gather, vma=False)[None]
     f = jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
     x = jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=jax.NamedSharding(mesh, P("tp")))
     text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()

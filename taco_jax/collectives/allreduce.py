@@ -12,15 +12,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import telemetry
-from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives import axes as axes_lib, fused
 from taco_jax.collectives.call import Call, transport_move
 from taco_jax.collectives.two_shot import one_shot, two_shot
 
 
 def allreduce(x, axis, codec, p: int, vma: bool, transport: str):
     """The compressed psum over one transport: the xla transport's two-shot; the fused
-    transport's one-shot at P = 2 (and for exact sums, codec "none"), two-shot beyond."""
+    transport's one-shot at P = 2 in one kernel where it covers the codec and dtype (else
+    three: compress, exchange, decode_sum; and for exact sums, codec "none"), two-shot
+    beyond."""
     move = transport_move(transport)
+    if transport == "fused" and fused.one_launch_reason(codec, p, x.dtype) is None:
+        return fused.one_launch(x, axis, codec, p, vma)
     if transport == "fused" and (p == 2 or codec.is_identity):
         return one_shot(x, axis, codec, p, vma, move)
     return two_shot(x, axis, codec, p, vma, move=move)
@@ -54,16 +58,41 @@ _psum.defvjp(_psum_fwd, _psum_bwd)
 
 def psum(x, axis_name, *, codec=None, min_bytes: int | None = None,
          transport: str | None = None):
-    """Drop-in for `jax.lax.psum` inside `jax.shard_map` (or `jax.vmap` with an axis name),
-    compressed with `codec` (default: the recipe's, `taco_jax.config`).
+    """Compressed all-reduce sum over `axis_name`: a drop-in for `jax.lax.psum`.
 
-    axis_name: one mesh axis or a tuple of them (compressed over their product). Leaves that
-    are not float32/bfloat16/float16, smaller than `min_bytes` per device, on an axis of
-    size 1, or with codec "none", go through `lax.psum` unchanged (`telemetry.sites()`
-    tells which and why). `min_bytes=None` (and the recipe's None): this machine's
-    calibration (`python -m taco_jax.calibrate`) decides per size, else DEFAULT_MIN_BYTES.
-    transport: "xla", "fused" (GPUs of one process) or "auto" (default: the calibration's
-    choice, else "xla"). The result is identical on every device."""
+    Call it inside `jax.shard_map` (or `jax.vmap` with an `axis_name`). A float leaf of at
+    least `min_bytes` per device takes the compressed two-shot all-reduce: each element is
+    quantized at most twice, and the result is bit-identical on every device. Any other
+    leaf takes `lax.psum` and traces to exactly its jaxpr: a leaf that is not
+    float32/bfloat16/float16, on an axis of size 1, with codec "none", below `min_bytes`,
+    or (check_vma=True) invariant over the axis. `telemetry.sites()` tells which route
+    each call site took and why.
+
+    Args:
+      x: an array, or a pytree of arrays.
+      axis_name: a mesh axis name, or a tuple/list of names (summed over all of them).
+      codec: a codec name (`taco_jax.codecs.names()`) or a `taco_jax.codecs.Codec`; None
+        (default): the recipe's (`taco_jax.config`).
+      min_bytes: an int >= 0, the smallest leaf (bytes per device) that is compressed;
+        None (default): the recipe's, whose own None means this machine's calibration
+        (`python -m taco_jax.calibrate`), else `taco_jax.DEFAULT_MIN_BYTES`.
+      transport: how compressed bytes move: "xla" (XLA's all-to-all and all-gather),
+        "fused" (in-kernel stores into the peers' memory; GPUs of one process, one mesh
+        axis) or "auto" (the calibration's choice per size, else "xla"); None (default):
+        the recipe's.
+
+    Returns:
+      `x`'s structure, each leaf the sum over `axis_name` in the leaf's dtype, replicated
+      (invariant over the axis under check_vma=True). Gradient: lax.psum's transpose (under
+      check_vma=False and under vmap, the same compressed psum of the cotangent).
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      ValueError: an unknown codec name; an empty or repeated `axis_name`; a `min_bytes`
+        or `transport` outside the values above; transport="fused" where it cannot run
+        (the message says why).
+      TypeError: a codec that is neither a name nor a Codec.
+    """
     op = Call.make("psum", axis_name, codec, min_bytes, transport)
 
     def leaf(v):
@@ -112,13 +141,31 @@ _pvary.defvjp(_pvary_fwd, _pvary_bwd)
 
 def pvary(x, axis_name, *, codec=None, min_bytes: int | None = None,
           transport: str | None = None):
-    """Identity forward; compressed psum of the cotangent backward (Megatron's `f`).
+    """Identity forward, compressed psum of the cotangent backward (Megatron's `f`): a
+    drop-in for `jax.lax.pcast(x, axis_name, to="varying")`.
 
-    Under check_vma=True the result is varying over `axis_name` (like
-    `lax.pcast(x, axis_name, to="varying")`), so column-parallel weights can consume it.
-    Under check_vma=False (and under vmap) it is the identity both ways: JAX's convention
-    there already sums the cotangents of replicated values (at the shard_map boundary, and
-    through psum's transpose), so an all-reduce here would count them P times."""
+    Under check_vma=True the result is varying over `axis_name`, so column-parallel weights
+    can consume it, and its backward all-reduces the cotangent, compressed as `psum` is
+    (the plain route traces to exactly lax.pcast's jaxpr). Under check_vma=False (and under
+    vmap, unless the recipe's `vmap_check_vma`) it is the identity both ways: JAX's
+    convention there already sums the cotangents of replicated values (at the shard_map
+    boundary, and through psum's transpose), so an all-reduce here would count them P times.
+
+    Args:
+      x: an array, or a pytree of arrays, invariant over `axis_name`.
+      axis_name: a mesh axis name, or a tuple/list of names.
+      codec, min_bytes, transport: as `taco_jax.psum`'s, for the backward all-reduce
+        (each None by default: the recipe's).
+
+    Returns:
+      `x`, varying over `axis_name` under check_vma=True; unchanged otherwise.
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      ValueError: a leaf already varying over `axis_name` (check_vma=True); an unknown
+        codec name, a bad `axis_name`, `min_bytes` or `transport` (as `taco_jax.psum`).
+      TypeError: a codec that is neither a name nor a Codec.
+    """
     op = Call.make("pvary", axis_name, codec, min_bytes, transport)
 
     def leaf(v):

@@ -1,0 +1,445 @@
+"""The compressed one-shot all-reduce in one Pallas Mosaic GPU kernel (Hopper).
+
+Each device encodes its tensor tile by tile, stores every wire tile (codes and scales)
+into its own and every peer's receive buffer, signals the peers per tile, and, as the
+tiles of every device arrive, decodes them and sums them in device order (0, 1, …,
+P − 1) in f32: one quantization per element, the same bytes decoded in the same order on
+every device, so every device gets the same bits. The result equals
+`two_shot.one_shot` (compress → all-gather → `decode_sum`, three launches) up to the
+encoder's rounding (`mosaic.encode_tile` vs the Triton compress).
+
+One kernel body, two ways to address a peer (`Remote`, `Loopback`):
+
+  * `Remote`: inside `jax.shard_map`, one device per mesh member along `axis`; a peer's
+    receive buffer is `plgpu.remote_ref(recv, {axis: peer})` (addressed by axis name, so
+    any other mesh axes keep this device's own coordinates), the semaphores are per
+    program and signalled on the peer. XLA zeroes them and runs a cross-device barrier
+    before the kernel, so no store reaches a peer whose previous call still reads.
+  * `Loopback`: P virtual devices on one GPU are P groups of programs of one kernel; a
+    peer's receive buffer is a slice of one (P, …) buffer and the semaphores are one
+    global array indexed (receiver, sender, program). It runs the same protocol, tile
+    math and stores, so correctness and compute cost are checkable on one GPU; the link,
+    XLA's barrier and remote TMA descriptors are not.
+
+Protocol, per program b (tiles b, b + n, b + 2n, … of this device; every device's
+program b handles the same tiles, so it talks only to the peers' programs b):
+
+  step i:  load x tile i+1 (TMA, double-buffered) | encode tile i → staging (SMEM) →
+           TMA stores to the peers' slots, own slot last | for tile i − 1: wait until its
+           stores have landed, signal each peer, wait for each peer's signal, decode the
+           P wire tiles in device order, sum, store the result (TMA).
+
+Every program of every device must be resident at once (a program waits for its peers'
+programs): the grid is at most one program per multiprocessor per device
+(`FusedConfig.programs`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, vector
+
+from taco_jax import codecs
+from taco_jax.kernels import mosaic
+
+ROWS, BLOCK, LINE = mosaic.ROWS, mosaic.BLOCK, 256
+IN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_P = 8
+
+
+# -- configuration ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    """`programs`: programs per device (None: this GPU's multiprocessors / P in loopback, all
+    of them otherwise); every program of every device must be resident together, so more
+    than one per multiprocessor is refused. `parts`: the decode's column passes (2 halves
+    the registers a thread holds while P tiles are summed)."""
+    programs: int | None = None
+    parts: int = 2
+
+    def __post_init__(self):
+        if self.parts not in (1, 2):
+            raise ValueError(f"FusedConfig.parts={self.parts} must be 1 or 2")
+        if self.programs is not None and self.programs < 1:
+            raise ValueError(f"FusedConfig.programs={self.programs} must be >= 1")
+
+    def grid(self, n_tiles: int, devices_here: int) -> int:
+        """Programs per device: ≤ this GPU's multiprocessors / devices_here."""
+        cap = max(1, mosaic._sm_count() // devices_here)
+        want = cap if self.programs is None else self.programs
+        if want > cap:
+            raise ValueError(f"FusedConfig.programs={want} exceeds the {cap} programs that "
+                             f"can be resident per device ({devices_here} on this GPU)")
+        return max(1, min(n_tiles, want))
+
+
+# -- how a peer is addressed ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """One device per member of mesh axis `axis` (inside shard_map)."""
+    axis: str
+    p: int
+    nprog: int
+
+    devices_here = 1
+
+    def grid(self):
+        return self.nprog
+
+    def ids(self):
+        return lax.axis_index(self.axis), lax.axis_index("prog")
+
+    def local(self, ref, me):
+        return ref
+
+    def peer(self, ref, me, dst):
+        return plgpu.remote_ref(ref, {self.axis: dst})
+
+    def semaphores(self, scratch, me, b):
+        return scratch
+
+    def signal(self, sems, me, b, dsts):
+        plgpu.semaphore_signal_parallel(*[
+            plgpu.SemaphoreSignal(sems.at[me], device_id={self.axis: d}) for d in dsts])
+
+    def wait(self, sems, me, b, src):
+        pl.semaphore_wait(sems.at[src], 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loopback:
+    """P virtual devices on this GPU: device d is programs d·nprog … (d+1)·nprog − 1."""
+    p: int
+    nprog: int
+
+    @property
+    def devices_here(self):
+        return self.p
+
+    def grid(self):
+        return self.p * self.nprog
+
+    def ids(self):
+        g = lax.axis_index("prog")
+        return g // self.nprog, g % self.nprog
+
+    def local(self, ref, me):
+        return ref.at[me]
+
+    def peer(self, ref, me, dst):
+        return ref.at[dst]
+
+    def semaphores(self, scratch, me, b):
+        # global: they persist between calls, and every signal is consumed by one wait
+        return pl.get_global(plgpu.SemaphoreType.REGULAR((self.p * self.p * self.nprog,)))
+
+    def _sem(self, sems, dst, src, b):
+        return sems.at[(dst * self.p + src) * self.nprog + b]
+
+    def signal(self, sems, me, b, dsts):
+        plgpu.semaphore_signal_parallel(*[
+            plgpu.SemaphoreSignal(self._sem(sems, d, me, b), device_id=None) for d in dsts])
+
+    def wait(self, sems, me, b, src):
+        pl.semaphore_wait(self._sem(sems, me, src, b), 1)
+
+
+# -- decode and add, in registers ---------------------------------------------------------------
+@functools.cache
+def _decode_add_fn(codec, vec: int, parts: int, first: bool):
+    """One column part of a decoded tile (f32, value layout of `vec`-element vectors), plus
+    the running sum of the previous devices' (unless first): mosaic.decode_tile's math
+    without its final cast, so P tiles sum in f32 in one register array."""
+    layout = mosaic._pallas_layout(mosaic._wire_tiled(vec, BLOCK // parts))
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.float32, layout)
+    args = (plgpu.Layout.WGMMA, mosaic.scale_layout(codec)) + (() if first else (layout,))
+
+    @plgpu.inline_mgpu(arg_types=args, return_type=out)
+    def decode_add(ctx, acc, sbytes, total=None):
+        del ctx
+        f32 = ir.F32Type.get()
+        gains = []
+        for i in range(2):
+            sv = vector.bitcast(ir.VectorType.get((codec.n_scales,), f32),
+                                sbytes.registers.reshape(2)[i])
+            gain = mosaic._elem(sv, 0)                                    # eq. 11
+            if codec.transform == "ash":                                  # eq. 13
+                gain = arith.mulf(gain, mosaic._ptx_f32("rcp.approx.ftz.f32",
+                                                        mosaic._elem(sv, 1)))
+            gains.append(vector.broadcast(ir.VectorType.get((2,), f32),
+                                          arith.mulf(gain, mosaic._f32(1 / np.sqrt(BLOCK)))))
+        vals = mosaic._assemble(mosaic._transformed(acc), vec, f32, gains)   # eq. 12
+        return vals if total is None else total + vals
+    return decode_add
+
+
+def _sum_tiles(load, r_smem, r_bar, h_dec, codec, p, vec, parts):
+    """Σ_j decode(wire tile j), j = 0 … P − 1 in that order, summed in f32: `parts` arrays.
+    load(j, slot) starts the TMA copy of device j's wire tile into r_smem[slot] (arriving
+    on r_bar[slot]). With P slots each tile is read once; with 2 (P > 2, to fit shared
+    memory) the tiles stream through them once per column part, the next copy issued as
+    soon as the previous occupant of its slot is in registers."""
+    row = codec.row_bytes
+    fmt = mosaic.CODE_FORMATS[codec.fmt]
+    resident = r_smem.shape[0] == p
+    seq = [(part, j) for part in range(parts) for j in range(p)]
+    slot_of = (lambda e: seq[e][1]) if resident else (lambda e: e % 2)   # noqa: E731
+    if resident:
+        for j in range(p):
+            load(j, j)
+    else:
+        load(0, 0)
+    totals = [None] * parts
+    for e, (part, j) in enumerate(seq):
+        slot = slot_of(e)
+        if not resident or part == 0:
+            plgpu.barrier_wait(r_bar.at[slot])
+        codes, scales = mosaic.load_wire_tile(r_smem.at[slot].reshape(ROWS, row), codec)
+        if not resident and e + 1 < len(seq):
+            load(seq[e + 1][1], (e + 1) % 2)     # the slot's last reader is done (loads sync)
+        q = [lax.bitcast_convert_type(codes[:, 16 * c:16 * (c + 1)], fmt)
+             .astype(jnp.float16) for c in range(mosaic.FACTOR)]
+        acc = mosaic._transform_part(lambda c: q[c], h_dec, part, parts)
+        total = totals[part]
+        totals[part] = _decode_add_fn(codec, vec, parts, total is None)(
+            acc, scales, *(() if total is None else (total,)))
+    return totals
+
+
+# -- the kernel ---------------------------------------------------------------------------------
+def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_smem,
+                 y_smem, he_smem, hd_smem, x_bar, h_bar, r_bar, sem_scratch, *, peers, codec,
+                 n_tiles, out_dtype, parts):
+    p, nprog = peers.p, peers.nprog
+    me, b = peers.ids()
+    sems = peers.semaphores(sem_scratch, me, b)
+    x_mine, y_mine = peers.local(x_gmem, me), peers.local(y_gmem, me)
+    recv_mine = peers.local(recv_gmem, me)
+    row = codec.row_bytes
+    lines = ROWS * row // LINE                                   # wire lines per tile
+    count = (n_tiles - b + nprog - 1) // nprog                    # this program's tiles
+    tile = lambda i: b + i * nprog                               # noqa: E731
+    vec = mosaic._value_vec(out_dtype)
+    tma_out = y_smem is not None
+
+    plgpu.copy_gmem_to_smem(he_gmem, he_smem, h_bar)
+    plgpu.barrier_wait(h_bar)
+    plgpu.copy_gmem_to_smem(hd_gmem, hd_smem, h_bar)
+    plgpu.barrier_wait(h_bar)
+
+    x_slots = x_smem.shape[0]
+
+    def load_x(i):
+        slot = i % x_slots
+        plgpu.copy_gmem_to_smem(x_mine.at[pl.ds(tile(i) * ROWS, ROWS)], x_smem.at[slot],
+                                x_bar.at[slot])
+
+    def prefetch(i):
+        @pl.when(i + 1 < count)
+        def _():
+            load_x(i + 1)
+
+    def encode_and_push(i):
+        slot = i % x_slots
+        plgpu.barrier_wait(x_bar.at[slot])
+        src = x_smem.at[slot]
+        if xb_smem is not None:            # f32 input: the transform's operand is bf16
+            v = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False)
+            prefetch(i)                    # one x slot: refill it once it is in registers
+            xb_smem[...] = v.astype(xb_smem.dtype)
+            plgpu.commit_smem()
+            src = xb_smem
+        slot = i % 2
+        codes, scales = mosaic.encode_tile(src, he_smem, codec, 1)
+        # the staging slot was last read by step i − 2's stores: all but the most recent
+        # P + 1 groups (step i − 1's P wire stores and one result store) are done
+        plgpu.wait_smem_to_gmem(p + 1, wait_read_only=True)
+        stage = w_smem.at[slot]
+        mosaic.store_wire_tile(stage.reshape(ROWS, row), codes, scales)
+        plgpu.commit_smem()
+        rows = pl.ds(tile(i) * lines, lines)
+        for k in range(1, p + 1):         # peers first, this device's own slot last
+            dst = (me + k) % p
+            out = recv_mine if k == p else peers.peer(recv_gmem, me, dst)
+            plgpu.copy_smem_to_gmem(stage, out.at[me, rows])
+
+    def finish(i):
+        """Tile i's stores have landed (the caller waited): signal, wait, decode, store."""
+        peers.signal(sems, me, b, [(me + k) % p for k in range(1, p)])
+        for k in range(1, p):
+            peers.wait(sems, me, b, (me + k) % p)
+        rows = pl.ds(tile(i) * lines, lines)
+
+        def load(j, slot):
+            plgpu.copy_gmem_to_smem(recv_mine.at[j, rows], r_smem.at[slot], r_bar.at[slot])
+        totals = _sum_tiles(load, r_smem, r_bar, hd_smem, codec, p, vec, parts)
+        values = [t.astype(out_dtype) for t in totals]
+        out_rows = pl.ds(tile(i) * ROWS, ROWS)
+        if tma_out:
+            mosaic.store_values(y_smem, values)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(y_smem, y_mine.at[out_rows])
+        else:
+            mosaic.store_values(y_mine.at[out_rows], values)
+
+    @pl.when(count > 0)
+    def _():
+        load_x(0)
+
+        @pl.loop(0, count)
+        def _(i):
+            if x_slots == 2:
+                prefetch(i)
+            encode_and_push(i)
+
+            @pl.when(i > 0)
+            def _():
+                # all but this step's P stores complete: tile i − 1 has landed everywhere,
+                # and the result store that last read y_smem is done
+                plgpu.wait_smem_to_gmem(p)
+                finish(i - 1)
+
+        plgpu.wait_smem_to_gmem(0)
+        finish(count - 1)
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _launch(blocks, codec, out_dtype, peers, parts, mat=None):
+    """blocks: (n_rows, 256) or, in loopback, (P, n_rows, 256); n_rows % 64 == 0."""
+    p = peers.p
+    n_rows = blocks.shape[-2]
+    n_tiles = n_rows // ROWS
+    lead = blocks.shape[:-2]
+    lines = ROWS * codec.row_bytes // LINE
+    in_dtype = blocks.dtype
+    enc_dtype = jnp.bfloat16 if in_dtype == jnp.float32 else in_dtype
+    tma_out = jnp.dtype(out_dtype).itemsize == 2
+
+    def struct(shape, dtype):
+        if mat is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+    out_type = (struct((*lead, n_rows, BLOCK), out_dtype),
+                struct((*lead, p, n_tiles * lines, LINE), jnp.uint8))   # receive buffers
+    x_transforms = () if in_dtype == jnp.float32 else mosaic.SMEM_TRANSFORMS
+    scratch = [
+        # f32 tiles are twice the size: one slot, refilled as soon as it is in registers
+        plgpu.SMEM((1 if in_dtype == jnp.float32 else 2, ROWS, BLOCK), in_dtype,
+                   transforms=x_transforms),
+        (plgpu.SMEM((ROWS, BLOCK), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS)
+         if in_dtype == jnp.float32 else None),
+        plgpu.SMEM((2, lines, LINE), jnp.uint8),
+        plgpu.SMEM((p if p == 2 else 2, lines, LINE), jnp.uint8),
+        (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=mosaic._swizzled(out_dtype))
+         if tma_out else None),
+        plgpu.SMEM((16, 16), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS),
+        plgpu.SMEM((16, 16), jnp.float16, transforms=mosaic.SMEM_TRANSFORMS),
+        plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.Barrier(num_barriers=2),
+        (plgpu.SemaphoreType.REGULAR((p,)) if isinstance(peers, Remote) else None),
+    ]
+
+    def body(x, he, hd, y, recv, *refs):
+        it = iter(refs)
+        args = [None if s is None else next(it) for s in scratch]
+        _kernel_body(x, he, hd, y, recv, *args, peers=peers, codec=codec, n_tiles=n_tiles,
+                     out_dtype=out_dtype, parts=parts)
+
+    kernel = plgpu.kernel(
+        body, out_type=out_type, scratch_types=[s for s in scratch if s is not None],
+        grid=(peers.grid(),), grid_names=("prog",), kernel_name="taco_fused_allreduce",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=mosaic.LANE))
+    y, _ = kernel(blocks, mosaic.hadamard_operand("encode", enc_dtype),
+                  mosaic.hadamard_operand("decode"))
+    return y
+
+
+# -- wrappers ------------------------------------------------------------------------------------
+def unsupported(codec, p: int, dtype) -> str | None:
+    """Why the one-launch kernel does not cover this all-reduce (None: it does)."""
+    if not 2 <= p <= MAX_P:
+        return f"P={p} devices (the kernel covers 2..{MAX_P})"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in IN_DTYPES]:
+        return f"{jnp.dtype(dtype).name} data (covered: bfloat16, float16, float32)"
+    enc = jnp.bfloat16 if jnp.dtype(dtype) == jnp.float32 else dtype
+    return (mosaic.unsupported("compress", codec, (ROWS, BLOCK), enc)
+            or mosaic.unsupported("decompress", codec, (ROWS, BLOCK), dtype))
+
+
+def _check(codec, p, dtype, where):
+    why = unsupported(codec, p, dtype)
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
+
+
+def _tiles(flat):
+    """(…, n) → ((…, n_rows, 256) blocks, n_rows % 64 == 0): zero blocks decode to zeros
+    and are sliced off."""
+    n = flat.shape[-1]
+    n_rows = -(-max(n, 1) // (ROWS * BLOCK)) * ROWS
+    pad = n_rows * BLOCK - n
+    if pad:
+        flat = jnp.pad(flat, [(0, 0)] * (flat.ndim - 1) + [(0, pad)])
+    return flat.reshape(*flat.shape[:-1], n_rows, BLOCK)
+
+
+def fused_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
+                    cfg: FusedConfig | None = None):
+    """Σ over the P members of mesh axis `axis` of decode(encode(x_j)), in device order:
+    the compressed one-shot all-reduce in one kernel. Call inside `jax.shard_map` on GPUs
+    of one process whose mesh lists devices 0..n−1 in order.
+
+    Args:
+      x: this device's bf16, f16 or f32 array (any shape; f32 is encoded from bf16).
+      axis: one mesh axis name; peers are addressed by it, other axes keep this device's
+        coordinates.
+      p: the axis size (2..8).
+      codec: a Hadamard FP8 codec with B = 256 (`mosaic.unsupported`).
+      out_mat: the result's `manual_axis_type` under check_vma (None without).
+      cfg: launch shape (`FusedConfig`).
+    Returns: an array of x's shape and dtype, the same bits on every device.
+    Raises: ValueError naming what is not covered."""
+    _check(codec, p, x.dtype, "fused_allreduce")
+    cfg = cfg or FusedConfig()
+    if x.size == 0:
+        return x
+    blocks = _tiles(x.reshape(-1))
+    peers = Remote(axis, p, cfg.grid(blocks.shape[0] // ROWS, 1))
+    y = _launch(blocks, codec, x.dtype, peers, cfg.parts, out_mat)
+    return codecs.from_blocks(y, x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "cfg"))
+def loopback_allreduce(xs, codec, cfg: FusedConfig | None = None):
+    """The same kernel on one GPU for P = xs.shape[0] virtual devices: xs[d] is device d's
+    input; returns (P, …): row d is what device d computes (all rows equal when correct).
+    Raises ValueError as `fused_allreduce`."""
+    p = xs.shape[0]
+    _check(codec, p, xs.dtype, "loopback_allreduce")
+    cfg = cfg or FusedConfig()
+    if xs.size == 0:
+        return xs
+    blocks = _tiles(xs.reshape(p, -1))
+    peers = Loopback(p, cfg.grid(blocks.shape[1] // ROWS, p))
+    y = _launch(blocks, codec, xs.dtype, peers, cfg.parts)
+    return jax.vmap(lambda v: codecs.from_blocks(v, xs.shape[1:]))(y)
+
+
+def fused_allreduce_reference(xs, codec):
+    """Plain jnp: (P, …) → Σ_j decode(encode(xs[j])) in f32, j in order, in xs's dtype
+    (f32 inputs are encoded from bf16, as the kernel does)."""
+    acc = None
+    for j in range(xs.shape[0]):
+        v = xs[j].astype(jnp.bfloat16) if xs.dtype == jnp.float32 else xs[j]
+        blocks = codecs.to_blocks(v, codec.block_size)
+        dec = codec.decompress_reference(codec.compress_reference(blocks)).astype(jnp.float32)
+        acc = dec if acc is None else acc + dec
+    return codecs.from_blocks(acc, xs.shape[1:]).astype(xs.dtype)

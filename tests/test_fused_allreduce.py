@@ -1,0 +1,112 @@
+"""The one-launch fused all-reduce (taco_jax/kernels/fused_allreduce.py) on CPU.
+
+Mosaic GPU kernels do not run in Pallas' interpreter, so here the real kernel is traced
+and lowered for a CUDA target: inside `taco_jax.psum(transport="fused")` on 1-, 2- and
+3-axis meshes (peers addressed by axis name), under both check_vma modes, and as the
+one-GPU loopback for P = 2, 4, 8. Its numerics run on a Hopper GPU (`python -m
+bench.fused`); the reference it is checked against is tested here.
+"""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import taco_jax
+from taco_jax import codecs
+from taco_jax.collectives import fused, two_shot
+from taco_jax.kernels import fused_allreduce as fa
+
+from meshes import per_device
+
+TACO = codecs.get("taco")
+
+
+def lowered_psum(shape, names, axis, vma, dtype=jnp.bfloat16, codec="taco"):
+    """HLO text of taco_jax.psum(transport="fused") over `axis` of a mesh `names` → shape,
+    lowered for CUDA; every other axis shards the input too."""
+    n = int(np.prod(shape))
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
+    spec = P(names)
+
+    def body(v):
+        y = taco_jax.psum(v[0], axis, min_bytes=0, transport="fused", codec=codec)
+        return y[None]
+    out_spec = P(tuple(a for a in names if a != axis)) if vma else spec
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=vma)
+    x = jax.ShapeDtypeStruct((n, 3, 5000), dtype, sharding=NamedSharding(mesh, spec))
+    return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.fixture
+def gpu_here(monkeypatch):
+    """The fused transport's platform check passes (what is lowered is a CUDA program)."""
+    monkeypatch.setattr(fused, "_platform_reason", lambda: None)
+
+
+@pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((1, 2), ("data", "tp")),
+                                         ((1, 1, 2), ("data", "pipe", "tp")),
+                                         ((2, 1, 2), ("data", "pipe", "tp"))])
+@pytest.mark.parametrize("vma", [False, True])
+def test_one_launch_lowers_on_meshes_of_one_two_three_axes(gpu_here, shape, names, vma):
+    text = lowered_psum(shape, names, "tp", vma)
+    assert text.count("taco_fused_allreduce") >= 1
+    assert text.count("mosaic_gpu") >= 1 and text.count("custom_call") == 1   # one launch
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_one_launch_lowers_for_f32_and_f16(gpu_here, dtype):
+    text = lowered_psum((2,), ("tp",), "tp", False, dtype=dtype)
+    assert text.count("custom_call") == 1
+
+
+def test_uncovered_calls_take_the_three_launch_schedules(gpu_here):
+    """P = 4 (two-shot) and codec none (exact one-shot): compress/exchange/decode kernels,
+    or the exchange alone, never the one-launch kernel."""
+    text = lowered_psum((4,), ("tp",), "tp", False)
+    assert "taco_fused_allreduce" not in text and "taco_fused_exchange" in text
+    assert "taco_fused_allreduce" not in lowered_psum((2,), ("tp",), "tp", False,
+                                                      codec="taco-int8")
+
+
+@pytest.mark.parametrize("p,dtype", [(2, jnp.bfloat16), (2, jnp.float32), (4, jnp.bfloat16),
+                                     (8, jnp.bfloat16), (8, jnp.float32)])
+def test_loopback_lowers_and_fits_shared_memory(p, dtype):
+    x = jax.ShapeDtypeStruct((p, 64 * 256 * 3 + 17), dtype)
+    text = jax.jit(lambda v: fa.loopback_allreduce(v, TACO)).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("taco_fused_allreduce") >= 1
+
+
+@pytest.mark.parametrize("p,dtype,codec,match", [
+    (1, jnp.bfloat16, "taco", "P=1"), (9, jnp.bfloat16, "taco", "P=9"),
+    (2, jnp.int32, "taco", "int32"), (2, jnp.bfloat16, "taco-int8", "taco-int8")])
+def test_bad_calls_name_the_value(p, dtype, codec, match):
+    with pytest.raises(ValueError, match=match):
+        fa.loopback_allreduce(jnp.ones((p, 512), dtype), codecs.get(codec))
+
+
+def test_empty_input_launches_nothing():
+    assert fa.loopback_allreduce(jnp.ones((2, 0), jnp.bfloat16), TACO).shape == (2, 0)
+
+
+def test_config_refuses_more_programs_than_fit():
+    with pytest.raises(ValueError, match="programs=200"):
+        fa.FusedConfig(programs=200).grid(1000, 1)
+    assert fa.FusedConfig().grid(3, 8) == 3          # never more programs than tiles
+    with pytest.raises(ValueError, match="parts=3"):
+        fa.FusedConfig(parts=3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_reference_is_the_one_shot(dtype):
+    """The reference is what the three-launch one-shot computes (Σ_j decode(encode(x_j)) in
+    device order), for f32 from the bf16 rounding of the input, as the kernel encodes."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, 700), jnp.float32).astype(dtype)
+    want = per_device(lambda v: two_shot.one_shot(v.astype(jnp.bfloat16), "tp", TACO, 2,
+                                                  False), x)
+    got = fa.fused_allreduce_reference(x, TACO)
+    assert got.dtype == dtype and got.shape == x.shape[1:]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[0], np.float32),
+                               rtol=1e-2, atol=1e-2)
