@@ -85,6 +85,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
+from taco_jax import _jax_private
 from taco_jax.numerics import hadamard, quant
 
 ROWS = 64                  # blocks per tile: one warpgroup, the wgmma M
@@ -147,10 +148,9 @@ def _wire_tiled(vec: int, width: int = BLOCK) -> fa.TiledLayout:
 def _scale_tiled(width: int) -> fa.TiledLayout:
     """(64, width): one vector per row, rows as in the WGMMA layout, the four lanes of a
     row holding the same bytes."""
-    return fa.TiledLayout(
+    return _jax_private.tiled_layout(
         fa.Tiling(((64, width), (16, width), (8, width), (width,))), warp_dims=(-7,),
-        lane_dims=(-3, fa.Replicated(4)), vector_dim=-1, _check_canonical=False
-    ).canonicalize()
+        lane_dims=(-3, fa.Replicated(4)), vector_dim=-1)
 
 
 def _pallas_layout(t: fa.TiledLayout):
@@ -273,7 +273,7 @@ def _assemble(z, vec: int, dtype, scale=None) -> fa.FragmentedArray:
         for e, h in np.ndindex(2, FACTOR // vec):
             view[i, j, e, h] = vector.from_elements(
                 vty, [_elem(vals[h * vec + m], e) for m in range(vec)])
-    return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+    return _jax_private.fragmented_array(regs, layout, is_signed=None)
 
 
 def _row_stats(vals):
@@ -298,7 +298,7 @@ def _row_array(vals) -> fa.FragmentedArray:
     vty = ir.VectorType.get((1,), ir.F32Type.get())
     for i, v in enumerate(vals):
         regs.reshape(2)[i] = vector.from_elements(vty, [v])
-    return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+    return _jax_private.fragmented_array(regs, layout, is_signed=None)
 
 
 def _row_values(arr) -> list:
@@ -352,7 +352,7 @@ def _quantize_regs(acc, ss0, m0, codec):
             ir.VectorType.get((width,), ir.IntegerType.get_signless(8)), v)
     mult_v = [vector.broadcast(ir.VectorType.get((2,), f32), m) for m in mults]
     codes = _codes(z, mult_v, codec)                               # eqs. 8, 10
-    return (codes, fa.FragmentedArray(_registers=sregs, _layout=slay, _is_signed=False),
+    return (codes, _jax_private.fragmented_array(sregs, slay, is_signed=False),
             _row_array(mults))
 
 
@@ -437,7 +437,7 @@ def _factor_cols(h_smem, part: int, parts: int):
     """Columns [n·part, n·part + n) of H (n = 16/parts) as a wgmma B operand: H is
     symmetric, so they are rows of the SMEM copy, read transposed (K-major)."""
     n = FACTOR // parts
-    return plgpu.transpose_ref(h_smem.at[pl.ds(n * part, n)], (1, 0))
+    return h_smem.at[pl.ds(n * part, n)].transpose((1, 0))
 
 
 def _transform_part(lhs, h_smem, part: int, parts: int):
@@ -473,8 +473,8 @@ def store_wire_tile(ref, codes, scales):
     """Code parts and scale bytes → a (64, row_bytes) uint8 view of 64 wire rows."""
     width = BLOCK // len(codes)
     for p, part in enumerate(codes):
-        ref.at[:, pl.ds(width * p, width)][...] = part
-    ref.at[:, pl.ds(BLOCK, scales.shape[1])][...] = scales
+        _jax_private.mgpu_store(ref.at[:, pl.ds(width * p, width)], part)
+    _jax_private.mgpu_store(ref.at[:, pl.ds(BLOCK, scales.shape[1])], scales)
 
 
 def load_wire_tile(ref, codec):
@@ -500,7 +500,7 @@ def store_values(ref, values):
     """Value parts → a (64, 256) view."""
     width = BLOCK // len(values)
     for p, part in enumerate(values):
-        ref.at[:, pl.ds(width * p, width)][...] = part
+        _jax_private.mgpu_store(ref.at[:, pl.ds(width * p, width)], part)
 
 
 # -- kernels ---------------------------------------------------------------------------------
