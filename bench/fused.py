@@ -7,7 +7,8 @@ projection for two GPUs.
 P virtual devices are P groups of programs of the one-launch kernel
 (`kernels.fused_allreduce.loopback_allreduce`): the kernel body, tile math and protocol of
 the two-GPU kernel, with a peer's receive buffer a slice of one buffer. Each configuration
-(P, size, dtype) runs in its own subprocess under a timeout (a hang costs only itself) and
+(P, size, dtype) runs in its own subprocess under a timeout (a hang costs only itself;
+`--isolate group` shares one process per (P, dtype) to save start-ups) and
 makes `--calls` back-to-back calls, each on fresh random inputs with a NaN block and an Inf
 block (from 8 blocks up), and checks every call:
 
@@ -51,7 +52,8 @@ DEFAULT_SIZES = ["1KiB", "1MiB+5", "16MiB", "64MiB", "256MiB", "1024MiB"]
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 LINK_GBPS = 350.0            # 2×H200 NVLink, per direction, as lax.psum's wire rate allows
 FIXED_US = 15.0              # launch, XLA's barrier and the last signal's round trip
-COLLECTIVES = os.path.join(os.path.dirname(__file__), "results", "collectives.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLLECTIVES = os.path.join(ROOT, "bench", "results", "collectives.json")
 
 
 def parse_size(text: str) -> int:
@@ -250,8 +252,9 @@ def method_check(sizes_mib, a) -> list[dict]:
 
 
 # -- the driver -----------------------------------------------------------------------------
-def child_cmd(a, p, nbytes, dtype) -> list[str]:
-    cmd = [sys.executable, "-m", "bench.fused", "--one", str(p), str(nbytes), dtype,
+def child_cmd(a, p, sizes, dtype) -> list[str]:
+    cmd = [sys.executable, "-m", "bench.fused", "--one", str(p),
+           ",".join(map(str, sizes)), dtype,
            "--impl", a.impl, "--calls", str(a.calls), "--codec", a.codec]
     if a.wrong_exchange:
         cmd += ["--wrong-exchange", a.wrong_exchange]
@@ -261,41 +264,40 @@ def child_cmd(a, p, nbytes, dtype) -> list[str]:
 
 
 def run_children(a, configs) -> list[dict]:
-    """Each configuration in its own process, `a.jobs` at a time, each under a.timeout."""
-    rows, running = [], []
-    pending = list(configs)
-    while pending or running:
-        while pending and len(running) < a.jobs:
-            cfg = pending.pop(0)
-            proc = subprocess.Popen(child_cmd(a, *cfg), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            running.append((cfg, proc, time.monotonic()))
-        time.sleep(0.2)
-        for item in list(running):
-            cfg, proc, t0 = item
-            if proc.poll() is None and time.monotonic() - t0 < a.timeout:
-                continue
-            running.remove(item)
-            p, nbytes, dtype = cfg
-            base = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": dtype}
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-                rows.append({**base, "ok": False, "reason": f"timed out after {a.timeout} s"})
-            else:
-                text = proc.communicate()[0]
-                found = [ln for ln in text.splitlines() if ln.startswith("ROW ")]
-                if proc.returncode == 0 and found:
-                    rows.append(json.loads(found[-1][4:]))
-                else:
-                    tail = " | ".join(text.strip().splitlines()[-3:])[-300:]
-                    rows.append({**base, "ok": False,
-                                 "reason": f"exit {proc.returncode}: {tail}"})
-            r = rows[-1]
+    """Each configuration in its own process (--isolate config), or each (P, dtype) group
+    of sizes in one (--isolate group: one start-up for several sizes; a hang or crash
+    loses the rest of its group, reported as such), one at a time (a GPU in exclusive
+    mode admits one process), each under a.timeout per configuration."""
+    if a.isolate == "config":
+        groups = [((p, d), [s]) for p, s, d in configs]
+    else:
+        keys = list(dict.fromkeys((p, d) for p, _, d in configs))
+        groups = [(k, [s for p, s, d in configs if (p, d) == k]) for k in keys]
+    rows = []
+    for (p, dtype), sizes in groups:
+        limit = a.timeout * len(sizes)
+        got, why = [], None
+        try:
+            proc = subprocess.run(child_cmd(a, p, sizes, dtype), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=limit,
+                                  cwd=ROOT)
+            text = proc.stdout
+            if proc.returncode != 0:
+                why = f"exit {proc.returncode}: " + " | ".join(
+                    text.strip().splitlines()[-3:])[-300:]
+        except subprocess.TimeoutExpired as e:
+            text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            why = f"timed out after {limit:.0f} s"
+        got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
+        for r in got:
             print(f"P={p} {r['mib']} MiB {dtype}: " + ("ok" if r["ok"] else r["reason"]),
                   flush=True)
-    order = {c: i for i, c in enumerate(configs)}
-    return sorted(rows, key=lambda r: order.get((r["p"], r["bytes"], r["dtype"]), 0))
+        rows += got
+        for nbytes in sizes[len(got):]:
+            rows.append({"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes,
+                         "dtype": dtype, "ok": False, "reason": why or "no result"})
+            print(f"P={p} {rows[-1]['mib']} MiB {dtype}: {rows[-1]['reason']}", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -312,10 +314,10 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", choices=["kernel", "emulated"], default=None,
                     help="default: the kernel on GPU, the emulation elsewhere")
     ap.add_argument("--wrong-exchange", choices=["slot", "drop"], default=None)
-    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--isolate", choices=["config", "group"], default="config")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default="bench/results/fused_loopback.json")
-    ap.add_argument("--one", nargs=3, metavar=("P", "BYTES", "DTYPE"), default=None,
+    ap.add_argument("--one", nargs=3, metavar=("P", "BYTES,…", "DTYPE"), default=None,
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.impl is None:
@@ -325,8 +327,10 @@ def main(argv=None) -> int:
                          f"(platform {jax.default_backend()!r}; --impl emulated runs the "
                          f"checks on a jnp model)")
     if a.one:
-        a.one_p, a.one_bytes, a.one_dtype = int(a.one[0]), int(a.one[1]), a.one[2]
-        print("ROW " + json.dumps(run_config(a)), flush=True)
+        a.one_p, a.one_dtype = int(a.one[0]), a.one[2]
+        for nbytes in a.one[1].split(","):
+            a.one_bytes = int(nbytes)
+            print("ROW " + json.dumps(run_config(a)), flush=True)
         return 0
     configs = [(p, s, d) for p in a.p for s in a.sizes for d in a.dtypes]
     rows = run_children(a, configs)
