@@ -15,15 +15,27 @@ Each size is timed the way a model sees it, on a freshly computed input: `x · o
 `one` a runtime scalar, so lax.psum's in-place all-reduce does not pay for a copy of a
 reused buffer, and the time of that multiply alone is subtracted. Calls are timed back to
 back (`time_calls`).
+
+Before a transport is timed at a size, its result on random inputs is checked against
+lax.psum's (`check_transport`: within the codec's own error, exactly for an exact codec):
+the timings run on all-ones inputs, where a transport that delivers segments to the wrong
+place would look correct and fast. A transport that fails the check is never cached, at
+any size. A size whose buffers (`held_bytes`) do not fit in the devices' free memory
+(`memory_budget`) is skipped, and said so. On CPU the devices are simulated: the timings
+are the CPU backend's, and the routes are for this machine alone.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -76,15 +88,111 @@ def fresh_times(fns, x, *, timer=time_calls, **timer_kw) -> tuple:
     return prep, [timer(lambda a, fn=fn: fn(a[0] * a[1]), arg, **timer_kw) for fn in fns]
 
 
+# -- what a size needs ---------------------------------------------------------------------
+# Temporaries of one measured call, in multiples of its input: the input computed afresh
+# (x · one), the f32 form of the tensor the codec reads, the codes and the decoded sums
+# (bf16 in: the f32 form alone is 2×). An estimate, on the generous side.
+CALL_WORKSPACE = 5
+# Without device memory statistics (CPU), the share of the host's available memory a
+# calibration may hold: the simulated devices all live in it, beside everything else.
+HOST_SHARE = 0.5
+
+
+def held_bytes(nbytes: int, iters: int, batches: int) -> int:
+    """Bytes one device holds while a size is timed (`time_calls`): the input, its `iters`
+    copies, the iters × batches outputs kept live until the batches finish, and one call's
+    temporaries; or, while the transports are checked, the random input and two results."""
+    timing = nbytes * (1 + iters + iters * batches + CALL_WORKSPACE)
+    checking = nbytes * (3 + CALL_WORKSPACE)
+    return max(timing, checking)
+
+
+def memory_budget(devices) -> tuple[int, bool, str]:
+    """(bytes, per_device, where): what a calibration may hold. Devices with memory
+    statistics (GPUs): the smallest free memory of any, per device. Otherwise (CPU): a
+    share HOST_SHARE of the host's available memory, for all devices together."""
+    free = []
+    for d in devices:
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            free = None
+            break
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    if free:
+        return min(free), True, "free device memory (device.memory_stats())"
+    available = _host_available()
+    return (int(HOST_SHARE * available), False,
+            f"{HOST_SHARE:g} of the host's available memory ({available / 2**30:.1f} GiB)")
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fits(nbytes: int, p: int, iters: int, batches: int, budget: tuple[int, bool, str]
+         ) -> tuple[bool, str]:
+    """(does a size of nbytes per device fit the budget, the figures as words)."""
+    limit, per_device, where = budget
+    need = held_bytes(nbytes, iters, batches) * (1 if per_device else p)
+    who = "per device" if per_device else f"for {p} devices"
+    return need <= limit, (f"needs {need / 2**30:.2f} GiB {who}, "
+                           f"{where}: {limit / 2**30:.2f} GiB")
+
+
+# -- is each transport right? -----------------------------------------------------------
+def check_transport(fn, reference, x, codec) -> tuple[bool, float, float]:
+    """(ok, rel_error, bound): fn(x) against reference(x) (lax.psum) on the same input.
+    An exact codec must match bit for bit (bound 0). A compressing one quantizes each
+    element at most twice, so its error stays near that of one round trip through the
+    codec: the bound is 4 × the codec's round-trip error on these inputs, plus the
+    output dtype's rounding; a segment delivered to the wrong place errs by ~1."""
+    y = np.asarray(fn(x), np.float64)
+    ref = np.asarray(reference(x), np.float64)
+    if codec.is_identity:
+        ok = y.shape == ref.shape and np.array_equal(y, ref)
+        return ok, (0.0 if ok else _rel(y, ref)), 0.0
+    err = _rel(y, ref)
+    # the codec's error on (up to 2^20 values of) one device's input
+    sample = jnp.asarray(x.addressable_shards[0].data).reshape(-1)[: 1 << 20]
+    trip = np.asarray(codec.roundtrip(sample), np.float64)
+    bound = 3 * _rel(trip, np.asarray(sample, np.float64)) + 2 * float(jnp.finfo(x.dtype).eps)
+    return bool(np.all(np.isfinite(y)) and err <= bound), err, bound
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30))
+
+
 # -- measuring ------------------------------------------------------------------------------
 def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "fused"),
               sizes_mib=(1, 4, 16, 64, 256, 1024), dtype=jnp.bfloat16, margin: float = 0.97,
-              iters: int = 10, repeats: int = 3, timer=time_calls) -> Calibration:
+              iters: int = 10, repeats: int = 3, batches: int = 3, timer=time_calls,
+              budget: tuple[int, bool, str] | None = None,
+              log: Callable[[str], None] | None = None) -> Calibration:
     """Time lax.psum and taco_jax.psum over each transport that can run here, over
     `axis_name` of `mesh`, at each size (MiB per device, of `dtype`, rounded to whole
     blocks). The data is sharded over `axis_name` and replicated over the mesh's other
-    axes. `timer(fn, x, iters=, repeats=) -> µs` is replaceable (tests). Costs a compile per
-    size and transport (seconds each on GPU): do it once per machine, then `save` it."""
+    axes. Costs a compile per size and transport (seconds each on GPU): do it once per
+    machine, then `save` it.
+
+    Per size, in increasing order: a size whose buffers do not fit `budget` is skipped;
+    each transport is first checked against lax.psum on random inputs (`check_transport`),
+    and one that fails is dropped from every row (never cached); then the others are timed.
+
+    Args:
+      timer: `timer(fn, x, iters=, repeats=, batches=) -> µs`, replaceable (tests).
+      budget: (bytes, per_device, where) the measured calls may hold; None:
+        `memory_budget(mesh devices)`.
+      log: called with one line per size (and per skipped size or rejected transport);
+        None: silent.
+    """
     if axis_name not in mesh.axis_names:
         raise ValueError(f"calibrate: axis_name={axis_name!r} is not an axis of the "
                          f"mesh {tuple(mesh.axis_names)}")
@@ -100,6 +208,7 @@ def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "
     bad = set(transports) - set(TRANSPORTS)
     if bad:
         raise ValueError(f"calibrate: transports {sorted(bad)} not in {TRANSPORTS}")
+    say = log or (lambda line: None)
     p = mesh.shape[axis_name]
     key = machine_key(p, getattr(mesh.devices.flat[0], "device_kind", None))
     if p == 1:      # psum over one device is the identity: never worth compressing
@@ -107,32 +216,69 @@ def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "
     usable = [t for t in transports
               if t != "fused" or fused.mesh_unavailable_reason(mesh) is None]
     spec = P(axis_name)
+    budget = memory_budget(list(mesh.devices.flat)) if budget is None else budget
 
     def sharded(fn):   # the sum is replicated: out_specs P()
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=P()))
 
-    fns = [sharded(lambda v: lax.psum(v, axis_name))] + [
-        sharded(lambda v, t=t: psum(v, axis_name, codec=codec, min_bytes=0, transport=t))
-        for t in usable]
+    reference = sharded(lambda v: lax.psum(v, axis_name))
+    taco = {t: sharded(lambda v, t=t: psum(v, axis_name, codec=codec, min_bytes=0,
+                                            transport=t)) for t in usable}
     itemsize = jnp.dtype(dtype).itemsize
-    rows = []
-    for mib in sorted(sizes_mib):
+    rows, rejected = [], {}
+    for k, mib in enumerate(sorted(sizes_mib)):
         per_dev = max(c.block_size, int(mib * 2**20) // itemsize // c.block_size * c.block_size)
+        size = per_dev * itemsize / 2**20
+        ok, why = fits(per_dev * itemsize, p, iters, batches, budget)
+        if not ok:
+            say(f"{size:g} MiB/device: skipped, does not fit ({why})")
+            continue
+        noise = jax.jit(lambda key: jax.random.normal(key, (p * per_dev,), dtype),
+                        out_shardings=NamedSharding(mesh, spec))(jax.random.key(k))
+        for t in [t for t in usable if t not in rejected]:
+            good, err, bound = check_transport(taco[t], reference, noise, c)
+            if not good:
+                rejected[t] = (f"{t} transport rejected at {size:g} MiB/device: its sum on "
+                               f"random inputs differs from lax.psum's (relative error "
+                               f"{err:.3g} > {bound:.3g}); not timed and not cached")
+                say(rejected[t])
+        del noise
+        live = [t for t in usable if t not in rejected]
         x = jax.device_put(jnp.ones((p * per_dev,), dtype), NamedSharding(mesh, spec))
-        prep, times = fresh_times(fns, x, timer=timer, iters=iters, repeats=repeats)
+        prep, times = fresh_times([reference] + [taco[t] for t in live], x, timer=timer,
+                                  iters=iters, repeats=repeats, batches=batches)
+        del x
         net = [t - prep for t in times]
-        row = {"mib": per_dev * itemsize / 2**20, "lax_us": net[0]}
-        for t, us in zip(usable, net[1:]):
+        row = {"mib": size, "lax_us": net[0]}
+        for t, us in zip(live, net[1:]):
             row[f"{t}_us"] = us
             row[f"{t}_ratio"] = us / net[0] if net[0] > 0 else math.nan
         rows.append(row)
+        say(f"{size:g} MiB/device: lax.psum {net[0]:.1f} µs" + "".join(
+            f", {t} {row[f'{t}_us']:.1f} µs ({row[f'{t}_ratio']:.3f})" for t in live)
+            + f" -> {best_route(row, margin)}")
+    for row in rows:      # a transport rejected at any size is trusted at none
+        for t in rejected:
+            row.pop(f"{t}_us", None)
+            row.pop(f"{t}_ratio", None)
     return Calibration(axis_name, c.name, margin, tuple(rows),
-                       decide_min_bytes(rows, margin, "xla_ratio"), p, key)
+                       decide_min_bytes(rows, margin, "xla_ratio"), p, key,
+                       tuple(rejected.values()))
 
 
 def calibrate_min_bytes(mesh, axis_name: str, **kw) -> Calibration:
     """`calibrate` over the xla transport only: its `min_bytes` is the threshold to pass."""
     return calibrate(mesh, axis_name, transports=("xla",), **kw)
+
+
+def _print(line: str) -> None:
+    print(f"[taco_jax.calibrate] {line}", flush=True)
+
+
+CPU_NOTE = ("these are the CPU backend's timings: the devices are simulated, sharing this "
+            "host's cores and memory, so the routes say where compression pays for the CPU "
+            "backend on this machine only (a GPU machine's cache entry is keyed apart and "
+            "must be measured there)")
 
 
 def main(argv=None) -> int:
@@ -143,16 +289,32 @@ def main(argv=None) -> int:
     ap.add_argument("--codec", default="taco")
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     ap.add_argument("--margin", type=float, default=0.97)
+    ap.add_argument("--iters", type=int, default=10, help="calls per timed batch")
+    ap.add_argument("--memory-gib", type=float, default=None,
+                    help="memory the measured calls may hold (per device with device "
+                         "memory statistics, else for all devices); default: the free "
+                         f"device memory, else {HOST_SHARE:g} of the host's available memory")
     ap.add_argument("--cache", default=None, help=f"cache file (default ${CACHE_ENV} or "
                                                   f"~/.cache/taco_jax/calibration.json)")
     ap.add_argument("--json", default=None, help="also write this table as JSON here")
     a = ap.parse_args(argv)
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("tp",))
+    budget = memory_budget(list(mesh.devices.flat))
+    if a.memory_gib is not None:
+        budget = (int(a.memory_gib * 2**30), budget[1], "--memory-gib")
+    if jax.default_backend() == "cpu":
+        _print(CPU_NOTE)
+    _print(f"{n} {jax.devices()[0].device_kind} devices, codec {a.codec}, sizes "
+           f"{' '.join(f'{s:g}' for s in sorted(a.sizes_mib))} MiB per device; memory: "
+           f"{budget[2]}, {budget[0] / 2**30:.2f} GiB")
     cal = calibrate(mesh, "tp", codec=a.codec, transports=a.transports, sizes_mib=a.sizes_mib,
-                    margin=a.margin)
-    print(cal.table())
-    print(f"wrote {save(cal, a.cache)} ({cal.key})")
+                    margin=a.margin, iters=a.iters, budget=budget, log=_print)
+    print(cal.table(), flush=True)
+    if not cal.rows:
+        _print("no size was measured: nothing cached")
+        return 1
+    print(f"wrote {save(cal, a.cache)} ({cal.key})", flush=True)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"device": jax.devices()[0].device_kind,

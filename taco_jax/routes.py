@@ -70,7 +70,8 @@ def best_route(row: dict, margin: float, available=TRANSPORTS) -> str:
 class Calibration:
     """rows: one dict per size {"mib", "lax_us", "<transport>_us", "<transport>_ratio"}
     (times net of the input's preparation; ratio = transport / lax). min_bytes: the xla
-    transport's threshold (NEVER if it won at no size)."""
+    transport's threshold (NEVER if it won at no size). rejected: why each transport that
+    failed its check against lax.psum has no times (it is never routed to)."""
     axis_name: str
     codec: str
     margin: float
@@ -78,6 +79,7 @@ class Calibration:
     min_bytes: int
     n_devices: int = 0
     key: str = ""
+    rejected: tuple = ()
 
     def route(self, nbytes: int, available=TRANSPORTS) -> str:
         """The route for a tensor of nbytes per device: the decision at the largest
@@ -99,12 +101,14 @@ class Calibration:
         where = ("never (lax.psum at every size)" if self.min_bytes == NEVER
                  else f"from {self.min_bytes / 2**20:g} MiB per device")
         lines.append(f"xla transport ({self.codec}, ratio ≤ {self.margin}): {where}")
+        lines += [f"not cached: {why}" for why in self.rejected]
         return "\n".join(lines)
 
     def to_json(self) -> dict:
         return {"version": CACHE_VERSION, "key": self.key, "n_devices": self.n_devices,
                 "codec": self.codec, "margin": self.margin, "min_bytes": self.min_bytes,
-                "jax": jax.__version__, "rows": list(self.rows)}
+                "jax": jax.__version__, "rows": list(self.rows),
+                "rejected": list(self.rejected)}
 
 
 # -- the cache ------------------------------------------------------------------------------

@@ -89,3 +89,88 @@ def test_time_calls_keeps_every_call():
     assert len(outs) == 5
     np.testing.assert_allclose(np.asarray(outs[3]), np.sin(3.0) * 2, rtol=1e-6)
     assert calibrate.time_calls(fn, xs[1], iters=3, repeats=1, batches=2) > 0
+
+
+# -- memory, correctness of each transport, what it prints ----------------------------------
+def test_sizes_that_do_not_fit_are_skipped_and_said_so():
+    """held_bytes counts the input, its copies, every output kept live and one call's
+    temporaries; a size above the budget is not measured (here: 1/16 MiB fits, 1 MiB not)."""
+    small, large = 2**20 // 16, 2**20
+    assert calibrate.held_bytes(small, iters=2, batches=3) == small * (1 + 2 + 6 + calibrate.CALL_WORKSPACE)
+    need = calibrate.held_bytes(small, 2, 3) * 2            # 2 devices of the "tp" axis
+    budget = (need, False, "a test budget")
+    lines = []
+    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1, 1 / 16), iters=2,
+                                        budget=budget, log=lines.append,
+                                        timer=lambda fn, x, **kw: 1.0)
+    assert [r["mib"] for r in cal.rows] == [1 / 16]
+    assert any(line.startswith("1 MiB/device: skipped, does not fit") and "a test budget"
+               in line for line in lines), lines
+    assert any(line.startswith("0.0625 MiB/device: lax.psum") for line in lines), lines
+    nothing = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1,), budget=budget,
+                                            timer=lambda fn, x, **kw: 1.0)
+    assert nothing.rows == () and nothing.min_bytes == calibrate.NEVER
+
+
+def test_memory_budget_without_device_statistics_is_a_share_of_host_memory():
+    limit, per_device, where = calibrate.memory_budget(jax.devices()[:2])
+    assert jax.devices()[0].memory_stats() is None        # CPU: no statistics
+    assert not per_device and "host's available memory" in where and 0 < limit
+
+
+def test_check_transport_accepts_the_codec_error_and_rejects_misdelivery():
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import taco_jax
+    m = mesh2d()
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (2 * 4096,)),
+                       NamedSharding(m, P("tp")))
+
+    def sharded(fn):
+        return jax.jit(jax.shard_map(fn, mesh=m, in_specs=P("tp"), out_specs=P()))
+    ref = sharded(lambda v: lax.psum(v, "tp"))
+    good = sharded(lambda v: taco_jax.psum(v, "tp", codec="taco", min_bytes=0))
+    swapped = sharded(lambda v: jnp.roll(taco_jax.psum(v, "tp", codec="taco", min_bytes=0),
+                                         2048))           # the two segments swapped
+    taco = taco_jax.codecs.get("taco")
+    ok, err, bound = calibrate.check_transport(good, ref, x, taco)
+    assert ok and 1e-4 < err < bound < 0.2, (err, bound)
+    ok, err, bound = calibrate.check_transport(swapped, ref, x, taco)
+    assert not ok and err > 1, err
+    none = taco_jax.codecs.get("none")
+    assert calibrate.check_transport(ref, ref, x, none) == (True, 0.0, 0.0)
+    assert not calibrate.check_transport(good, ref, x, none)[0]        # exact means exact
+
+
+def test_a_transport_that_differs_from_lax_psum_is_never_cached(monkeypatch):
+    """psum over the xla transport, made to deliver the segments to the wrong devices:
+    rejected at the first size, timed at none, absent from every row and from the cache."""
+    real = calibrate.psum
+
+    def misdelivering(v, axis, **kw):
+        return jnp.roll(real(v, axis, **kw), v.size // 2)
+    monkeypatch.setattr(calibrate, "psum", misdelivering)
+    lines, timed = [], []
+
+    def timer(fn, x, **kw):
+        timed.append(fn)
+        return 10.0 * len(timed)
+    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 64, 1 / 16),
+                                        timer=timer, log=lines.append)
+    assert len(timed) == 2 * 2                     # prep and lax.psum per size, no taco
+    assert all(set(r) == {"mib", "lax_us"} for r in cal.rows), cal.rows
+    assert cal.min_bytes == calibrate.NEVER and cal.route(2**30) == "lax"
+    assert len(cal.rejected) == 1 and "xla transport rejected at 0.015625 MiB" in cal.rejected[0]
+    assert "not cached: xla transport rejected" in cal.table()
+    assert any("differs from lax.psum" in line for line in lines), lines
+
+
+def test_main_prints_each_size_and_what_a_cpu_calibration_means(tmp_path, capsys):
+    cache = tmp_path / "cal.json"
+    assert calibrate.main(["--sizes-mib", "0.015625", "0.0625", "--transports", "xla",
+                           "--iters", "2", "--cache", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "CPU backend's timings" in out and "this machine only" in out
+    assert "[taco_jax.calibrate] 0.015625 MiB/device: lax.psum" in out
+    assert "[taco_jax.calibrate] 0.0625 MiB/device: lax.psum" in out
+    assert f"wrote {cache}" in out and cache.exists()
