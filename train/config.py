@@ -227,7 +227,8 @@ class Config:
         if pa.zero not in (0, 1):
             raise ValueError(f"parallel.zero={pa.zero} must be 0 (optimizer state replicated "
                              f"over data) or 1 (ZeRO-1: sharded over data)")
-        if not pa.zero and not taco_jax.codecs.get(self.recipe.validate().wd_codec).is_identity:
+        self.recipe.validate()
+        if not pa.zero and not taco_jax.codecs.get(self.recipe.wd_codec).is_identity:
             raise ValueError(f"recipe.codec_wd={self.recipe.wd_codec!r} compresses ZeRO-1's "
                              f"weight all-gather, but parallel.zero=0 sends no weights (set "
                              f"parallel.zero=1, or recipe.codec_wd=none)")
