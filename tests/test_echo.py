@@ -28,9 +28,10 @@ def np_encode(x, block=128, symmetric=False):
     else:
         lo = np.minimum(gz.min(1, keepdims=True), 0)
         hi = np.maximum(gz.max(1, keepdims=True), 0)
-        s = np.maximum(hi * np.float32(1 / 15) - lo * np.float32(1 / 15), TINY).astype(np.float32)
-        z = np.clip(np.rint(-lo / s), 0, 15).astype(np.float32)
-    q = np.clip(np.rint(gz / s) + z, 0, 15).astype(np.uint8)
+        s = np.maximum((hi * np.float32(0.5) - lo * np.float32(0.5)) * np.float32(2 / 15),
+                       TINY).astype(np.float32)
+        z = np.clip(np.rint(-lo * (np.float32(1) / s)), 0, 15).astype(np.float32)
+    q = np.clip(np.rint(gz * (np.float32(1) / s)) + z, 0, 15).astype(np.uint8)
     s = np.where(bad, np.float32(np.nan), s).astype(np.float32)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
     meta = [s] if symmetric else [s, np.where(bad, 0, z).astype(np.float32)]

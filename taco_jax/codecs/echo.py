@@ -14,8 +14,9 @@ Wire row (little-endian, like the TACO codecs' rows): B/2 bytes of codes — ele
 the low nibble of byte i, element 2i+1 in the high nibble — then fp32 s and, for echo4,
 the zero point z as fp32: row_bytes = B/2 + 8 (echo4) or B/2 + 4 (int4-sym).
 
-Reference only (`has_kernel = False`): the dispatcher calls `compress_reference` /
-`decompress_reference` on every backend; XLA fuses them.
+echo4 and int4-sym have fused Pallas-Triton kernels (`taco_jax.kernels.echo4`: compress,
+compress with error feedback, decompress, reduce, decode_sum) that write these references'
+bytes; the dispatcher runs them on GPU. tah4 is reference only (XLA fuses it).
 """
 from __future__ import annotations
 
@@ -39,12 +40,19 @@ SCALE_MIN = float(np.finfo(np.float32).tiny)
 # -- per-group math ((rows, B) f32 in, (rows, 1) scales) --------------------------------
 def asym_params(x, bad):
     """Zero-aware asymmetric grid: s = (hi − lo)/15 over [lo, hi] ∋ 0, integer z = round(−lo/s).
-    hi/15 − lo/15 cannot overflow for finite inputs (hi − lo can). Rounding z moves the grid
-    by < s/2, so clipping adds no more than the rounding error it replaces."""
+    s = (hi/2 − lo/2)·(2/15): hi/2 − lo/2 cannot overflow for finite inputs (hi − lo can),
+    and the halvings are exact, so a compiler that fuses a multiply into the subtraction
+    (an FMA: XLA on CPU and GPU, Triton) gets the same bits as one that does not (s as
+    hi/15 − lo/15 differed by an ulp between jit and eager). Below 2^-125, where halving
+    is inexact, s is SCALE_MIN anyway. Rounding z moves the grid by < s/2, so clipping adds
+    no more than the rounding error it replaces."""
     lo = jnp.minimum(jnp.min(x, axis=1, keepdims=True), 0.0)
     hi = jnp.maximum(jnp.max(x, axis=1, keepdims=True), 0.0)
-    s = jnp.maximum(hi * np.float32(1 / LEVELS) - lo * np.float32(1 / LEVELS), SCALE_MIN)
-    z = jnp.clip(jnp.round(-lo / s), 0, LEVELS)
+    s = jnp.maximum((hi * np.float32(0.5) - lo * np.float32(0.5)) * np.float32(2 / LEVELS),
+                    SCALE_MIN)
+    # z through int32: its fp32 bytes are canonical (+0, never the −0 that round(−0/s) gives
+    # for groups without negatives, which a max(−0, 0) may or may not keep, per compiler)
+    z = jnp.clip(jnp.round(-lo * (1 / s)), 0, LEVELS).astype(jnp.int32).astype(jnp.float32)
     s = jnp.where(bad, jnp.float32(np.nan), s)               # NaN rule: the group decodes NaN
     return s, jnp.where(bad, 0.0, z)
 
@@ -57,8 +65,11 @@ def sym_params(x, bad):
 
 
 def quantize4(x, s, z):
-    """codes q = clip(round(x/s) + z, 0, 15) as int32 (round half to even)."""
-    q = jnp.clip(jnp.round(x / s) + z, 0, LEVELS)
+    """codes q = clip(round(x·(1/s)) + z, 0, 15) as int32 (round half to even). One division
+    per group, then products: XLA rewrites x / broadcast(s) into x · (1/s) when it compiles
+    (not when it runs ops one by one), so writing the product makes the bytes the same
+    either way, and lets the kernels round the same product."""
+    q = jnp.clip(jnp.round(x * (1 / s)) + z, 0, LEVELS)
     return jnp.where(jnp.isnan(q), 0, q).astype(jnp.int32)   # non-finite groups: codes 0
 
 
@@ -88,7 +99,10 @@ class Echo(WireCodec):
     symmetric: bool = False         # True: the "symmetric grid" ablation
     hadamard: bool = False          # True: rotate each group first (tah4)
 
-    has_kernel = False
+    @property
+    def has_kernel(self) -> bool:
+        """echo4 and int4-sym: yes (taco_jax.kernels.echo4); tah4: no."""
+        return not self.hadamard
 
     def __post_init__(self):
         hadamard.check_block_size(self.block_size)

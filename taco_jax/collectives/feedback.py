@@ -31,7 +31,7 @@ from jax import lax
 from taco_jax.collectives import axes as axes_lib
 from taco_jax.collectives.allreduce import psum
 from taco_jax.collectives.call import Call
-from taco_jax.collectives.two_shot import two_shot
+from taco_jax.collectives.two_shot import two_shot_feedback
 
 
 class FeedbackState(NamedTuple):
@@ -72,10 +72,9 @@ def _exact_err(z, axis, out_dtype):
 
 
 def _reduce_err(x, r, axis, codec, p, vma, compress):
-    z = x.astype(jnp.float32) - r                        # subtract the previous site's share
-    if compress:
-        return two_shot(z, axis, codec, p, vma, with_error=True, out_dtype=x.dtype)
-    return _exact_err(z, axis, x.dtype)
+    if compress:          # psum(x − r): r is the previous site's share, fused into compress
+        return two_shot_feedback(x, r, axis, codec, p, vma)
+    return _exact_err(x.astype(jnp.float32) - r, axis, x.dtype)
 
 
 # -- sites as custom_vjps ----------------------------------------------------------------

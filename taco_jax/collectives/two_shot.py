@@ -26,7 +26,7 @@ from jax import lax
 
 from taco_jax import codecs, telemetry
 from taco_jax.collectives import axes as axes_lib
-from taco_jax.kernels import decode_sum as _ds, dispatch
+from taco_jax.kernels import dispatch
 
 
 def lax_exchange(send, axis, p: int, *, gather: bool, vma: bool):
@@ -99,6 +99,34 @@ def two_shot(x, axis, codec, p: int, vma: bool, *, with_error: bool = False,
     return y, codecs.from_blocks(err, x.shape)
 
 
+def two_shot_feedback(x, r, axis, codec, p: int, vma: bool, *, move=lax_exchange):
+    """`two_shot(x − r, with_error=True, out_dtype=x.dtype)`, the step of error feedback,
+    with the subtraction and the senders' error shares done by the compress
+    (`dispatch.compress_feedback`: one kernel pass over x and r for Echo's codecs). Same
+    y and error share; r is float32, x's shape."""
+    b, row = codec.block_size, codec.row_bytes
+    xb, nb = segments(x, p, b)
+    rb, _ = segments(r, p, b)
+    me = lax.axis_index(axis)
+    # the own segment is never sent: its codes and first error need not be computed
+    wire, err = dispatch.compress_feedback(xb, rb, codec, skip_start=me * nb, skip_rows=nb)
+    recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)  # [j]: from j
+    got = dispatch.decompress(recv.reshape(p * nb, row), codec, jnp.float32).reshape(p, nb, -1)
+    own = (lax.dynamic_slice_in_dim(xb, me * nb, nb).astype(jnp.float32)
+           - lax.dynamic_slice_in_dim(rb, me * nb, nb))
+    peers = jnp.where((jnp.arange(p) != me)[:, None, None], got, 0.0)
+    s_tilde = own + jnp.sum(peers, axis=0)                           # as `scatter_sum`
+    out = gather_decoded(dispatch.compress(s_tilde, codec), axis, codec, p, x.dtype, vma,
+                         move)                                       # (rows, B)
+    y = axes_lib.per_member(codecs.from_blocks(out, x.shape), axes_lib.as_tuple(axis))
+    if telemetry.enabled():
+        telemetry.report("psum", x.astype(jnp.float32) - r, y, axis, codec,
+                         wire_bytes=2 * p * nb * row)
+    own_err = lax.dynamic_slice_in_dim(out, me * nb, nb).astype(jnp.float32) - s_tilde
+    err = lax.dynamic_update_slice_in_dim(err, own_err, me * nb, 0)
+    return y, codecs.from_blocks(err, x.shape)
+
+
 def one_shot(x, axis, codec, p: int, vma: bool, move=lax_exchange):
     """Σ_j decode(encode(x_j)), j in device order, from one all-gather of the codes. With
     an identity codec: the exact sum, in f32, of the gathered values."""
@@ -112,11 +140,7 @@ def one_shot(x, axis, codec, p: int, vma: bool, move=lax_exchange):
         out = acc.astype(x.dtype)
     else:
         recv = move(dispatch.compress(blocks, codec), axis, p, gather=True, vma=vma)
-        mode = dispatch.backend_for(codec)
-        if mode == "reference":
-            out = _ds.decode_sum_reference(recv, codec, x.dtype)
-        else:
-            out = _ds.decode_sum(recv, codec, x.dtype, interpret=mode == "interpret")
+        out = dispatch.decode_sum(recv, codec, x.dtype)
     y = axes_lib.per_member(codecs.from_blocks(out, x.shape), axes_lib.as_tuple(axis))
     if telemetry.enabled():
         telemetry.report("psum", x, y, axis, codec,

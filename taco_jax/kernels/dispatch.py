@@ -3,7 +3,12 @@
 Backend — the recipe's `taco_jax.config(backend=...)`: "auto" runs the GPU kernels on GPU
 and the jnp references elsewhere; "pallas" the GPU kernels; "interpret" the Pallas-Triton
 kernels through Pallas' interpreter (CPU tests); "reference" jnp everywhere. Codecs without
-kernels (per-tensor scales, Echo) always use their references, which XLA fuses.
+kernels (per-tensor scales, tah4) always use their references, which XLA fuses.
+
+Kernels by codec: the TACO codecs' (`compress`, `decompress`, `reduce`, `decode_sum`,
+Triton or Mosaic) and Echo's 4-bit codecs' (`echo4`: echo4 and int4-sym, Triton only).
+`compress_feedback` (compress of x − r and the new residual in one pass) has a kernel for
+Echo's codecs and is composed of compress and decompress for the others.
 
 Implementation — per kernel, on GPU: "triton" (Pallas-Triton: every codec with kernels,
 block size and dtype), "mosaic" (Pallas Mosaic GPU: the B = 256 Hadamard codecs with FP8
@@ -26,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from taco_jax import recipe
-from taco_jax.kernels import compress as _c, decompress as _d, mosaic as _m, reduce as _r
+from taco_jax.kernels import (compress as _c, decode_sum as _ds, decompress as _d,
+                              echo4 as _e4, mosaic as _m, reduce as _r)
 
 IMPLS = ("auto", "triton", "mosaic")
 KERNELS = ("compress", "decompress", "reduce")
@@ -128,6 +134,9 @@ def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | N
         return codec.compress_reference(x)
     if how == "mosaic":
         return _m.compress(x, codec, cfg=cfg, skip_start=skip_start, skip_rows=skip_rows)
+    if _e4.covers(codec):
+        return _e4.compress(x, codec, cfg=cfg, interpret=how == "interpret",
+                            skip_start=skip_start, skip_rows=skip_rows)
     return _c.compress(x, codec, cfg=cfg, interpret=how == "interpret",
                        skip_start=skip_start, skip_rows=skip_rows)
 
@@ -139,6 +148,9 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = Non
         return codec.decompress_reference(w, out_dtype)
     if how == "mosaic":
         return _m.decompress(w, codec, out_dtype=out_dtype, cfg=cfg)
+    if _e4.covers(codec):
+        return _e4.decompress(w, codec, out_dtype=out_dtype, cfg=cfg,
+                              interpret=how == "interpret")
     return _d.decompress(w, codec, out_dtype=out_dtype, cfg=cfg, interpret=how == "interpret")
 
 
@@ -147,5 +159,32 @@ def reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
     how = impl_for("reduce", codec, recv.shape[1:], own.dtype, impl)
     if how == "reference":
         return _r.reduce_reference(recv, own, me, codec, own_row0)
+    if _e4.covers(codec):
+        return _e4.reduce(recv, own, me, codec, cfg=cfg, interpret=how == "interpret",
+                          own_row0=own_row0)
     return _r.reduce(recv, own, me, codec, cfg=cfg, interpret=how == "interpret",
                      own_row0=own_row0)
+
+
+def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None):
+    """(P, rows, row_bytes) uint8 → (rows, B) out_dtype: Σ_p decompress(recv[p]) in device
+    order (Triton kernels only)."""
+    mode = backend_for(codec)
+    if mode == "reference":
+        return _ds.decode_sum_reference(recv, codec, out_dtype)
+    kernel = _e4.decode_sum if _e4.covers(codec) else _ds.decode_sum
+    return kernel(recv, codec, out_dtype, cfg=cfg, interpret=mode == "interpret")
+
+
+def compress_feedback(x, r, codec, skip_start=0, skip_rows: int = 0, cfg=None):
+    """Error feedback's compress: x (rows, B) float, residual r (rows, B) float32 →
+    (wire of z = x − r, new residual decompress(wire) − z in float32). One kernel for
+    Echo's codecs (rows in the skipped window, as in `compress`, are left unwritten in
+    both outputs); compress then decompress for the others."""
+    mode = backend_for(codec)
+    if mode != "reference" and _e4.covers(codec):
+        return _e4.compress_feedback(x, r, codec, cfg=cfg, interpret=mode == "interpret",
+                                     skip_start=skip_start, skip_rows=skip_rows)
+    z = x.astype(jnp.float32) - r
+    wire = compress(z, codec, skip_start=skip_start, skip_rows=skip_rows)
+    return wire, decompress(wire, codec, jnp.float32) - z

@@ -1,0 +1,377 @@
+"""Echo's 4-bit codecs ("echo4", "int4-sym") as fused Pallas-Triton kernels: compress (and
+compress with error feedback: z = x − r in, codes and the new residual out, one pass),
+decompress, the two-shot owner's reduce and the one-shot's decode_sum, each with its
+plain-jnp reference (the codec's own math, `taco_jax.codecs.echo`).
+
+The kernels write the references' wire bytes: the tile math is the codec's element-wise ops
+and row reductions, with three substitutions that are exact:
+
+* a (tm, B) tile is viewed as (tm, B/2, 2) and unstacked into its even and odd elements,
+  the low and high nibbles of the code bytes, so packing and unpacking are element-wise;
+  a row's min / max is the min / max over both halves (exact in any order);
+* round half to even (`jnp.round`, which Triton does not lower): for |y| < 2^22 the f32 sum
+  y + 1.5·2^23 rounds y to an integer (the add rounds to nearest even) and holds it in its
+  low mantissa bits, read as int32 straight from the bits (no float→int conversion, a
+  quarter-rate instruction on the GPU). |x/s| ≤ 15 for every finite group; a zero group
+  has x/s = 0;
+* integer codes to floats by the inverse: bits (q | 0x4B000000) are the float 2^23 + q.
+
+A group with NaN or ±Inf is found by Σ x·0 (0 for finite x, NaN otherwise, and it cannot
+overflow); it gets codes 0, scale NaN and zero point 0, as the reference, and decodes to
+NaN. tah4 (a Hadamard rotation before the grid) has no kernel: its reference rotates in
+f32, which the tensor-core dots of the TACO kernels would not reproduce byte for byte.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from taco_jax.codecs import echo as _echo
+from taco_jax.kernels import decode_sum as _ds, reduce as _r, tiling
+from taco_jax.numerics import quant
+
+LEVELS, SYM_ZERO = _echo.LEVELS, _echo.SYM_QMAX + 1
+_ROUND = np.float32(1.5 * 2 ** 23)       # y + _ROUND: round(y) in the low mantissa bits
+_ROUND_BITS = 0x4B400000                 # the bits of 1.5·2^23
+_FLOAT_BITS = 0x4B000000                 # the bits of 2^23
+ELEMENTS_PER_TILE = 2048
+
+
+def covers(codec) -> bool:
+    """Do these kernels implement `codec`'s wire format? (echo4 and int4-sym, any B.)"""
+    return isinstance(codec, _echo.Echo) and not codec.hadamard
+
+
+def default_config(block_size: int, kernel: str) -> tiling.KernelConfig:
+    """One tile of ELEMENTS_PER_TILE elements (≥ 4 groups) per program, 4 warps: the kernels
+    are element-wise plus row reductions, no dots; no loop over tiles."""
+    if kernel not in ("compress", "decompress", "reduce", "decode_sum"):
+        raise ValueError(f"echo4 default_config: unknown kernel {kernel!r}")
+    return tiling.KernelConfig(blocks_per_program=max(4, ELEMENTS_PER_TILE // block_size),
+                               num_warps=4, num_stages=2)
+
+
+# -- tile math ((tm, B/2) halves: even and odd elements) ------------------------------------
+def _halves(v):
+    """(tm, B) → even, odd: (tm, B/2) each, the low and high nibbles' elements."""
+    tm, b = v.shape
+    return lax.unstack(v.reshape(tm, b // 2, 2), axis=2)          # (tm, B/2, 2) → 2 ×
+
+
+def _interleave(even, odd):
+    """even, odd (tm, B/2) → (tm, B)."""
+    tm, h = even.shape
+    return lax.stack([even, odd], axis=2).reshape(tm, 2 * h)
+
+
+def _rint(y):
+    """round half to even of f32 |y| < 2^22, as int32 (see the module doc). y must be a
+    rounded value (`_mul_rn`), not a product the compiler may fuse into this add."""
+    return lax.bitcast_convert_type(y + _ROUND, jnp.int32) - _ROUND_BITS
+
+
+def _ptx_binary(instr, a, b):
+    return plgpu.elementwise_inline_asm(
+        f"{instr} $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+
+
+def _mul_rn(a, b, cfg):
+    """a·b rounded to f32 and kept apart from the add in `_rint`: fused into it (an FMA, as
+    XLA and Triton contract a multiply and an add) the sum would round once, differently
+    from the reference's round(x·(1/s)). PTX `mul.rn` is never contracted; the interpreter
+    (XLA on CPU) gets an optimization barrier."""
+    b = jnp.broadcast_to(b, a.shape)
+    if cfg.interpret:
+        return lax.optimization_barrier(a * b)
+    return _ptx_binary("mul.rn.f32", a, b)
+
+
+def _recip(s, cfg):
+    """1/s of a (tm, 1) scale, IEEE-rounded like XLA's division (`div.rn`; Triton's own f32
+    division need not be)."""
+    if cfg.interpret:
+        return 1 / s
+    return _ptx_binary("div.rn.f32", jnp.ones_like(s), s)
+
+
+def _to_float(q):
+    """int32 0 ≤ q < 2^23 → f32, exactly."""
+    return lax.bitcast_convert_type(q | _FLOAT_BITS, jnp.float32) - np.float32(2 ** 23)
+
+
+def _row_min(even, odd):
+    return jnp.minimum(jnp.min(even, axis=1, keepdims=True), jnp.min(odd, axis=1, keepdims=True))
+
+
+def _row_max(even, odd):
+    return jnp.maximum(jnp.max(even, axis=1, keepdims=True), jnp.max(odd, axis=1, keepdims=True))
+
+
+def encode_tile(xe, xo, codec, cfg):
+    """even, odd (tm, B/2) f32 → (code bytes (tm, B/2) uint8, scale bytes (tm, 4·n) uint8,
+    codes (qe, qo) int32, s, z (tm, 1) f32 as sent). `asym_params` / `sym_params`,
+    `quantize4` and `pack_nibbles` of the codec."""
+    bad = jnp.logical_not(jnp.sum(xe * 0.0 + xo * 0.0, axis=1, keepdims=True) == 0)
+    if codec.symmetric:
+        m = _row_max(jnp.abs(xe), jnp.abs(xo))
+        s = jnp.maximum(m * np.float32(1 / _echo.SYM_QMAX), _echo.SCALE_MIN)
+        zi = SYM_ZERO
+    else:
+        lo = jnp.minimum(_row_min(xe, xo), 0.0)
+        hi = jnp.maximum(_row_max(xe, xo), 0.0)
+        s = jnp.maximum((hi * np.float32(0.5) - lo * np.float32(0.5))
+                        * np.float32(2 / LEVELS), _echo.SCALE_MIN)
+    inv = _recip(s, cfg)
+    if not codec.symmetric:
+        zi = jnp.clip(_rint(_mul_rn(-lo, inv, cfg)), 0, LEVELS)
+    qe = jnp.clip(_rint(_mul_rn(xe, inv, cfg)) + zi, 0, LEVELS)
+    qo = jnp.clip(_rint(_mul_rn(xo, inv, cfg)) + zi, 0, LEVELS)
+    code_bytes = jnp.where(bad, 0, qe | lax.shift_left(qo, 4)).astype(jnp.uint8)
+    s = jnp.where(bad, jnp.float32(np.nan), s)                 # the group decodes NaN
+    if codec.symmetric:
+        z = jnp.full_like(s, SYM_ZERO)
+        scales = [s]
+    else:
+        z = jnp.where(bad, 0.0, _to_float(zi))
+        scales = [s, z]
+    return code_bytes, quant.pack_scales(scales), (qe, qo), s, z
+
+
+def decode_codes(qe, qo, s, z):
+    """`dequantize4`: (q − z)·s of the even and odd codes."""
+    return (_to_float(qe) - z) * s, (_to_float(qo) - z) * s
+
+
+def decode_tile(code_bytes, scale_bytes, codec):
+    """(tm, B/2) uint8 codes + (tm, 4·n) uint8 scales → even, odd (tm, B/2) f32."""
+    c = code_bytes.astype(jnp.int32)
+    scales = quant.unpack_scales(scale_bytes, codec.n_scales)
+    z = jnp.float32(SYM_ZERO) if codec.symmetric else scales[1]
+    return decode_codes(c & 0xF, lax.shift_right_logical(c, 4), scales[0], z)
+
+
+# -- kernels -----------------------------------------------------------------------------------
+def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback):
+    if feedback:
+        x_ref, r_ref, skip_ref, o_ref, e_ref = refs
+    else:
+        (x_ref, skip_ref, o_ref), r_ref, e_ref = refs, None, None
+    tm, b = cfg.blocks_per_program, codec.block_size
+    rows = tiling.mask_rows(cfg, n_rows)
+    skip0 = skip_ref[0]
+
+    def work(t):
+        x = tiling.load_rows(x_ref, t, tm, 0, b, rows).astype(jnp.float32)
+        if feedback:          # the site's input less this device's share of the last error
+            x = x - tiling.load_rows(r_ref, t, tm, 0, b, rows)
+        xe, xo = _halves(x)
+        code_bytes, scale_bytes, (qe, qo), s, z = encode_tile(xe, xo, codec, cfg)
+        tiling.store_rows(o_ref, t, code_bytes, tm, 0, rows)
+        tiling.store_rows(o_ref, t, scale_bytes, tm, b // 2, rows)
+        if feedback:          # new residual: decode(encode(x − r)) − (x − r)
+            de, do = decode_codes(qe, qo, s, z)
+            tiling.store_rows(e_ref, t, _interleave(de - xe, do - xo), tm, 0, rows)
+
+    def tile(t):
+        if not skip_rows:
+            return work(t)
+        # Tiles wholly inside the skipped window are left unwritten (see `compress`).
+        inside = (t * tm >= skip0) & (t * tm + tm <= skip0 + skip_rows)
+        pl.when(jnp.logical_not(inside))(lambda: work(t))
+    tiling.for_each_tile(cfg, n_rows, tile)
+
+
+def decompress_kernel(w_ref, o_ref, *, codec, cfg, n_rows):
+    tm, half = cfg.blocks_per_program, codec.block_size // 2
+    rows = tiling.mask_rows(cfg, n_rows)
+
+    def tile(t):
+        code_bytes = tiling.load_rows(w_ref, t, tm, 0, half, rows)
+        scale_bytes = tiling.load_rows(w_ref, t, tm, half, 4 * codec.n_scales, rows)
+        ve, vo = decode_tile(code_bytes, scale_bytes, codec)
+        tiling.store_rows(o_ref, t, _interleave(ve, vo).astype(o_ref.dtype), tm, 0, rows)
+    tiling.for_each_tile(cfg, n_rows, tile)
+
+
+def _decode_peer(r_ref, p, t, tm, half, ns, rows, codec):
+    code_bytes = tiling.load_rows(r_ref, t, tm, 0, half, rows, lead=(p,))
+    scale_bytes = tiling.load_rows(r_ref, t, tm, half, 4 * ns, rows, lead=(p,))
+    return decode_tile(code_bytes, scale_bytes, codec)
+
+
+def reduce_kernel(r_ref, x_ref, idx_ref, o_ref, *, codec, cfg, n_rows, n_peers):
+    tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
+    me, own_row0 = idx_ref[0], idx_ref[1]
+    rows = tiling.mask_rows(cfg, n_rows)
+
+    def tile(t):
+        own = tiling.load_rows(x_ref, t, tm, 0, b, rows, row0=own_row0)
+        acc = _halves(own.astype(jnp.float32))
+        for p in range(n_peers):   # P is small (the TP degree): unrolled, in device order
+            def add(a, p=p):
+                de, do = _decode_peer(r_ref, p, t, tm, b // 2, ns, rows, codec)
+                return a[0] + de, a[1] + do
+            # The own copy is skipped (never read: the sender may not have written it);
+            # the exact input stands in for it.
+            acc = lax.cond(me == p, lambda a: a, add, acc)
+        code_bytes, scale_bytes, *_ = encode_tile(*acc, codec, cfg)
+        tiling.store_rows(o_ref, t, code_bytes, tm, 0, rows)
+        tiling.store_rows(o_ref, t, scale_bytes, tm, b // 2, rows)
+    tiling.for_each_tile(cfg, n_rows, tile)
+
+
+def decode_sum_kernel(r_ref, o_ref, *, codec, cfg, n_rows, n_parts):
+    tm, half, ns = cfg.blocks_per_program, codec.block_size // 2, codec.n_scales
+    rows = tiling.mask_rows(cfg, n_rows)
+
+    def tile(t):
+        acc = None
+        for p in range(n_parts):      # P is small: unrolled, in device order
+            de, do = _decode_peer(r_ref, p, t, tm, half, ns, rows, codec)
+            acc = (de, do) if acc is None else (acc[0] + de, acc[1] + do)
+        tiling.store_rows(o_ref, t, _interleave(*acc).astype(o_ref.dtype), tm, 0, rows)
+    tiling.for_each_tile(cfg, n_rows, tile)
+
+
+# -- wrappers ----------------------------------------------------------------------------------
+def _check_codec(codec, what):
+    if not covers(codec):
+        raise ValueError(f"echo4 {what} kernel: {codec!r} is not echo4 or int4-sym "
+                         f"(tah4 and the TACO codecs have other kernels or none)")
+
+
+def _config(cfg, codec, kernel, interpret):
+    return (cfg or default_config(codec.block_size, kernel)).resolve(False, interpret)
+
+
+def _check_float(x, what):
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise TypeError(f"echo4 {what} kernel: {x.dtype=} must be float32, bfloat16 or "
+                        f"float16")
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "skip_rows"))
+def compress(x, codec, cfg=None, interpret=False, skip_start=0, skip_rows: int = 0):
+    """(n_blocks, B) float → (n_blocks, row_bytes) uint8, the codec's wire rows. Output rows
+    [skip_start, skip_start + skip_rows) (skip_start may be traced) may be left unwritten
+    (the two-shot all-reduce never reads the segment a device would send to itself)."""
+    _check_codec(codec, "compress")
+    _check_float(x, "compress")
+    if x.ndim != 2 or x.shape[1] != codec.block_size:
+        raise ValueError(f"echo4 compress kernel: {x.shape=} is not (n_blocks, "
+                         f"{codec.block_size}) for {codec.name}")
+    return _compress(x, None, codec, _config(cfg, codec, "compress", interpret), skip_start,
+                     skip_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "skip_rows"))
+def compress_feedback(x, r, codec, cfg=None, interpret=False, skip_start=0,
+                      skip_rows: int = 0):
+    """Compress with error feedback in one pass: x (n_blocks, B) float and the residual r
+    (n_blocks, B) float32 → (wire of z = x − r, new residual decode(wire) − z (n_blocks, B)
+    float32). Rows in the skipped window (see `compress`) are left unwritten in both."""
+    _check_codec(codec, "compress_feedback")
+    _check_float(x, "compress_feedback")
+    if x.ndim != 2 or x.shape[1] != codec.block_size or r.shape != x.shape:
+        raise ValueError(f"echo4 compress_feedback kernel: {x.shape=} and {r.shape=} must "
+                         f"both be (n_blocks, {codec.block_size}) for {codec.name}")
+    if r.dtype != jnp.float32:
+        raise TypeError(f"echo4 compress_feedback kernel: the residual is float32, got "
+                        f"{r.dtype=}")
+    return _compress(x, r, codec, _config(cfg, codec, "compress", interpret), skip_start,
+                     skip_rows)
+
+
+def _compress(x, r, codec, cfg, skip_start, skip_rows):
+    if skip_rows < 0:
+        raise ValueError(f"echo4 compress kernel: {skip_rows=} must be ≥ 0")
+    n_rows = x.shape[0]
+    feedback = r is not None
+    kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
+                               skip_rows=skip_rows, feedback=feedback)
+    skip = jnp.asarray(skip_start, jnp.int32).reshape(1)
+    wire = tiling.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
+    if not feedback:
+        return tiling.launch(kernel, wire, n_rows, cfg, cfg.interpret, "echo4_compress", x,
+                             skip)
+    err = tiling.out_struct(x.shape, jnp.float32, x)
+    return tiling.launch(kernel, (wire, err), n_rows, cfg, cfg.interpret,
+                         "echo4_compress_feedback", x, r, skip)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
+def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
+    """(n_blocks, row_bytes) uint8 → (n_blocks, B) out_dtype."""
+    _check_codec(codec, "decompress")
+    if w.ndim != 2 or w.shape[1] != codec.row_bytes or w.dtype != jnp.uint8:
+        raise ValueError(f"echo4 decompress kernel: got {w.shape=} {w.dtype=}; want uint8 "
+                         f"rows of {codec.row_bytes} bytes for {codec.name}")
+    cfg = _config(cfg, codec, "decompress", interpret)
+    n_rows = w.shape[0]
+    kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
+    out = tiling.out_struct((n_rows, codec.block_size), out_dtype, w)
+    return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_decompress", w)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
+def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
+    """The owner's step: recv (P, n_blocks, row_bytes) uint8, own (≥ own_row0 + n_blocks, B)
+    float, me int32 → (n_blocks, row_bytes) uint8, compress(own[own_row0:][:n_blocks] +
+    Σ_{p ≠ me} decompress(recv[p])), summed in f32 in that order (recv[me] is never read)."""
+    _check_codec(codec, "reduce")
+    _check_float(own, "reduce")
+    if (recv.ndim != 3 or recv.shape[2] != codec.row_bytes or own.ndim != 2
+            or own.shape[1] != codec.block_size or own.shape[0] < recv.shape[1]):
+        raise ValueError(f"echo4 reduce kernel: got {recv.shape=}, {own.shape=} for "
+                         f"{codec.name} (rows of {codec.row_bytes} bytes, blocks of "
+                         f"{codec.block_size})")
+    n_peers, n_rows, row = recv.shape
+    cfg = _config(cfg, codec, "reduce", interpret)
+    idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
+    kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
+                               n_peers=n_peers)
+    out = tiling.out_struct((n_rows, row), jnp.uint8, own)
+    return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_reduce", recv, own, idx)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
+def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
+    """recv (P, n_blocks, row_bytes) uint8 → (n_blocks, B) out_dtype: Σ_p decode(recv[p]),
+    summed in f32 in the order p = 0, 1, …, P − 1."""
+    _check_codec(codec, "decode_sum")
+    if recv.ndim != 3 or recv.shape[2] != codec.row_bytes:
+        raise ValueError(f"echo4 decode_sum kernel: got {recv.shape=} for {codec.name} "
+                         f"(rows of {codec.row_bytes} bytes)")
+    n_parts, n_rows, _ = recv.shape
+    cfg = _config(cfg, codec, "decode_sum", interpret)
+    kernel = functools.partial(decode_sum_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
+                               n_parts=n_parts)
+    out = tiling.out_struct((n_rows, codec.block_size), out_dtype, recv)
+    return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_decode_sum", recv)
+
+
+# -- references --------------------------------------------------------------------------------
+def compress_reference(x, codec):
+    return codec.compress_reference(x)
+
+
+def compress_feedback_reference(x, r, codec):
+    """The unfused error-feedback compress: z = x − r, its wire and decode(wire) − z."""
+    z = x.astype(jnp.float32) - r
+    wire = codec.compress_reference(z)
+    return wire, codec.decompress_reference(wire, jnp.float32) - z
+
+
+def decompress_reference(w, codec, out_dtype=jnp.float32):
+    return codec.decompress_reference(w, out_dtype)
+
+
+reduce_reference = _r.reduce_reference
+decode_sum_reference = _ds.decode_sum_reference

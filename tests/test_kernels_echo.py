@@ -1,0 +1,341 @@
+"""Echo's 4-bit kernels (taco_jax.kernels.echo4: compress, compress with error feedback,
+decompress, reduce, decode_sum) against their references, byte for byte; the collectives
+on the kernel backend against the present reference path (error feedback's state and
+results, gradients); the Triton lowering for an H200 on CPU.
+
+On CPU the kernels run in Pallas' interpreter (~1–2 s of compile per case). References are
+jitted, as the collectives run them: XLA fuses a multiply into a following add (an FMA) when
+it compiles, so decode-and-add results differ by an ulp between eager and jitted references;
+the kernels are compared with what the library actually computes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import taco_jax
+from taco_jax import codecs, feedback
+from taco_jax.collectives import two_shot as ts
+from taco_jax.kernels import dispatch, echo4
+
+INTERPRET = jax.default_backend() != "gpu"
+BACKEND = "interpret" if INTERPRET else "pallas"
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+def n_rows_for(b: int) -> int:
+    """Two and a half default tiles plus one row: full tiles, a partial tile, masking."""
+    tm = echo4.default_config(b, "compress").blocks_per_program
+    return 2 * tm + tm // 2 + 1
+
+
+def echo_rows(n: int, b: int, dt: str, seed: int = 0) -> np.ndarray:
+    """(n, B): Gaussian × e^{2·N} row scales, plus rows the grid treats specially: zeros,
+    a constant, one-signed (ReLU-like: z = 0, and z = 15), NaN, +Inf, −Inf, tiny and huge
+    values (±1e37 for f32/bf16: hi/2 − lo/2 near the top of the range)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, b)) * np.exp(2 * rng.standard_normal((n, 1)))
+    big, small = (1e37, 1e-30) if dt != "f16" else (3e4, 1e-3)
+    x[1] = 0.0
+    x[2] = 5.0
+    x[3] = np.abs(x[3])
+    x[4] = -np.abs(x[4])
+    x[5, 7] = np.nan
+    x[6, 0] = np.inf
+    x[7, b // 2] = -np.inf
+    x[8] = rng.standard_normal(b) * small
+    x[9] = np.sign(rng.standard_normal(b)) * big * rng.uniform(0.5, 1.0, b)
+    return x.astype(np.float32)
+
+
+def bits_equal(a, b) -> bool:
+    """Arrays equal bit for bit (NaN where NaN)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
+        a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}"))
+
+
+_compress_ref = jax.jit(echo4.compress_reference, static_argnums=1)
+_decompress_ref = jax.jit(echo4.decompress_reference, static_argnums=(1, 2))
+_feedback_ref = jax.jit(echo4.compress_feedback_reference, static_argnums=2)
+_reduce_ref = jax.jit(echo4.reduce_reference, static_argnums=3)
+_decode_sum_ref = jax.jit(echo4.decode_sum_reference, static_argnums=(1, 2))
+
+CASES = [("echo4", 128, "bf16"), ("echo4", 32, "f32"), ("echo4", 512, "f16"),
+         ("int4-sym", 64, "bf16")]
+
+
+def case_id(v):
+    return f"B{v}" if isinstance(v, int) else str(v)
+
+
+# -- compress / decompress ---------------------------------------------------------------------
+@pytest.mark.parametrize("name,b,dt", CASES, ids=case_id)
+def test_compress_and_decompress_match_reference_bytes(name, b, dt):
+    c = codecs.get(name, block_size=b)
+    x = jnp.asarray(echo_rows(n_rows_for(b), b, dt)).astype(DTYPES[dt])
+    wk = echo4.compress(x, c, interpret=INTERPRET)
+    wr = _compress_ref(x, c)
+    assert wk.shape == (x.shape[0], c.row_bytes) and wk.dtype == jnp.uint8
+    diff = np.nonzero(np.asarray(wk) != np.asarray(wr))
+    assert diff[0].size == 0, f"rows {sorted(set(diff[0].tolist()))[:8]} differ"
+    for out in (jnp.float32, DTYPES[dt]):
+        dk = echo4.decompress(wr, c, out, interpret=INTERPRET)
+        assert bits_equal(dk, _decompress_ref(wr, c, out))
+    # the NaN rule: exactly the non-finite groups decode to NaN, nothing else does
+    dec = np.asarray(_decompress_ref(wk, c, jnp.float32))
+    np.testing.assert_array_equal(np.isnan(dec).all(1), ~np.isfinite(np.asarray(
+        x.astype(jnp.float32))).all(1))
+    assert not np.isnan(dec[np.isfinite(np.asarray(x.astype(jnp.float32))).all(1)]).any()
+
+
+def test_zero_groups_and_zero_points():
+    """decode(encode(0)) == 0 exactly; one-signed groups put z at 0 (+0.0 on the wire, not
+    −0.0) or 15; zero stays exactly zero inside a mixed group."""
+    c = codecs.get("echo4")
+    x = np.zeros((4, 128), np.float32)
+    x[1] = np.linspace(0, 3, 128)            # lo = 0 → z = 0
+    x[2] = -np.linspace(0, 3, 128)           # hi = 0 → z = 15
+    x[3, ::2] = np.linspace(-1, 2, 64)
+    w = np.asarray(echo4.compress(jnp.asarray(x), c, interpret=INTERPRET))
+    z = w[:, 68:72].copy().view(np.float32)[:, 0]
+    assert z.view(np.uint32)[1] == 0 and z[2] == 15.0
+    d = np.asarray(echo4.decompress(jnp.asarray(w), c, interpret=INTERPRET))
+    assert not d[0].any() and (d[3, 1::2] == 0).all() and (d[1, 0] == 0)
+
+
+def test_skipped_rows_are_left_and_the_rest_equal():
+    c = codecs.get("echo4")
+    x = jnp.asarray(echo_rows(300, 128, "f32", seed=3))
+    full = np.asarray(echo4.compress(x, c, interpret=INTERPRET))
+    part = np.asarray(echo4.compress(x, c, interpret=INTERPRET, skip_start=jnp.int32(64),
+                                     skip_rows=128))
+    keep = np.r_[0:64, 192:300]
+    np.testing.assert_array_equal(part[keep], full[keep])
+
+
+# -- error feedback fused into compress ---------------------------------------------------------
+@pytest.mark.parametrize("name,b,dt", [("echo4", 128, "bf16"), ("int4-sym", 32, "f32")],
+                         ids=case_id)
+def test_compress_feedback_matches_unfused(name, b, dt):
+    """One pass over x and r: the wire of x − r and the new residual decode − (x − r), bit
+    for bit as compress then decompress then subtract (NaN groups: NaN residual)."""
+    c = codecs.get(name, block_size=b)
+    n = n_rows_for(b)
+    x = jnp.asarray(echo_rows(n, b, dt, seed=1)).astype(DTYPES[dt])
+    r = jnp.asarray(np.random.default_rng(2).standard_normal((n, b)).astype(np.float32) * .1)
+    wk, ek = echo4.compress_feedback(x, r, c, interpret=INTERPRET)
+    wr, er = _feedback_ref(x, r, c)
+    assert bits_equal(wk, wr) and bits_equal(ek, er)
+    ok = np.isfinite(np.asarray(x.astype(jnp.float32))).all(1)
+    assert np.isnan(np.asarray(ek)[~ok]).all() and np.isfinite(np.asarray(ek)[ok]).all()
+
+
+# -- reduce and decode_sum -----------------------------------------------------------------------
+@pytest.mark.parametrize("name,b", [("echo4", 128), ("int4-sym", 64)], ids=case_id)
+def test_reduce_matches_reference_bytes(name, b):
+    """P = 3, me = 1: the slot of `me` holds 0xFF bytes (NaN scales) that must be ignored in
+    favour of the exact own rows, read from row 3 of a longer array."""
+    c = codecs.get(name, block_size=b)
+    n, me, own_row0 = n_rows_for(b), 1, 3
+    rng = np.random.default_rng(1)
+    peers = [_compress_ref(jnp.asarray(echo_rows(n, b, "f32", seed=10 + k)[::-1].copy()), c)
+             for k in range(3)]
+    peers[me] = jnp.full_like(peers[me], 0xFF)
+    recv = jnp.stack(peers)
+    own = jnp.asarray(rng.standard_normal((n + 5, b)).astype(np.float32))
+    wk = echo4.reduce(recv, own, me, c, interpret=INTERPRET, own_row0=own_row0)
+    wr = _reduce_ref(recv, own, jnp.int32(me), c, own_row0)
+    assert bits_equal(wk, wr)
+
+
+@pytest.mark.parametrize("out", ["f32", "bf16"])
+def test_decode_sum_matches_reference(out):
+    c = codecs.get("echo4")
+    n = n_rows_for(128)
+    recv = jnp.stack([_compress_ref(jnp.asarray(echo_rows(n, 128, "f32", seed=k)), c)
+                      for k in range(3)])
+    got = echo4.decode_sum(recv, c, DTYPES[out], interpret=INTERPRET)
+    assert bits_equal(got, _decode_sum_ref(recv, c, DTYPES[out]))
+
+
+# -- dispatch and the collectives ---------------------------------------------------------------
+def test_has_kernel_and_dispatch():
+    """echo4 and int4-sym have kernels, tah4 not (its reference runs on every backend); the
+    codec API on the kernel backend gives the reference backend's bytes and values."""
+    assert codecs.get("echo4").has_kernel and codecs.get("int4-sym").has_kernel
+    tah4 = codecs.get("tah4")
+    assert not tah4.has_kernel and not echo4.covers(tah4)
+    c = codecs.get("echo4")
+    x = jnp.asarray(echo_rows(12, 128, "f32").reshape(-1)[:1500].reshape(3, 500))
+    with taco_jax.config(backend=BACKEND):
+        assert dispatch.backend_for(c) == BACKEND
+        assert dispatch.backend_for(tah4) == "reference"
+        enc = jax.jit(c.encode)(x)
+        y = jax.jit(lambda e: c.decode(e))(enc)
+        assert dispatch.impl_for("compress", c, (12, 128), jnp.float32) in ("interpret",
+                                                                            "triton")
+        with pytest.raises(ValueError, match="(?i)mosaic"):
+            dispatch.compress(jnp.zeros((4, 128)), c, impl="mosaic")
+    with taco_jax.config(backend="reference"):
+        enc_r = jax.jit(c.encode)(x)
+        y_r = jax.jit(lambda e: c.decode(e))(enc_r)
+    assert bits_equal(enc.data, enc_r.data) and bits_equal(y, y_r)
+
+
+def shard(p, fn, *xs, vma=True, out=P()):
+    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+    args = [jax.device_put(jnp.asarray(v), NamedSharding(mesh, P("tp"))) for v in xs]
+    f = jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=out, check_vma=vma)
+    with jax.set_mesh(mesh):
+        return jax.jit(f)(*args)
+
+
+@pytest.mark.parametrize("p,dt", [(2, "bf16"), (4, "f32")], ids=case_id)
+def test_feedback_step_unchanged_on_the_kernel_backend(p, dt):
+    """feedback.allreduce on the kernel backend (fused compress_feedback) == the unfused
+    step (two_shot of x − r with error shares, the reference codec): y and the new
+    residual, on every device."""
+    rng = np.random.default_rng(p)
+    x = (rng.standard_normal((p, 5, 333)) * np.exp(rng.standard_normal((p, 5, 1))))
+    x = jnp.asarray(x.astype(np.float32)).astype(DTYPES[dt])
+    r = jnp.asarray(rng.standard_normal((p, 5, 333)).astype(np.float32) * 0.05)
+    c = codecs.get("echo4")
+
+    def fused(xb, rb):
+        y, e = feedback.allreduce(xb[0], "tp", rb[0], codec="echo4", min_bytes=0)
+        return y[None], e[None]
+
+    def present(xb, rb):
+        z = xb[0].astype(jnp.float32) - rb[0]
+        y, e = ts.two_shot(z, "tp", c, p, False, with_error=True, out_dtype=xb.dtype)
+        return y[None], e[None]
+    outs = {}
+    for name, fn, backend in [("kernel", fused, BACKEND), ("fused_ref", fused, "reference"),
+                              ("present", present, "reference")]:
+        with taco_jax.config(backend=backend):
+            outs[name] = shard(p, fn, x, r, vma=False, out=(P("tp"), P("tp")))
+    for name in ("kernel", "fused_ref"):
+        for got, want in zip(outs[name], outs["present"]):
+            assert bits_equal(got, want), name
+    y = np.asarray(outs["kernel"][0].astype(jnp.float32))
+    assert all(np.array_equal(y[0], y[i]) for i in range(p))     # replicated
+
+
+@pytest.mark.parametrize("vma", [
+    pytest.param(True, marks=pytest.mark.skipif(
+        INTERPRET, reason="Pallas' interpreter fails inside shard_map(check_vma=True) "
+        "(dynamic_slice of a varying ref at an invariant index), the TACO kernels' too")),
+    False])
+def test_psum_and_feedback_grads_on_the_kernel_backend(vma):
+    """Gradients through the collectives' custom_vjps (taco_jax.psum / pvary, and the
+    feedback sites) on the kernel backend equal the reference backend's."""
+    p = 4
+    rng = np.random.default_rng(7)
+    xs = jnp.asarray(rng.standard_normal((p, 6, 200)).astype(np.float32))
+    c = jnp.asarray(rng.standard_normal((6, 200)).astype(np.float32))
+    kw = dict(codec="echo4", min_bytes=0)
+
+    def loss(b):
+        u = 0.1 * lax.psum(b[0], "tp")                                # (6, 200) invariant
+        st = feedback.zeros(u.shape, "tp")
+        u1 = u2 = u
+        if vma:
+            u1 = taco_jax.pvary(u, "tp", **kw)
+            u2, st = feedback.pvary_with_feedback(u, "tp", st, **kw)
+        y = taco_jax.psum(jnp.sin(b[0]) * u1, "tp", **kw)
+        y2, _ = feedback.psum_with_feedback(jnp.cos(b[0]) * u2, "tp", st, **kw)
+        return jnp.sum(jnp.cos(y + y2) * c)
+
+    def grad(backend):
+        mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+        f = jax.shard_map(loss, mesh=mesh, in_specs=P("tp"), out_specs=P(), check_vma=vma)
+        with taco_jax.config(backend=backend), jax.set_mesh(mesh):
+            args = jax.device_put(xs, NamedSharding(mesh, P("tp")))
+            return np.asarray(jax.jit(jax.grad(f))(args))
+    g_k, g_r = grad(BACKEND), grad("reference")
+    assert np.isfinite(g_k).all() and np.abs(g_k).max() > 0
+    np.testing.assert_array_equal(g_k, g_r)
+
+
+def test_one_shot_decode_sum_through_dispatch():
+    """one_shot (the fused transport's P = 2 schedule) decodes with the echo4 decode_sum
+    kernel: the same bits as the reference backend, on both devices."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((2, 7, 300)).astype(np.float32))
+    c = codecs.get("echo4")
+    outs = []
+    for backend in (BACKEND, "reference"):
+        with taco_jax.config(backend=backend):
+            outs.append(np.asarray(shard(2, lambda b: ts.one_shot(b[0], "tp", c, 2, False)[None],
+                                         x, vma=False, out=P("tp"))))
+    assert bits_equal(outs[0], outs[1]) and np.array_equal(outs[0][0], outs[0][1])
+
+
+# -- validation ----------------------------------------------------------------------------------
+def test_wrappers_validate():
+    c, taco = codecs.get("echo4"), codecs.get("taco")
+    x = jnp.zeros((8, 128), jnp.float32)
+    w = jnp.zeros((8, c.row_bytes), jnp.uint8)
+    cases = [
+        (lambda: echo4.compress(x, taco, interpret=True), ValueError, "not echo4"),
+        (lambda: echo4.compress(x, codecs.get("tah4"), interpret=True), ValueError, "tah4"),
+        (lambda: echo4.compress(x[:, :64], c, interpret=True), ValueError, "x.shape"),
+        (lambda: echo4.compress(x.astype(jnp.int32), c, interpret=True), TypeError, "int32"),
+        (lambda: echo4.compress_feedback(x, x[:4], c, interpret=True), ValueError, "r.shape"),
+        (lambda: echo4.compress_feedback(x, x.astype(jnp.bfloat16), c, interpret=True),
+         TypeError, "residual"),
+        (lambda: echo4.decompress(w[:, :70], c, interpret=True), ValueError, "w.shape"),
+        (lambda: echo4.reduce(jnp.stack([w, w]), x[:4], 0, c, interpret=True), ValueError,
+         "own.shape"),
+        (lambda: echo4.decode_sum(w, c, interpret=True), ValueError, "recv.shape"),
+        (lambda: echo4.default_config(128, "transpose"), ValueError, "transpose"),
+    ]
+    for i, (f, err, match) in enumerate(cases):
+        with pytest.raises(err, match=match):
+            f()
+            pytest.fail(f"case {i} did not raise")
+
+
+# -- Triton lowering for an H200, on CPU ------------------------------------------------------------
+@pytest.fixture
+def h200(monkeypatch):
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+
+
+def lower(kernel, c, dt):
+    n, b, sds = 100, c.block_size, jax.ShapeDtypeStruct
+    wire = sds((n, c.row_bytes), jnp.uint8)
+    fns = {
+        "compress": (lambda x, s: echo4.compress(x, c, skip_start=s, skip_rows=8),
+                     sds((n, b), dt), sds((), jnp.int32)),
+        "compress_feedback": (lambda x, r: echo4.compress_feedback(x, r, c),
+                              sds((n, b), dt), sds((n, b), jnp.float32)),
+        "decompress": (lambda w: echo4.decompress(w, c, dt), wire),
+        "reduce": (lambda r, x, me: echo4.reduce(r, x, me, c, own_row0=me),
+                   sds((2, n, c.row_bytes), jnp.uint8), sds((2 * n, b), dt),
+                   sds((), jnp.int32)),
+        "decode_sum": (lambda r: echo4.decode_sum(r, c, dt), sds((2, n, c.row_bytes),
+                                                                 jnp.uint8)),
+    }
+    f, *args = fns[kernel]
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("name,b,dt", [("echo4", 128, jnp.bfloat16), ("int4-sym", 32,
+                                                                       jnp.float32)],
+                         ids=lambda v: getattr(v, "__name__", case_id(v)))
+@pytest.mark.parametrize("kernel", ["compress", "compress_feedback", "decompress", "reduce",
+                                    "decode_sum"])
+def test_lowers_to_one_triton_call(h200, kernel, name, b, dt):
+    text = lower(kernel, codecs.get(name, block_size=b), dt)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert f'name = "echo4_{kernel}"' in text
