@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from codec_bounds import FACTOR, assert_blockwise_close, roundtrip_error
 from experiments import error_growth as eg
+from taco_jax import codecs
 
 CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"
 
@@ -27,17 +29,18 @@ def test_group_partials_sums_adjacent_members():
 @pytest.mark.parametrize("codec", ["block-fp8", "taco"])
 def test_two_shot_matches_its_definition(codec):
     """The library's two-shot under vmap = own segment exact + the peers' decoded segments,
-    quantized again (sizes that leave padding in the last segment). taco picks one of its
-    two scales per block by a comparison that fp32 rounding can tip: equal up to that."""
+    quantized again (sizes that leave padding in the last segment). The reference rounds
+    in another program, where a value on a rounding boundary (or taco's near-tie choice of
+    scale) may go the other way: equal within the codec's error per block, relative to the
+    magnitudes of the addends."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 700)).astype(np.float32)
     got = eg.compressed_sum(x, codec, "two_shot")
     want = eg.two_shot_reference(x, codec)
     exact = x.astype(np.float64).sum(0)
-    if codec == "taco":
-        assert np.linalg.norm(got - want) < 0.1 * np.linalg.norm(want - exact)
-    else:
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.linalg.norm(want - exact) > 1e-4 * np.linalg.norm(exact)     # lossy, really
+    assert_blockwise_close(got, want, np.abs(x).sum(0), FACTOR * roundtrip_error(codec, x),
+                           codecs.get(codec).block_size, lead=0, what=f"{codec} two-shot")
     one = eg.compressed_sum(x, codec, "one_shot")
     assert 0 < eg.rel_l2([(one, exact)])[0] < eg.rel_l2([(got, exact)])[0]   # one rounding
 
