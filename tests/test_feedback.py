@@ -118,17 +118,20 @@ def test_backward_matches_reference_loop():
     w1, w2, h0, c = weights()
     w1, w2 = w1[:n], w2[:n]
 
-    def by_hand(c, a, b):
+    def by_hand(c, a, b, codec="echo4"):
         ct, r, cts = c, feedback.zeros(c.shape, "tp").residual, []
         for k in reversed(range(n)):
             cts.append(ct)                                    # ct(h_{k+1})
             part = (lax.pcast(ct, "tp", to="varying") @ b[k].T) @ a[k].T   # this device's
-            y, r = feedback.allreduce(part, "tp", r, codec="echo4", min_bytes=0)
+            y, r2 = feedback.allreduce(part, "tp", r, codec=codec.split(":")[0], min_bytes=0)
+            r = r2 if ":" not in codec else r
             ct = ct + y
         return jnp.stack(cts[::-1])
-    ref = jax.shard_map(by_hand, mesh=mesh(), in_specs=(P(), P(None, None, "tp"),
-                                                        P(None, "tp", None)),
-                        out_specs=P(), check_vma=True)
+    ref, ref_exact = (jax.shard_map(functools.partial(by_hand, codec=codec), mesh=mesh(),
+                                    in_specs=(P(), P(None, None, "tp"), P(None, "tp", None)),
+                                    out_specs=P(), check_vma=True)
+                      for codec in ("echo4", "none"))
+    nofb = jax.shard_map(functools.partial(by_hand, codec="echo4:nofb"), mesh=mesh(), in_specs=(P(), P(None, None, "tp"), P(None, "tp", None)), out_specs=P(), check_vma=True)
 
     def model(eps, h, a, b):
         def layer(carry, w):
@@ -145,7 +148,16 @@ def test_backward_matches_reference_loop():
     with jax.set_mesh(mesh()):
         got = jax.jit(jax.grad(f))(jnp.zeros((n, T, D)), h0, w1, w2)
         want = jax.jit(ref)(jnp.asarray(c), w1, w2)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        exact = jax.jit(ref_exact)(jnp.asarray(c), w1, w2)
+        nf = np.asarray(jax.jit(nofb)(jnp.asarray(c), w1, w2), np.float64)
+    # two programs (a scan of custom_vjps, an unrolled loop): a value on a rounding boundary
+    # may go either way in one of them, and the residual carries it on, so they agree within
+    # the codec's error: a few times what compression changes here
+    got, want, exact = (np.asarray(a, np.float64) for a in (got, want, exact))
+    effect = np.linalg.norm(want - exact)
+    print("NUMS", np.linalg.norm(got - want), effect, np.linalg.norm(want - nf), np.linalg.norm(exact))
+    assert effect > 1e-4 * np.linalg.norm(exact)               # compressed, really
+    assert np.linalg.norm(got - want) <= FACTOR * effect, (np.linalg.norm(got - want), effect)
 
 
 def test_check_vma_false_forward_feedback_and_grads():
@@ -162,7 +174,8 @@ def test_check_vma_false_forward_feedback_and_grads():
             for k in range(b.shape[1]):
                 v = jnp.sin(b[0, k]) * (1 + 0.1 * h)
                 if mode == "fb":
-                    y, st = feedback.psum_with_feedback(v, "tp", st, min_bytes=0)
+                    y, st = feedback.psum_with_feedback(v, "tp", st, codec="echo4",
+                                                        min_bytes=0)
                 else:
                     y = lax.psum(v, "tp")
                 h = h + y

@@ -35,7 +35,12 @@ class Call:
         return axes_lib.name(self.axes)
 
     @staticmethod
-    def make(op: str, axis_name, codec, min_bytes, transport=None) -> "Call":
+    def make(op: str, axis_name, codec, min_bytes, transport=None, *,
+             xla_only: str | None = None) -> "Call":
+        """Validate one call's arguments against the recipe. xla_only: why the op moves
+        its bytes with XLA's collectives only (ppermute, the feedback sites): "auto" and
+        the recipe's "fused" mean "xla" there, and transport="fused" passed to the call is
+        an error giving that reason."""
         r = recipe.current()
         axes = axes_lib.resolve(axis_name, op)
         p = axes_lib.size(axes, op)
@@ -45,10 +50,15 @@ class Call:
         if min_bytes is not None and (isinstance(min_bytes, bool)
                                       or not isinstance(min_bytes, int) or min_bytes < 0):
             raise ValueError(f"taco_jax.{op}: min_bytes={min_bytes!r} must be an int >= 0")
-        transport = r.transport if transport is None else transport
-        if transport not in recipe.TRANSPORTS:
+        if transport is not None and transport not in recipe.TRANSPORTS:
             raise ValueError(f"taco_jax.{op}: transport={transport!r} is not one of "
                              f"{recipe.TRANSPORTS}")
+        if xla_only is not None:
+            if transport == "fused":
+                raise ValueError(f"taco_jax.{op}: transport='fused' cannot run it: "
+                                 f"{xla_only}; use transport='xla' or 'auto'")
+            transport = "xla"
+        transport = r.transport if transport is None else transport
         return Call(op, codec, axes, p, min_bytes, axes_lib.check_vma(axes), transport)
 
     def taps(self, v) -> bool:

@@ -131,8 +131,12 @@ _pvary_fb.defvjp(_pvary_fb_fwd, _pvary_fb_bwd)
 
 
 # -- public API -----------------------------------------------------------------------
-def _setup(x, axis_name, state, codec, min_bytes, op):
-    call = Call.make(op, axis_name, "echo4" if codec is None else codec, min_bytes)
+# why the feedback sites take no fused transport (its error message)
+NO_FUSED = "the error-feedback all-reduce runs over XLA's collectives only"
+
+
+def _setup(x, axis_name, state, codec, min_bytes, op, transport=None):
+    call = Call.make(op, axis_name, codec, min_bytes, transport, xla_only=NO_FUSED)
     if not isinstance(state, FeedbackState):
         raise TypeError(f"taco_jax.{op}: state must be a FeedbackState, got "
                         f"{type(state).__name__}")
@@ -145,28 +149,73 @@ def _setup(x, axis_name, state, codec, min_bytes, op):
     return x, call, call.route(x) != "lax"
 
 
-def psum_with_feedback(x, axis_name, state: FeedbackState, *, codec="echo4",
-                       min_bytes: int | None = None):
-    """Compressed `lax.psum` of `x - (this device's share of the last error)`.
+def psum_with_feedback(x, axis_name, state: FeedbackState, *, codec=None,
+                       min_bytes: int | None = None, transport: str | None = None):
+    """Compressed `lax.psum` of `x - (this device's share of the last error)` (Megatron's
+    `g` with error feedback).
 
-    Returns (y, new_state): y is replicated, like lax.psum's; new_state holds this device's
-    share of the error y − psum(x) − (old error) just injected. Thread new_state into the next
-    all-reduce that adds into the same residual stream (forward: the next block's psum).
-    Below `min_bytes` the sum is exact and the state drains to zero. Under check_vma=True
-    the backward residual rides on the cotangents (see module doc); under check_vma=False
-    the backward all-reduce has no feedback."""
-    x, c, compress = _setup(x, axis_name, state, codec, min_bytes, "psum_with_feedback")
+    Thread the returned state into the next all-reduce that adds into the same residual
+    stream (forward: the next block's psum); the old error then cancels instead of
+    accumulating. Below `min_bytes` (or with codec "none") the sum is exact and the state
+    drains to zero. Under check_vma=True the backward residual rides on the cotangents
+    (see the module doc); under check_vma=False the backward all-reduce has no feedback.
+
+    Args:
+      x: a float array, this device's partial sum.
+      axis_name: a mesh axis name, or a tuple/list of names.
+      state: the `FeedbackState` of this residual stream (`zeros_like(x, axis_name)` at
+        its start), fp32, of x's shape.
+      codec, min_bytes: as `taco_jax.psum`'s (each None by default: the recipe's).
+      transport: "xla" or "auto" (the same here); None (default): the recipe's, whose
+        "fused" means "xla" here. "fused" given here is an error: the error-feedback
+        all-reduce runs over XLA's collectives only.
+
+    Returns:
+      (y, new_state): y the sum over `axis_name` in x's dtype, replicated as lax.psum's;
+      new_state this device's share of the error y − psum(x) − (old error) just injected.
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      TypeError: `state` is not a FeedbackState; x is not a float array; a codec that is
+        neither a name nor a Codec.
+      ValueError: state.residual's shape differs from x's; transport="fused"; an unknown
+        codec name, a bad `axis_name`, `min_bytes` or `transport` (as `taco_jax.psum`).
+    """
+    x, c, compress = _setup(x, axis_name, state, codec, min_bytes, "psum_with_feedback",
+                            transport)
     y, e = _psum_fb(x, state.residual, c.axis, c.codec, c.p, c.vma, compress)
     return y, FeedbackState(e)
 
 
-def pvary_with_feedback(x, axis_name, state: FeedbackState, *, codec="echo4",
-                        min_bytes: int | None = None):
-    """Megatron's `f` with backward feedback: identity forward (varying under check_vma);
-    backward, a compressed psum of the cotangent that subtracts the backward residual of the
-    later site and leaves its own. Returns (x, state) — the forward state passes unchanged.
-    Under check_vma=False it is the identity both ways, like `taco_jax.pvary`."""
-    x, c, compress = _setup(x, axis_name, state, codec, min_bytes, "pvary_with_feedback")
+def pvary_with_feedback(x, axis_name, state: FeedbackState, *, codec=None,
+                        min_bytes: int | None = None, transport: str | None = None):
+    """Megatron's `f` with backward error feedback: identity forward (varying over
+    `axis_name` under check_vma=True); backward, a compressed psum of the cotangent that
+    subtracts the backward residual the later site left and leaves its own. Under
+    check_vma=False it is the identity both ways, like `taco_jax.pvary`.
+
+    Args:
+      x: a float array, invariant over `axis_name`.
+      axis_name: a mesh axis name, or a tuple/list of names.
+      state: the stream's `FeedbackState` (its forward value passes unchanged; the
+        backward residual rides on its cotangent).
+      codec, min_bytes, transport: as `psum_with_feedback`'s, for the backward all-reduce
+        (each None by default: the recipe's).
+
+    Returns:
+      (x, state): x varying over `axis_name` under check_vma=True, else unchanged; state
+      unchanged.
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      TypeError: `state` is not a FeedbackState; x is not a float array; a codec that is
+        neither a name nor a Codec.
+      ValueError: x already varies over `axis_name` (check_vma=True); state.residual's
+        shape differs from x's; transport="fused"; an unknown codec name, a bad
+        `axis_name`, `min_bytes` or `transport` (as `taco_jax.psum`).
+    """
+    x, c, compress = _setup(x, axis_name, state, codec, min_bytes, "pvary_with_feedback",
+                            transport)
     if not c.vma:
         return x, state
     if axes_lib.varying(x, c.axes) and not axes_lib.emulated(c.axes):
@@ -176,9 +225,12 @@ def pvary_with_feedback(x, axis_name, state: FeedbackState, *, codec="echo4",
     return y, FeedbackState(r)
 
 
-def allreduce(x, axis_name, residual, *, codec="echo4", min_bytes: int | None = None):
+def allreduce(x, axis_name, residual, *, codec=None, min_bytes: int | None = None,
+              transport: str | None = None):
     """The bare step, without autodiff rules: (psum(x − residual) compressed, new residual).
-    For reference loops and for code that runs its own backward."""
+    For reference loops and for code that runs its own backward. Arguments, errors and
+    defaults (None: the recipe's) as `psum_with_feedback`'s, with the residual array in
+    place of the state."""
     x, c, compress = _setup(x, axis_name, FeedbackState(residual), codec, min_bytes,
-                            "allreduce")
+                            "allreduce", transport)
     return _reduce_err(x, residual, c.axis, c.codec, c.p, c.vma, compress)

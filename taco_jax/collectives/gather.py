@@ -108,9 +108,36 @@ _all_gather, _psum_scatter = _transpose_pair(_gather, _scatter)
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, to: str = "varying",
                codec=None, min_bytes: int | None = None, transport: str | None = None):
-    """`lax.all_gather` with compressed payloads (signature, layouts and `to` as lax's).
-    Gradient: the compressed `psum_scatter` (to="varying"); with to="invarying" (check_vma
-    only: the result is the same on every device) each device's own slice of the cotangent."""
+    """All-gather over `axis_name` with compressed payloads: a drop-in for
+    `jax.lax.all_gather` (same signature, layouts and `to`).
+
+    Each device compresses its leaf once; every device decodes the same bytes, its own
+    part included, so all copies agree bit for bit. Leaves on the plain route (as
+    `taco_jax.psum`'s: codec "none", below `min_bytes`, not float, axis of size 1) take
+    `lax.all_gather` and trace to exactly its jaxpr.
+
+    Args:
+      x: an array, or a pytree of arrays.
+      axis_name: a mesh axis name, or a tuple/list of names.
+      axis: int, default 0: where the gathered dimension goes (negative counts from the
+        end, as lax's).
+      tiled: bool, default False: concatenate along `axis` instead of stacking a new one.
+      to: "varying" (default) or "invarying" (check_vma=True only: the result is invariant
+        over the axis).
+      codec, min_bytes, transport: as `taco_jax.psum`'s (each None by default: the
+        recipe's).
+
+    Returns:
+      `x`'s structure, each leaf gathered as `lax.all_gather` lays it out. Gradient: the
+      compressed `taco_jax.psum_scatter` of the cotangent (to="varying"); with
+      to="invarying", each device's own slice of the (invariant) cotangent.
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      ValueError: `to` not "varying" or "invarying"; an unknown codec name, a bad
+        `axis_name`, `min_bytes` or `transport` (as `taco_jax.psum`).
+      TypeError: a codec that is neither a name nor a Codec.
+    """
     op = Call.make("all_gather", axis_name, codec, min_bytes, transport)
     if to not in ("varying", "invarying"):
         raise ValueError(f"taco_jax.all_gather: to={to!r} must be 'varying' or 'invarying'")
@@ -130,9 +157,36 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, to: str = "v
 
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
                  codec=None, min_bytes: int | None = None, transport: str | None = None):
-    """`lax.psum_scatter` with compressed payloads: a compressed all-to-all, then each device
-    sums its part in fp32 with its own contribution exact. Gradient: the compressed
-    `all_gather`."""
+    """Reduce-scatter over `axis_name` with compressed payloads: a drop-in for
+    `jax.lax.psum_scatter`.
+
+    Segment j of each leaf (along `scatter_dimension`) goes to device j as compressed
+    codes (an all-to-all); each device sums its segment in fp32 with its own part exact,
+    so every element is quantized once. Leaves on the plain route (as `taco_jax.psum`'s)
+    take `lax.psum_scatter` and trace to exactly its jaxpr.
+
+    Args:
+      x: an array, or a pytree of arrays.
+      axis_name: a mesh axis name, or a tuple/list of names.
+      scatter_dimension: int, default 0: the dimension split among the devices (negative
+        counts from the end).
+      tiled: bool, default False: that dimension is divisible by the axis size and keeps
+        its rank (else it equals the axis size and is removed), as lax's.
+      codec, min_bytes, transport: as `taco_jax.psum`'s (each None by default: the
+        recipe's).
+
+    Returns:
+      `x`'s structure, each leaf this device's segment of the sum over `axis_name`, laid
+      out as `lax.psum_scatter`'s. Gradient: the compressed `taco_jax.all_gather` of the
+      cotangent.
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      ValueError: the scattered dimension does not equal (tiled: is not divisible by) the
+        axis size; an unknown codec name, a bad `axis_name`, `min_bytes` or `transport`
+        (as `taco_jax.psum`).
+      TypeError: a codec that is neither a name nor a Codec.
+    """
     op = Call.make("psum_scatter", axis_name, codec, min_bytes, transport)
 
     def leaf(v):

@@ -71,19 +71,52 @@ def _ppermute_bwd(axis, codec, p, perm, _, g):
 _ppermute.defvjp(_ppermute_fwd, _ppermute_bwd)
 
 
-def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None):
-    """`lax.ppermute` with compressed payloads (one quantization per element); backward: the
-    compressed reverse permutation. codec "none" (and leaves below `min_bytes`, non-float
-    leaves, and under check_vma=True leaves that are not varying over `axis_name`, which
-    every device holds already) is lax.ppermute itself, bit for bit.
+# why `ppermute` takes no fused transport (its error message)
+NO_FUSED = ("the fused kernels carry the all-reduce's all-to-all and all-gather, not a "
+            "permutation")
+
+
+def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None,
+             transport: str | None = None):
+    """Permutation of each device's tensor over `axis_name` with compressed payloads: a
+    drop-in for `jax.lax.ppermute` (pipeline stages' hand-offs).
+
+    Each sender encodes its leaf once, `lax.ppermute` moves the codes, the receiver
+    decodes them: one quantization per element. Devices that receive nothing get zeros,
+    as with lax. Leaves on the plain route (codec "none", below `min_bytes`, not float,
+    axis of size 1, or under check_vma=True invariant over the axis, which every device
+    holds already) take `lax.ppermute` and trace to exactly its jaxpr.
 
     Telemetry: the site is noted once, in the forward pass; `telemetry.wire_bytes(site,
     backward=True)` adds the reverse send a training step makes. Under
     `telemetry.collect()` every compressed send, forward and backward, records its error
     against the exact send over all receivers; `telemetry.capture()` hands each device's
     sent tensor ("fwd", every device, senders or not) and the cotangent of what it
-    received ("bwd": what its reverse send carries) to the host."""
-    op = Call.make("ppermute", axis_name, codec, min_bytes, "xla")
+    received ("bwd": what its reverse send carries) to the host.
+
+    Args:
+      x: an array, or a pytree of arrays.
+      axis_name: a mesh axis name, or a tuple/list of names.
+      perm: pairs (source, destination) of indices along the axis, sources distinct and
+        destinations distinct, as lax's.
+      codec, min_bytes: as `taco_jax.psum`'s (each None by default: the recipe's).
+      transport: "xla" or "auto" (the same here: the codes move by `lax.ppermute`); None
+        (default): the recipe's, whose "fused" means "xla" for this op. "fused" given here
+        is an error: the fused kernels carry the all-reduce's all-to-all and all-gather,
+        not a permutation.
+
+    Returns:
+      `x`'s structure, each leaf what this device received (zeros if nothing). Gradient:
+      the compressed reverse permutation of the cotangent.
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      ValueError: `perm` repeats a source or destination or leaves [0, axis size);
+        transport="fused"; an unknown codec name, a bad `axis_name`, `min_bytes` or
+        `transport` (as `taco_jax.psum`).
+      TypeError: a codec that is neither a name nor a Codec.
+    """
+    op = Call.make("ppermute", axis_name, codec, min_bytes, transport, xla_only=NO_FUSED)
     perm = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts) or any(
