@@ -128,9 +128,6 @@ def note_site(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1
     _note(op, shape, dtype, axes, codec, reason, p, route, vma)
 
 
-note_call = note_site     # the collectives' own calls
-
-
 def _note(op, shape, dtype, axes, codec, reason, p, route, vma=True) -> Site:
     site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
                 reason is None, reason or "", p, route if reason is None else "", bool(vma))

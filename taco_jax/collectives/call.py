@@ -84,7 +84,7 @@ class Call:
         """"lax", "xla" or "fused" for this leaf; records the site and the reason
         (telemetry.sites)."""
         route, why = self._route(v, invariant)
-        telemetry.note_call(self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
+        telemetry.note_site(self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
                             self.p, route, self.vma)
         return route
 
