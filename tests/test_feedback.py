@@ -123,15 +123,13 @@ def test_backward_matches_reference_loop():
         for k in reversed(range(n)):
             cts.append(ct)                                    # ct(h_{k+1})
             part = (lax.pcast(ct, "tp", to="varying") @ b[k].T) @ a[k].T   # this device's
-            y, r2 = feedback.allreduce(part, "tp", r, codec=codec.split(":")[0], min_bytes=0)
-            r = r2 if ":" not in codec else r
+            y, r = feedback.allreduce(part, "tp", r, codec=codec, min_bytes=0)
             ct = ct + y
         return jnp.stack(cts[::-1])
     ref, ref_exact = (jax.shard_map(functools.partial(by_hand, codec=codec), mesh=mesh(),
                                     in_specs=(P(), P(None, None, "tp"), P(None, "tp", None)),
                                     out_specs=P(), check_vma=True)
                       for codec in ("echo4", "none"))
-    nofb = jax.shard_map(functools.partial(by_hand, codec="echo4:nofb"), mesh=mesh(), in_specs=(P(), P(None, None, "tp"), P(None, "tp", None)), out_specs=P(), check_vma=True)
 
     def model(eps, h, a, b):
         def layer(carry, w):
@@ -149,15 +147,15 @@ def test_backward_matches_reference_loop():
         got = jax.jit(jax.grad(f))(jnp.zeros((n, T, D)), h0, w1, w2)
         want = jax.jit(ref)(jnp.asarray(c), w1, w2)
         exact = jax.jit(ref_exact)(jnp.asarray(c), w1, w2)
-        nf = np.asarray(jax.jit(nofb)(jnp.asarray(c), w1, w2), np.float64)
     # two programs (a scan of custom_vjps, an unrolled loop): a value on a rounding boundary
-    # may go either way in one of them, and the residual carries it on, so they agree within
-    # the codec's error: a few times what compression changes here
+    # may go either way in one of them. The residual hands such a difference (one block's
+    # quantization error) to the next site, which compensates it, so the two stay closer
+    # than compression moves them from the exact loop; a residual not threaded through
+    # (plain echo4) differs by twice that (measured)
     got, want, exact = (np.asarray(a, np.float64) for a in (got, want, exact))
     effect = np.linalg.norm(want - exact)
-    print("NUMS", np.linalg.norm(got - want), effect, np.linalg.norm(want - nf), np.linalg.norm(exact))
     assert effect > 1e-4 * np.linalg.norm(exact)               # compressed, really
-    assert np.linalg.norm(got - want) <= FACTOR * effect, (np.linalg.norm(got - want), effect)
+    assert np.linalg.norm(got - want) <= effect, (np.linalg.norm(got - want), effect)
 
 
 def test_check_vma_false_forward_feedback_and_grads():
