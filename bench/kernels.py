@@ -1,7 +1,7 @@
 """Kernel benchmark: compress / decompress / reduce per implementation, vs the HBM roofline.
 
     python -m bench.kernels [--sizes-mib 16 64 256 1024] [--impls triton mosaic]
-                            [--codecs taco] [--check] [--stages] [--tune]
+                            [--codecs taco echo4] [--check] [--stages] [--tune]
                             [--out bench/results/kernels.json]
 
 Each row is one implementation (Pallas-Triton or Pallas Mosaic GPU) × kernel × size, with
@@ -12,11 +12,15 @@ trace (`bench.common.device_time`), and `host_us`, calls back to back under the 
 against the device-timed roofline) is the figure the targets refer to, `host_fraction`
 the host-timed pair. Effective bytes of a kernel = bytes it reads + bytes it writes (input
 of bf16; a wire row is row_bytes per block). Implementations that do not cover a call
-(`taco_jax.kernels.mosaic.unsupported`) have no row for it.
+(`taco_jax.kernels.mosaic.unsupported`) have no row for it. Each row names its codec:
+the TACO codecs' kernels (compress, decompress, reduce) and Echo's 4-bit ones
+(`taco_jax.kernels.echo4`, Triton only: compress, compress_feedback — x and the fp32
+residual in, codes and the new residual out —, decompress, reduce, decode_sum over P = 2).
 
 --check compares every kernel and implementation with its jnp reference on this device:
 every codec, block size and dtype the implementation covers, rows with NaN and ±Inf, which
-must decode to NaN. --stages times the Triton compress with parts of its work taken away
+must decode to NaN. For the 4-bit codecs (`--codecs echo4`) every kernel must match its
+jitted reference bit for bit (`ok` per case). --stages times the Triton compress with parts of its work taken away
 (a Pallas copy with the wire layout, no transform, no α). --tune times Mosaic launch
 configs (blocks per multiprocessor × TMA steps in flight) at 16 and 256 MiB. Writes
 bench/results/kernels.json (device, jax, commit and every figure). On CPU the Triton
@@ -35,11 +39,16 @@ import numpy as np
 
 from bench.common import device_time, env_facts, print_table, write_json
 from taco_jax import codecs
-from taco_jax.kernels import compress, decompress, mosaic, reduce, tiling as common
+from taco_jax.kernels import compress, decompress, echo4, mosaic, reduce, tiling as common
 
 MIB = 1 << 20
 INTERP = jax.default_backend() != "gpu"   # CPU smoke runs use the Pallas interpreter
 KINDS = ("compress", "decompress", "reduce")
+ECHO_KINDS = ("compress", "compress_feedback", "decompress", "reduce", "decode_sum")
+
+
+def kinds_for(codec) -> tuple[str, ...]:
+    return ECHO_KINDS if echo4.covers(codec) else KINDS
 
 
 def timed(fn, x, iters: int = 10) -> dict:
@@ -62,8 +71,32 @@ def roofline(n_bytes: int) -> dict:
             "device_gbs": t["device_us"] and 2 * n_bytes / t["device_us"] / 1e3}
 
 
+def echo_kernel_fn(kind, codec, x, cfg=None, peers=2):
+    """`kernel_fn` for Echo's 4-bit kernels."""
+    nb, isz, row = x.shape[0], x.dtype.itemsize, codec.row_bytes
+    n = x.size
+    if kind == "compress":
+        return (lambda v: echo4.compress(v, codec, cfg, INTERP)), x, n * isz + nb * row
+    if kind == "compress_feedback":
+        r = (x.astype(jnp.float32) * 0.01).astype(jnp.float32)
+        return ((lambda v: echo4.compress_feedback(v[0], v[1], codec, cfg, INTERP)), (x, r),
+                n * isz + 4 * n + nb * row + 4 * n)
+    w = echo4.compress(x, codec, interpret=INTERP)
+    if kind == "decompress":
+        return ((lambda v: echo4.decompress(v, codec, x.dtype, cfg, INTERP)), w,
+                nb * row + n * isz)
+    recv = jnp.stack([w] * peers)
+    if kind == "decode_sum":
+        return ((lambda v: echo4.decode_sum(v, codec, x.dtype, cfg, INTERP)), recv,
+                peers * nb * row + n * isz)
+    return ((lambda v: echo4.reduce(v, x, jnp.int32(0), codec, cfg, INTERP)), recv,
+            peers * nb * row + n * isz + nb * row)
+
+
 def kernel_fn(kind, impl, codec, x, cfg=None, peers=2):
     """(fn, its argument, effective bytes) for one kernel on bf16 data x (n_blocks, B)."""
+    if echo4.covers(codec):
+        return echo_kernel_fn(kind, codec, x, cfg, peers)
     nb, isz, row = x.shape[0], x.dtype.itemsize, codec.row_bytes
     n = x.size
     if kind == "compress":
@@ -82,8 +115,8 @@ def kernel_fn(kind, impl, codec, x, cfg=None, peers=2):
 
 
 def covers(impl, kind, codec, shape, dtype) -> bool:
-    if impl == "triton":
-        return True
+    if impl == "triton" or echo4.covers(codec):
+        return impl == "triton"
     return not INTERP and mosaic.unsupported(kind, codec, shape, dtype) is None
 
 
@@ -202,6 +235,80 @@ def check_mosaic(out_rows):
             print(out_rows[-1], flush=True)
 
 
+_echo_refs = {"compress": jax.jit(echo4.compress_reference, static_argnums=1),
+              "compress_feedback": jax.jit(echo4.compress_feedback_reference, static_argnums=2),
+              "decompress": jax.jit(echo4.decompress_reference, static_argnums=(1, 2)),
+              "reduce": jax.jit(echo4.reduce_reference, static_argnums=3),
+              "decode_sum": jax.jit(echo4.decode_sum_reference, static_argnums=(1, 2))}
+ECHO_CHECKS = ([("echo4", b, jnp.bfloat16) for b in (32, 64, 128, 256, 512)]
+               + [("echo4", 128, jnp.float32), ("echo4", 128, jnp.float16),
+                  ("int4-sym", 128, jnp.bfloat16), ("int4-sym", 32, jnp.float32)])
+
+
+def _bits_differ(a, b) -> int:
+    """How many elements differ bit for bit (NaN payloads included)."""
+    a, b = np.asarray(a), np.asarray(b)
+    u = f"u{a.dtype.itemsize}"
+    return int(np.sum(a.view(u) != b.view(u)))
+
+
+def check_echo(out_rows, save=None):
+    """Every Echo kernel against its jitted reference, bit for bit: wire bytes (compress,
+    compress_feedback, reduce) and decoded values (decompress, decode_sum, the new
+    residual); rows with NaN, ±Inf, zeros and one-signed groups."""
+    rng = np.random.default_rng(2)
+    n = 4099 if not INTERP else 99            # the interpreter: a smoke test, two cases
+    for name, b, dtype in ECHO_CHECKS if not INTERP else ECHO_CHECKS[2::6]:
+        try:
+            row = _check_echo_case(rng, n, name, b, dtype)
+        except Exception as e:   # a kernel that does not compile fails its case, visibly
+            row = {"impl": "triton", "codec": name, "block": b,
+                   "dtype": jnp.dtype(dtype).name, "ok": False,
+                   "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        out_rows.append(row)
+        print(row, flush=True)
+        if save:
+            save()
+
+
+def _check_echo_case(rng, n, name, b, dtype) -> dict:
+    c = codecs.get(name, block_size=b)
+    x = np.array(_check_input(rng, n, b, jnp.float32), np.float32)
+    x[17] = 0.0
+    x[19] = np.abs(x[19])
+    x = jnp.asarray(x).astype(dtype)
+    r = jnp.asarray(rng.standard_normal((n, b)).astype(np.float32) * 0.005)
+    wr = _echo_refs["compress"](x, c)
+    recv = jnp.stack([wr, _echo_refs["compress"](x[::-1], c)])
+    fk, ek = echo4.compress_feedback(x, r, c, interpret=INTERP)
+    fr, er = _echo_refs["compress_feedback"](x, r, c)
+    row = {"impl": "triton", "codec": name, "block": b, "dtype": jnp.dtype(dtype).name,
+           "compress_bytes_differ": _bits_differ(echo4.compress(x, c, interpret=INTERP),
+                                                 wr),
+           "feedback_bytes_differ": _bits_differ(fk, fr),
+           "feedback_residual_differ": _bits_differ(ek, er),
+           "decompress_differ": _bits_differ(
+               echo4.decompress(wr, c, dtype, interpret=INTERP),
+               _echo_refs["decompress"](wr, c, dtype)),
+           "reduce_bytes_differ": _bits_differ(
+               echo4.reduce(recv, x, jnp.int32(1), c, interpret=INTERP),
+               _echo_refs["reduce"](recv, x, jnp.int32(1), c)),
+           "decode_sum_differ": _bits_differ(
+               echo4.decode_sum(recv, c, dtype, interpret=INTERP),
+               _echo_refs["decode_sum"](recv, c, dtype))}
+    sk = np.asarray(echo4.decode_sum(recv, c, jnp.float32, interpret=INTERP), np.float64)
+    sr = np.asarray(_echo_refs["decode_sum"](recv, c, jnp.float32), np.float64)
+    fin = np.isfinite(sr)
+    row["decode_sum_f32_max_rel"] = float(np.max(np.abs(sk[fin] - sr[fin])) /
+                                          np.max(np.abs(sr[fin])))
+    dec = np.asarray(_echo_refs["decompress"](wr, c, jnp.float32))
+    row["nan_rows_match"] = bool(np.array_equal(
+        np.isnan(dec).all(1), ~np.isfinite(np.asarray(x.astype(jnp.float32))).all(1)))
+    row["ok"] = row["nan_rows_match"] and not any(
+        v for k, v in row.items() if k.endswith("differ"))
+    return row
+
+
 # -- --stages (Triton compress) ------------------------------------------------------------
 def _copy_kernel(x_ref, o_ref, *, cfg, n_rows, b):
     """compress's plumbing only: load a bf16 tile, cast to fp8, store codes + zero scales."""
@@ -273,6 +380,30 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
     return rows
 
 
+ECHO_TUNE = [common.KernelConfig(blocks_per_program=e // 128, num_warps=w, num_stages=2,
+                                 tiles_per_program=t)
+             for e, w, t in [(1024, 4, 1), (2048, 4, 1), (4096, 4, 1), (4096, 8, 1),
+                             (2048, 4, 4), (8192, 8, 1)]]
+
+
+def echo_tune_rows(sizes_mib, roof) -> list[dict]:
+    """echo4 compress and decompress under other tilings (B = 128)."""
+    c = codecs.get("echo4")
+    rows = []
+    for mib, kind, cfg in itertools.product(sizes_mib, ("compress", "decompress"), ECHO_TUNE):
+        try:
+            r = measure(kind, "triton", c, int(mib * MIB) // 2, roof, cfg)
+            r.pop("device_kernels", None)
+        except Exception as e:   # a config that does not compile or launch is a finding
+            r = {"kernel": kind, "codec": c.name, "mib": mib,
+                 "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        r.update(elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
+                 tiles_per_program=cfg.tiles_per_program)
+        rows.append(r)
+        print(r, flush=True)
+    return rows
+
+
 def hlo_custom_calls() -> dict:
     """Custom-call targets of compress → decompress per implementation (compiled)."""
     if INTERP:
@@ -323,23 +454,38 @@ def main(argv=None):
     # what it measured.
     rows = result["rows"] = []
     sizes = args.sizes_mib if not INTERP else [0.0625]
-    for name, mib, kind, impl in itertools.product(args.codecs, sizes, KINDS, args.impls):
-        c = codecs.get(name)
-        n = int(mib * MIB) // 2                               # bf16 input elements
-        if not covers(impl, kind, c, (n // c.block_size, c.block_size), jnp.bfloat16):
-            continue
-        rows.append(measure(kind, impl, c, n, roof))
-        print({k: v for k, v in rows[-1].items() if k != "device_kernels"}, flush=True)
-    print_table(rows, ["impl", "kernel", "mib", "device_us", "device_fraction", "host_us",
-                       "host_fraction"])
+    cs = [codecs.get(name) for name in args.codecs]
+    echo = [c for c in cs if echo4.covers(c)]
+    for c, mib in itertools.product(cs, sizes):
+        for kind, impl in itertools.product(kinds_for(c), args.impls):
+            n = int(mib * MIB) // 2                           # bf16 input elements
+            if not covers(impl, kind, c, (n // c.block_size, c.block_size), jnp.bfloat16):
+                continue
+            try:
+                rows.append(measure(kind, impl, c, n, roof))
+            except Exception as e:   # a kernel that does not compile is a finding, not a stop
+                rows.append({"impl": impl, "kernel": kind, "codec": c.name, "mib": mib,
+                             "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            print({k: v for k, v in rows[-1].items() if k != "device_kernels"}, flush=True)
+        write_json(args.out, result)
+    print_table(rows, ["codec", "impl", "kernel", "mib", "device_us", "device_fraction",
+                       "host_us", "host_fraction"])
     write_json(args.out, result)
-    if args.tune and not INTERP:
+    if args.check and echo and "triton" in args.impls:   # the 4-bit checks are quick
+        result["check_echo"] = []
+        check_echo(result["check_echo"], lambda: write_json(args.out, result))
+        print_table(result["check_echo"], list(result["check_echo"][0]))
+        write_json(args.out, result)
+    if args.tune and echo:
+        result["tune_echo"] = echo_tune_rows([16, 256] if not INTERP else [0.0625], roof)
+        write_json(args.out, result)
+    if args.tune and not INTERP and len(echo) < len(cs):
         result["tune"] = tune_rows([16, 256], roof)
         write_json(args.out, result)
     if args.stages:
         result["stages"] = stage_rows(256 * MIB // 2 if not INTERP else 1 << 16, roof)
         write_json(args.out, result)
-    if args.check:
+    if args.check and len(echo) < len(cs):                  # the TACO codecs' kernels
         result["check"] = []
         result["check_done"] = False
         if "mosaic" in args.impls and not INTERP:

@@ -97,6 +97,23 @@ def test_kernels_cpu_smoke(tmp_path):
     assert got["jax"] and "roofline" in got and res["rows"] == got["rows"]
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_kernels_cpu_smoke_echo4(tmp_path):
+    """python -m bench.kernels --codecs echo4 --check --tune on CPU: a row per 4-bit kernel
+    with the codec named, and the bit-for-bit checks (interpreted) all passing."""
+    from bench import kernels
+    out = tmp_path / "k.json"
+    res = kernels.main(["--out", str(out), "--codecs", "echo4", "--check", "--tune"])
+    got = json.loads(out.read_text())
+    assert {r["kernel"] for r in got["rows"]} == set(kernels.ECHO_KINDS)
+    assert all(r["codec"] == "echo4" and r["impl"] == "triton" for r in got["rows"])
+    assert {c["codec"] for c in got["check_echo"]} == {"echo4", "int4-sym"}
+    assert all(c["ok"] for c in got["check_echo"]), got["check_echo"]
+    assert "check" not in got                     # no TACO codec asked for
+    assert len(got["tune_echo"]) == 2 * len(kernels.ECHO_TUNE)
+    assert res["rows"] == got["rows"]
+
+
 def test_covers():
     from bench import kernels
     from taco_jax import codecs
@@ -104,6 +121,11 @@ def test_covers():
     taco = codecs.get("taco")
     assert kernels.covers("triton", "reduce", taco, (64, 256), jnp.bfloat16)
     assert not kernels.covers("mosaic", "reduce", taco, (64, 256), jnp.bfloat16)
+    echo = codecs.get("echo4")
+    assert kernels.covers("triton", "decode_sum", echo, (64, 128), jnp.bfloat16)
+    assert not kernels.covers("mosaic", "compress", echo, (64, 128), jnp.bfloat16)
+    assert kernels.kinds_for(echo) == kernels.ECHO_KINDS and kernels.kinds_for(taco) == \
+        kernels.KINDS
 
 
 def test_ncu_source_summary(tmp_path):
