@@ -263,7 +263,7 @@ def child_cmd(a, p, sizes, dtype) -> list[str]:
     return cmd
 
 
-def run_children(a, configs) -> list[dict]:
+def run_children(a, configs, save=lambda rows: None) -> list[dict]:
     """Each configuration in its own process (--isolate config), or each (P, dtype) group
     of sizes in one (--isolate group: one start-up for several sizes; a hang or crash
     loses the rest of its group, reported as such), one at a time (a GPU in exclusive
@@ -297,6 +297,7 @@ def run_children(a, configs) -> list[dict]:
             rows.append({"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes,
                          "dtype": dtype, "ok": False, "reason": why or "no result"})
             print(f"P={p} {rows[-1]['mib']} MiB {dtype}: {rows[-1]['reason']}", flush=True)
+        save(rows)                 # what is done survives a kill of the whole batch
     return rows
 
 
@@ -333,7 +334,13 @@ def main(argv=None) -> int:
             print("ROW " + json.dumps(run_config(a)), flush=True)
         return 0
     configs = [(p, s, d) for p in a.p for s in a.sizes for d in a.dtypes]
-    rows = run_children(a, configs)
+    def payload(rows, checks=()):
+        return {**env_facts(), "impl": a.impl, "codec": a.codec, "calls": a.calls,
+                "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,
+                "projection": "projected for 2 GPUs: fixed_us + max(per_device_us, wire "
+                              "bytes / link_gbps), / 2xH200 lax.psum",
+                "rows": rows, "method_check": list(checks)}
+    rows = run_children(a, configs, lambda rows: write_json(a.out, payload(rows)))
     for r in rows:
         if r.get("ok") and r.get("projected_us_nvlink"):
             lax_us = lax_psum_us(r["mib"])
@@ -348,11 +355,7 @@ def main(argv=None) -> int:
     if checks:
         print("projection method on the xla transport (2×H200 measured):")
         print_table(checks, list(checks[0]))
-    write_json(a.out, {**env_facts(), "impl": a.impl, "codec": a.codec, "calls": a.calls,
-                       "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,
-                       "projection": "projected for 2 GPUs: fixed_us + max(per_device_us, "
-                                     "wire bytes / link_gbps), / 2xH200 lax.psum",
-                       "rows": rows, "method_check": checks})
+    write_json(a.out, payload(rows, checks))
     failed = [r for r in rows if not r.get("ok")]
     if failed:
         r = failed[0]
