@@ -25,11 +25,11 @@ def test_codec_shorthand_sets_every_axis():
     assert config_lib.load_config("tiny", ["codec=none"]).codecs() == dict.fromkeys(AXES, "none")
     cfg = config_lib.load_config("tiny", ["codec=tah4", "recipe.codec_dp=taco-int8"])
     assert cfg.codecs() == {**dict.fromkeys(AXES, "tah4"), "dp": "taco-int8"}
-    # the tiny preset: TP sites follow recipe.codec, pipeline too (""), gradients exact
+    # the tiny preset: TP sites follow recipe.codec, pipeline too (null), gradients exact
     assert config_lib.load_config("tiny").codecs() == {**dict.fromkeys(AXES, "taco"),
                                                         "dp": "none"}
-    cfg = config_lib.load_config("tiny", ["recipe.codec_pp=tah4", "recipe.codec_dp="])
-    assert cfg.codecs()["pp"] == "tah4" and cfg.codecs()["dp"] == "taco"   # "" = recipe.codec
+    cfg = config_lib.load_config("tiny", ["recipe.codec_pp=tah4", "recipe.codec_dp=null"])
+    assert cfg.codecs()["pp"] == "tah4" and cfg.codecs()["dp"] == "taco"  # null = recipe.codec
     assert config_lib.RecipeConfig().codec_dp == "none"
 
 
@@ -141,6 +141,6 @@ def test_bench_compares_axes_on_a_3d_mesh(tmp_path):
     assert codecs("3d") == ({**dict.fromkeys(("fwd", "bwd", "head"), "taco"), "pp": "tah4",
                              "dp": "taco-int8"}, False, 0)
     assert codecs("dp+pp+sp@default") == ({**dict.fromkeys(("fwd", "bwd", "head"), "none"),
-                                           "pp": "tah4", "dp": "taco-int8"}, True, -1)
+                                           "pp": "tah4", "dp": "taco-int8"}, True, None)
     assert codecs("fp8")[0] == dict.fromkeys(AXES, "fp8")
     assert codecs("sp") == (dict.fromkeys(AXES, "none"), True, 0)
