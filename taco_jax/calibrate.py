@@ -216,6 +216,8 @@ def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "
         return Calibration(axis_name, c.name, margin, (), NEVER, p, key)
     usable = [t for t in transports
               if t != "fused" or fused.mesh_unavailable_reason(mesh) is None]
+    if "fused" in transports and "fused" not in usable:
+        say(f"fused transport: not timed here ({fused.mesh_unavailable_reason(mesh)})")
     spec = P(axis_name)
     budget = memory_budget(list(mesh.devices.flat)) if budget is None else budget
 
