@@ -28,7 +28,7 @@ transport (its kernels' device times plus the all-to-all and all-gather at the l
 in series) is set beside what two GPUs measured for it there ("method_check").
 
 On CPU (tests) `--impl emulated` stands a jnp model of the kernel's exchange in for the
-kernel, and `--wrong-exchange slot|drop` breaks that exchange, so the checks can be seen
+kernel, and `--wrong-exchange slot|stale` breaks that exchange, so the checks can be seen
 failing.
 """
 from __future__ import annotations
@@ -69,8 +69,9 @@ def parse_size(text: str) -> int:
 def emulated_loopback(xs, codec, wrong: str | None = None):
     """The kernel's protocol in jnp: every device encodes, its wire reaches slot `me` of
     every device's receive buffer, each device decodes its P slots in order. wrong="slot":
-    the last device finds its own wire in slot 0 (a store to the wrong place); "drop":
-    slot P − 1 is never delivered anywhere (a receive buffer left as it was: zeros)."""
+    the last device finds its own wire in slot 0 (a store to the wrong place); "stale":
+    slot P − 1 holds, on every device, the wire of other values of the same scale (what a
+    receive buffer keeps from an earlier call when a store never lands)."""
     from taco_jax import codecs
     from taco_jax.kernels import decode_sum
     p = xs.shape[0]
@@ -83,17 +84,33 @@ def emulated_loopback(xs, codec, wrong: str | None = None):
         recv = list(wires)
         if wrong == "slot" and d == p - 1:
             recv[0] = wires[d]
-        if wrong == "drop":
-            recv[p - 1] = jnp.zeros_like(wires[p - 1])
+        if wrong == "stale":
+            recv[p - 1] = enc(xs[p - 1][::-1])
         y = decode_sum.decode_sum_reference(jnp.stack(recv), codec, xs.dtype)
         out.append(codecs.from_blocks(y, xs.shape[1:]))
     return jnp.stack(out)
 
 
-def implementation(name: str, codec, wrong: str | None):
+def on_mesh(p: int, codec):
+    """taco_jax.psum(transport="fused") over P GPUs of this process: xs (P, n), row d on
+    device d → (P, n), row d what device d computed."""
+    import taco_jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+
+    def body(v):
+        return taco_jax.psum(v[0], "tp", min_bytes=0, transport="fused", codec=codec)[None]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                              check_vma=False))
+    return lambda xs: f(jax.device_put(xs, NamedSharding(mesh, P("tp"))))
+
+
+def implementation(name: str, codec, wrong: str | None, p: int):
     if name == "kernel":
         from taco_jax.kernels import fused_allreduce
         return jax.jit(lambda xs: fused_allreduce.loopback_allreduce(xs, codec))
+    if name == "mesh":
+        return on_mesh(p, codec)
     return jax.jit(lambda xs: emulated_loopback(xs, codec, wrong))
 
 
@@ -165,10 +182,11 @@ def run_config(a) -> dict:
     codec = codecs.get(a.codec)
     p, nbytes, dtype = a.one_p, a.one_bytes, DTYPES[a.one_dtype]
     n = max(1, nbytes // jnp.dtype(dtype).itemsize)
-    fn = implementation(a.impl, codec, a.wrong_exchange)
+    fn = implementation(a.impl, codec, a.wrong_exchange, p)
     ref = xla_transport(p)
     row = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": a.one_dtype,
-           "kernel": "one_launch" if a.impl == "kernel" else f"emulated({a.impl})"}
+           "kernel": {"kernel": "one_launch", "mesh": "one_launch on GPUs"}.get(
+               a.impl, "emulated")}
     worst, why = None, None
     for call in range(a.calls):              # back to back, fresh inputs each time
         xs, bad = make_input(jax.random.key(1000 * p + call), p, n, dtype, codec.block_size)
@@ -180,8 +198,24 @@ def run_config(a) -> dict:
             break
     row.update(worst, calls=a.calls, ok=why is None, reason=why)
     if why is None and a.time:
-        row.update(time_config(fn, p, n, dtype, codec))
+        row.update(time_mesh(fn, p, n, dtype, codec) if a.impl == "mesh" else
+                   time_config(fn, p, n, dtype, codec))
     return row
+
+
+def time_mesh(fn, p, n, dtype, codec) -> dict:
+    """On P GPUs: the fused psum and lax.psum, host timer, on the same sharded input."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from taco_jax.calibrate import time_calls
+    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+    xs, _ = make_input(jax.random.key(7), p, n, dtype, codec.block_size)
+    xs = jax.device_put(jnp.nan_to_num(xs), NamedSharding(mesh, P("tp")))
+    lax_fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "tp"), mesh=mesh,
+                                   in_specs=P("tp"), out_specs=P(), check_vma=False))
+    iters = 3 if n * jnp.dtype(dtype).itemsize >= 1 << 28 else 10
+    fused_us, lax_us = time_calls(fn, xs, iters=iters), time_calls(lax_fn, xs, iters=iters)
+    return {"fused_us": round(fused_us, 2), "lax_psum_us": round(lax_us, 2),
+            "measured_ratio": round(fused_us / lax_us, 3)}
 
 
 def time_config(fn, p, n, dtype, codec) -> dict:
@@ -202,53 +236,84 @@ def time_config(fn, p, n, dtype, codec) -> dict:
            "kernel_us": round(sum(v for k, v in loop["kernels"].items() if "fused" in k), 2),
            "separate_us": round(comp["us"] + dsum["us"], 2),
            "compress_us": round(comp["us"], 2), "decode_sum_us": round(dsum["us"], 2)}
-    if p == 2:
-        wire_bytes = (p - 1) * wire.size
-        out["projected_us_nvlink"] = round(
-            FIXED_US + max(out["per_device_us"], wire_bytes / LINK_GBPS / 1e3), 2)
     return out
 
 
-# -- the projection's check on what two GPUs measured ---------------------------------------
-def lax_psum_us(mib: float) -> float | None:
+# -- projections and their check on what two GPUs measured -----------------------------------
+KERNELS = os.path.join(ROOT, "bench", "results", "kernels.json")
+
+
+def _rows(path, keep):
     try:
-        rows = json.load(open(COLLECTIVES))["rows"]
+        return [r for r in json.load(open(path))["rows"] if keep(r)]
     except (OSError, ValueError, KeyError):
-        return None
-    for r in rows:
-        if r.get("codec") == "taco" and abs(r["mib_per_device"] - mib) < 1e-9:
+        return []
+
+
+def lax_psum_us(mib: float) -> float | None:
+    """2×H200 lax.psum (bf16) at `mib` MiB per device, bench/results/collectives.json."""
+    for r in _rows(COLLECTIVES, lambda r: r.get("codec") == "taco"):
+        if abs(r["mib_per_device"] - mib) < 1e-9:
             return r["lax_psum_us"]
     return None
 
 
-def method_check(sizes_mib, a) -> list[dict]:
-    """The xla transport at P = 2, projected as fixed-per-collective + its kernels' device
-    times + all-to-all and all-gather of the wire at the link rate, in series; against its
-    2×H200 rows ("compressed_us": the compressed path forced)."""
-    from bench.common import device_time
-    try:
-        rows = {r["mib_per_device"]: r for r in json.load(open(COLLECTIVES))["rows"]
-                if r.get("codec") == "taco"}
-    except (OSError, ValueError, KeyError):
-        return []
-    from taco_jax import codecs
-    codec = codecs.get(a.codec)
+def wire_bytes(nbytes: int, itemsize: int, row_bytes: int, block: int = 256) -> int:
+    return -(-(nbytes // itemsize) // block) * row_bytes
+
+
+def project(row: dict, row_bytes: int, link_gbps: float = LINK_GBPS,
+            fixed_us: float = FIXED_US) -> dict:
+    """Two-GPU projections (P = 2) from a timed loopback row: one launch, fixed +
+    max(per-device compute, wire / link); three launches (compress, exchange kernel,
+    decode_sum in series), fixed + compress + wire / link + decode_sum. Each / lax.psum."""
+    if row.get("p") != 2 or row.get("per_device_us") is None:
+        return {}
+    wire_us = wire_bytes(row["bytes"], 2 if row["dtype"] == "bf16" else 4,
+                         row_bytes) / link_gbps / 1e3
+    one = fixed_us + max(row["per_device_us"], wire_us)
+    three = fixed_us + row["compress_us"] + wire_us + row["decode_sum_us"]
+    lax_us = lax_psum_us(row["mib"]) if row["dtype"] == "bf16" else None
+    return {"wire_us_nvlink": round(wire_us, 2), "projected_us_nvlink": round(one, 2),
+            "projected_three_launch_us_nvlink": round(three, 2), "lax_psum_us_2gpu": lax_us,
+            "projected_ratio_nvlink": round(one / lax_us, 3) if lax_us else None,
+            "projected_three_launch_ratio_nvlink": round(three / lax_us, 3) if lax_us
+            else None}
+
+
+def method_check(row_bytes: int, link_gbps: float = LINK_GBPS,
+                 fixed_us: float = FIXED_US) -> list[dict]:
+    """The same kind of projection for the xla transport at P = 2, against what two
+    H200s measured for it (collectives.json "compressed_us": its compressed path forced):
+    its Triton kernels' one-GPU device times (bench/results/kernels.json: compress of the
+    half it sends, reduce of the half it owns, decompress of the whole) plus the all-to-all
+    and the all-gather, each (P − 1)/P of the wire at the link rate and a fixed cost, in
+    series. "fitted_link_gbps": the link rate that would make the projection exact."""
+    kern = {(r["kernel"], r["mib"]): r["device_us"]
+            for r in _rows(KERNELS, lambda r: r.get("impl") == "triton"
+                           and r.get("codec") == "taco")}
     out = []
-    for mib in sizes_mib:
-        if mib not in rows:
+    for r in _rows(COLLECTIVES, lambda r: r.get("codec") == "taco"):
+        mib = r["mib_per_device"]
+        if not all((k, mib) in kern for k in ("compress", "reduce", "decompress")):
             continue
-        n = int(mib * MIB) // 2
-        xs, _ = make_input(jax.random.key(3), 2, n, jnp.bfloat16, codec.block_size)
-        t = device_time(xla_transport(2), xs, iters=3 if mib >= 256 else 10)
-        kern = sum(v for k, v in t["kernels"].items() if "taco" in k) / 2
-        wire = -(-n // codec.block_size) * codec.row_bytes
-        link = 2 * (wire / 2) / LINK_GBPS / 1e3           # (P−1)/P of the wire, twice
-        proj = 2 * FIXED_US + kern + link
-        meas = rows[mib]["compressed_us"]
-        out.append({"mib": mib, "xla_kernels_us": round(kern, 2), "link_us": round(link, 2),
+        kernels = kern["compress", mib] / 2 + kern["reduce", mib] / 2 + kern["decompress", mib]
+        wire = wire_bytes(int(mib * MIB), 2, row_bytes)
+        link = 2 * (wire / 2) / link_gbps / 1e3
+        proj = 2 * fixed_us + kernels + link
+        meas = r["compressed_us"]
+        left = meas - 2 * fixed_us - kernels
+        out.append({"mib": mib, "xla_kernels_us": round(kernels, 2), "link_us": round(link, 2),
                     "projected_us": round(proj, 2), "measured_2gpu_us": meas,
-                    "error": round(proj / meas - 1, 3)})
+                    "error": round(proj / meas - 1, 3),
+                    "fitted_link_gbps": round(wire / left / 1e3, 1) if left > 0 else None})
     return out
+
+
+def annotate(payload: dict, row_bytes: int) -> dict:
+    """Derived figures (projections, the method's check) from a payload's measured ones."""
+    rows = [{**r, **project(r, row_bytes)} if r.get("ok") else r for r in payload["rows"]]
+    return {**payload, "rows": rows, "method_check": method_check(row_bytes)}
 
 
 # -- the driver -----------------------------------------------------------------------------
@@ -310,11 +375,13 @@ def main(argv=None) -> int:
     ap.add_argument("--codec", default="taco")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--time", action="store_true")
-    ap.add_argument("--method-check", action="store_true",
-                    help="project the xla transport and compare with its 2-GPU rows")
-    ap.add_argument("--impl", choices=["kernel", "emulated"], default=None,
-                    help="default: the kernel on GPU, the emulation elsewhere")
-    ap.add_argument("--wrong-exchange", choices=["slot", "drop"], default=None)
+    ap.add_argument("--annotate", metavar="JSON", default=None,
+                    help="recompute the projections of a results file, run nothing")
+    ap.add_argument("--impl", choices=["kernel", "mesh", "emulated"], default=None,
+                    help="kernel: the loopback on one GPU (default on GPU); mesh: "
+                         "taco_jax.psum(transport='fused') over P GPUs; emulated: a jnp "
+                         "model of the kernel (default elsewhere)")
+    ap.add_argument("--wrong-exchange", choices=["slot", "stale"], default=None)
     ap.add_argument("--isolate", choices=["config", "group"], default="config")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default="bench/results/fused_loopback.json")
@@ -323,39 +390,50 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.impl is None:
         a.impl = "kernel" if jax.default_backend() == "gpu" else "emulated"
-    if a.impl == "kernel" and jax.default_backend() != "gpu":
+    if a.impl in ("kernel", "mesh") and jax.default_backend() != "gpu":
         raise SystemExit(f"bench.fused: cannot run here: the kernel needs a Hopper GPU "
                          f"(platform {jax.default_backend()!r}; --impl emulated runs the "
                          f"checks on a jnp model)")
+    if a.impl == "mesh":
+        from taco_jax.collectives import fused
+        n = jax.device_count()
+        mesh = jax.make_mesh((n,), ("tp",))
+        why = fused.mesh_unavailable_reason(mesh) or (
+            None if max(a.p) <= n and min(a.p) >= 2 else
+            f"--p {a.p} needs 2..{n} GPUs of this process")
+        if why:
+            raise SystemExit(f"bench.fused: cannot run here: {why}")
     if a.one:
         a.one_p, a.one_dtype = int(a.one[0]), a.one[2]
         for nbytes in a.one[1].split(","):
             a.one_bytes = int(nbytes)
             print("ROW " + json.dumps(run_config(a)), flush=True)
         return 0
+    from taco_jax import codecs
+    codec = codecs.get(a.codec)
+    if a.annotate:                   # recompute the derived figures of a results file
+        with open(a.annotate) as f:
+            write_json(a.annotate, annotate(json.load(f), codec.row_bytes))
+        return 0
     configs = [(p, s, d) for p in a.p for s in a.sizes for d in a.dtypes]
-    def payload(rows, checks=()):
+    def payload(rows):
         return {**env_facts(), "impl": a.impl, "codec": a.codec, "calls": a.calls,
                 "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,
-                "projection": "projected for 2 GPUs: fixed_us + max(per_device_us, wire "
-                              "bytes / link_gbps), / 2xH200 lax.psum",
-                "rows": rows, "method_check": list(checks)}
+                "projection": "projected for 2 GPUs, not measured: fixed_us + "
+                              "max(per_device_us, wire bytes / link_gbps), / 2xH200 "
+                              "lax.psum (bench/results/collectives.json)",
+                "rows": rows, "method_check": []}
     rows = run_children(a, configs, lambda rows: write_json(a.out, payload(rows)))
-    for r in rows:
-        if r.get("ok") and r.get("projected_us_nvlink"):
-            lax_us = lax_psum_us(r["mib"])
-            r["lax_psum_us_2gpu"] = lax_us
-            r["projected_ratio_nvlink"] = (round(r["projected_us_nvlink"] / lax_us, 3)
-                                           if lax_us else None)
-    checks = method_check([r["mib"] for r in rows if r.get("p") == 2 and r.get("ok")
-                           and r["dtype"] == "bf16"], a) if a.method_check else []
+    result = annotate(payload(rows), codec.row_bytes)
+    rows = result["rows"]
     cols = ["p", "mib", "dtype", "ok", "same_on_every_device", "rel_err", "xla_rel_err",
-            "device_us", "per_device_us", "separate_us", "projected_ratio_nvlink"]
-    print_table(rows, cols)
-    if checks:
-        print("projection method on the xla transport (2×H200 measured):")
-        print_table(checks, list(checks[0]))
-    write_json(a.out, payload(rows, checks))
+            "device_us", "per_device_us", "separate_us", "projected_ratio_nvlink",
+            "projected_three_launch_ratio_nvlink", "measured_ratio"]
+    print_table(rows, [c for c in cols if any(c in r for r in rows)])
+    if result["method_check"]:
+        print("the projection's method on the xla transport (2×H200 measured):")
+        print_table(result["method_check"], list(result["method_check"][0]))
+    write_json(a.out, result)
     failed = [r for r in rows if not r.get("ok")]
     if failed:
         r = failed[0]

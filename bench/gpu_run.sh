@@ -16,8 +16,13 @@
 #                  and bench/results/calibrate.json
 #   psum           python -m bench.profile psum: device profile of the all-reduce per transport
 #   train          python -m bench.profile train + python -m bench.train_step (TP=2 step)
-#   fused          python -m bench.fused: the fused exchange kernel against lax, 1/16/256 MiB
-#                  (2+ GPUs of one process)
+#   fused          python -m bench.fused --impl mesh: taco_jax.psum(transport="fused") (one
+#                  kernel per all-reduce at P = 2) on this process's GPUs, checked against
+#                  the exact sum and the xla transport (NaN blocks, fresh inputs, 5 calls),
+#                  timed against lax.psum. Run it first: when it fails, the later steps
+#                  leave the fused transport out (and say so)
+#   loopback       python -m bench.fused: the same kernel on one GPU for P = 2, 4, 8 virtual
+#                  devices (checks), and at P = 2 its device time and two-GPU projection
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -39,22 +44,33 @@ DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 JAXV=$(python -c 'import jax; print(jax.__version__)')
 
 step() {  # step NAME TIMEOUT_S CMD...
-  local name=$1 t=$2; shift 2
+  local name=$1 t=$2 rc; shift 2
   echo "=== $name: $* ($(date +%T))"
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name: rc=$? ($(date +%T))"
+  rc=$?
+  echo "=== $name: rc=$rc ($(date +%T))"
   tail -n 40 "$OUT/$name.log"
+  return $rc
+}
+
+# The fused transport takes part in the later steps only if the fused step passed (or did
+# not run in this batch).
+FUSED=(fused)
+no_fused() {
+  FUSED=()
+  echo "=== the fused transport failed its check: later steps leave it out"
 }
 
 for s in "$@"; do
   case $s in
     kernels) step kernels 420 python -m bench.kernels --check ;;
-    collectives) step collectives 420 python -m bench.collectives --check ;;
+    collectives) step collectives 420 python -m bench.collectives --check \
+                   --transports xla "${FUSED[@]}" ${FUSED[0]:+fused-none} lax-kernels ;;
     links) step links_pcie 300 python -m bench.collectives --link pcie \
              --out bench/results/collectives_pcie.json
            step links_network 300 python -m bench.collectives --link network \
              --transports xla --out bench/results/collectives_network.json ;;
-    calibrate) step calibrate 300 python -m taco_jax.calibrate \
+    calibrate) step calibrate 300 python -m taco_jax.calibrate --transports xla "${FUSED[@]}" \
                  --json bench/results/calibrate.json ;;
     psum) step psum 200 python -m bench.profile psum --mib 16 256 \
             --out bench/results/profile_psum.json ;;
@@ -63,8 +79,14 @@ for s in "$@"; do
              --out bench/results/profile_train.json
            step train_step 240 python -m bench.train_step --presets comm_heavy small 350m \
              --variants none taco ;;
-    fused) step fused 300 python -m bench.fused --sizes-mib 1 16 256 \
-             --out bench/results/fused.json ;;
+    fused) step fused 540 python -m bench.fused --impl mesh --p 2 --time --isolate group \
+             --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --timeout 100 \
+             --out bench/results/fused_2gpu.json || no_fused ;;
+    loopback) step loopback 560 python -m bench.fused --isolate group --calls 5 \
+                --timeout 80 --out bench/results/fused_loopback_checks.json
+              step loopback_time 300 python -m bench.fused --p 2 --dtypes bf16 --time \
+                --sizes 16MiB 64MiB 256MiB --isolate group --calls 1 --timeout 90 \
+                --out bench/results/fused_loopback.json ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \
                --out bench/results/train_step_pp.json

@@ -1,6 +1,6 @@
-"""bench.collectives and bench.fused on CPU: the network link's two processes
-(jax.distributed) run, time and write the row schema; a link's child processes keep NVLink
-multicast off; bench.fused's checks and rows, with lax in place of its kernel."""
+"""bench.collectives on CPU: the network link's two processes (jax.distributed) run, time
+and write the row schema; a link's child processes keep NVLink multicast off. (bench.fused:
+tests/test_fused_bench.py.)"""
 from __future__ import annotations
 
 import json
@@ -38,23 +38,3 @@ def test_child_environment_keeps_multicast_off(monkeypatch):
     env = collectives.child_env(collectives.LINK_ENV["network"])
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert env["NCCL_P2P_DISABLE"] == "1" and env["NCCL_SHM_DISABLE"] == "1"
-
-
-def test_bench_fused_program_with_lax_in_place_of_the_kernel(monkeypatch, tmp_path):
-    """bench.fused's own logic (checks, both handshake variants, rows) on CPU, the Mosaic
-    kernel replaced by lax's collectives; on a real CPU run it exits with the reason."""
-    from bench import fused as bench_fused
-    from meshes import lax_exchange_kernel
-    from taco_jax.collectives import fused
-
-    with pytest.raises(SystemExit, match="cannot run here"):
-        bench_fused.main(["--sizes-mib", "0.0625", "--out", str(tmp_path / "no.json")])
-
-    monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
-    monkeypatch.setattr(fused, "mesh_unavailable_reason", lambda mesh: None)
-    out = tmp_path / "fused.json"
-    bench_fused.main(["--sizes-mib", "0.0625", "--out", str(out)])
-    res = json.loads(out.read_text())
-    assert len(res["check"]) == 4 and all(c["equal_to_lax"] for c in res["check"])
-    assert {(r["op"], r["handshake"]) for r in res["rows"]} == {
-        (op, h) for op in ("all_gather", "all_to_all") for h in (False, True)}

@@ -40,3 +40,32 @@ def test_needs_git_commit(tmp_path):
 def test_unknown_step_is_refused(tmp_path):
     r = run({"OUT": str(tmp_path), "GIT_COMMIT": "0" * 40}, "no_such_step")
     assert r.returncode == 2 and "unknown step no_such_step" in r.stdout
+
+
+def fake_python(tmp_path, fused_rc: int) -> dict:
+    """A `python` on PATH that logs its arguments and fails bench.fused with fused_rc."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "python"
+    exe.write_text("#!/usr/bin/env bash\n"
+                   f'echo "$*" >> "{tmp_path}/calls.log"\n'
+                   f'case "$*" in *"bench.fused --impl mesh"*) exit {fused_rc};; esac\n')
+    exe.chmod(0o755)
+    return {"OUT": str(tmp_path / "out"), "GIT_COMMIT": "0" * 40,
+            "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("fused_rc", [0, 1])
+def test_failed_fused_step_leaves_the_fused_transport_out(tmp_path, fused_rc):
+    env = fake_python(tmp_path, fused_rc)
+    r = subprocess.run(["bash", str(SCRIPT), "fused", "collectives", "calibrate"],
+                       capture_output=True, text=True, env=env, timeout=60,
+                       cwd=tmp_path)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    later = [c for c in calls if "bench.collectives" in c or "taco_jax.calibrate" in c]
+    assert len(later) == 2
+    if fused_rc:
+        assert "later steps leave it out" in r.stdout
+        assert not any(re.search(r"\bfused\b", c) for c in later)
+    else:
+        assert all(re.search(r"--transports xla fused\b", c) for c in later)

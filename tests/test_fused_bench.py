@@ -1,0 +1,82 @@
+"""bench.fused on CPU: its checks pass on a faithful jnp model of the kernel's exchange and
+fail, with a non-zero exit and a one-line reason, on a deliberately wrong one; the kernel
+itself refuses to run off the GPU; the projection's arithmetic."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import fused as bench_fused
+
+SMALL = ["--sizes", "1KiB", "3KiB+5", "--dtypes", "bf16", "--calls", "2",
+         "--isolate", "group", "--impl", "emulated"]
+
+
+def run(tmp_path, capsys, *extra, p="2"):
+    out = tmp_path / "fused.json"
+    rc = bench_fused.main(["--p", p, *SMALL, *extra, "--out", str(out)])
+    return rc, json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_checks_pass_on_a_faithful_exchange(tmp_path, capsys):
+    rc, res, _ = run(tmp_path, capsys, p="3")
+    assert rc == 0 and len(res["rows"]) == 2
+    for r in res["rows"]:
+        assert r["ok"] and r["same_on_every_device"] and r["nan_blocks_ok"]
+        assert 0 < r["rel_err"] <= r["xla_rel_err"] < 0.1
+
+
+@pytest.mark.parametrize("wrong,reason", [("slot", "results differ between virtual devices"),
+                                          ("stale", "NaN where the input was finite|rel_err")])
+def test_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong, reason):
+    import re
+    rc, res, out = run(tmp_path, capsys, "--wrong-exchange", wrong)
+    assert rc == 1 and not any(r["ok"] for r in res["rows"])
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("bench.fused: FAILED P=2") and re.search(reason, last)
+
+
+def test_stale_slot_fails_on_the_error(tmp_path, capsys):
+    """A slot holding an earlier call's bytes, on every device alike, on inputs too small
+    for non-finite blocks: the error check fires."""
+    out = tmp_path / "fused.json"
+    rc = bench_fused.main(["--p", "2", "--sizes", "1KiB", "--dtypes", "f32", "--calls", "1",
+                           "--impl", "emulated", "--wrong-exchange", "stale", "--out",
+                           str(out)])
+    assert rc == 1
+    assert "rel_err" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_the_kernel_refuses_to_run_off_the_gpu(tmp_path):
+    for impl in ("kernel", "mesh"):
+        with pytest.raises(SystemExit, match="cannot run here"):
+            bench_fused.main(["--impl", impl, "--out", str(tmp_path / "no.json")])
+
+
+def test_a_timeout_is_a_failure_with_its_reason(tmp_path, capsys):
+    rc, res, out = run(tmp_path, capsys, "--timeout", "0.01")
+    assert rc == 1 and all("timed out" in r["reason"] for r in res["rows"])
+
+
+def test_projection_arithmetic():
+    row = {"p": 2, "mib": 16.0, "bytes": 16 << 20, "dtype": "bf16", "ok": True,
+           "per_device_us": 30.0, "compress_us": 10.0, "decode_sum_us": 15.0}
+    got = bench_fused.project(row, 264, link_gbps=350.0, fixed_us=15.0)
+    wire_us = (16 << 20) // 2 // 256 * 264 / 350e3
+    assert got["wire_us_nvlink"] == pytest.approx(wire_us, abs=0.01)
+    assert got["projected_us_nvlink"] == pytest.approx(15 + max(30, wire_us), abs=0.01)
+    assert got["projected_three_launch_us_nvlink"] == pytest.approx(15 + 25 + wire_us,
+                                                                    abs=0.01)
+    assert got["projected_ratio_nvlink"] == pytest.approx(
+        got["projected_us_nvlink"] / bench_fused.lax_psum_us(16.0), abs=1e-3)
+    assert bench_fused.project({**row, "p": 4}, 264) == {}
+    for r in bench_fused.method_check(264):
+        assert r["projected_us"] == pytest.approx(30 + r["xla_kernels_us"] + r["link_us"],
+                                                  abs=0.02)
+
+
+@pytest.mark.parametrize("text,n", [("1KiB", 1024), ("1MiB+5", (1 << 20) + 5),
+                                    ("4096", 4096), ("0.5GiB", 1 << 29)])
+def test_sizes_parse(text, n):
+    assert bench_fused.parse_size(text) == n
