@@ -380,27 +380,32 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
     return rows
 
 
-ECHO_TUNE = [common.KernelConfig(blocks_per_program=e // 128, num_warps=w, num_stages=2,
+ECHO_TUNE = [common.KernelConfig(blocks_per_program=e // 128, num_warps=w, num_stages=st,
                                  tiles_per_program=t)
-             for e, w, t in [(1024, 4, 1), (2048, 4, 1), (4096, 4, 1), (4096, 8, 1),
-                             (2048, 4, 4), (8192, 8, 1)]]
+             for e, w, t, st in [(2048, 4, 1, 2), (8192, 8, 1, 2), (1024, 1, 8, 3),
+                                 (2048, 2, 8, 3), (4096, 4, 4, 3)]]
+# (kernel, sizes in MiB) the tilings are timed at
+ECHO_TUNE_AT = [("compress", (16, 256)), ("decompress", (16, 256)), ("reduce", (256,)),
+                ("decode_sum", (256,))]
 
 
-def echo_tune_rows(sizes_mib, roof) -> list[dict]:
-    """echo4 compress and decompress under other tilings (B = 128)."""
+def echo_tune_rows(roof) -> list[dict]:
+    """echo4's kernels under other tilings (B = 128)."""
     c = codecs.get("echo4")
     rows = []
-    for mib, kind, cfg in itertools.product(sizes_mib, ("compress", "decompress"), ECHO_TUNE):
-        try:
-            r = measure(kind, "triton", c, int(mib * MIB) // 2, roof, cfg)
-            r.pop("device_kernels", None)
-        except Exception as e:   # a config that does not compile or launch is a finding
-            r = {"kernel": kind, "codec": c.name, "mib": mib,
-                 "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        r.update(elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
-                 tiles_per_program=cfg.tiles_per_program)
-        rows.append(r)
-        print(r, flush=True)
+    configs = ECHO_TUNE if not INTERP else ECHO_TUNE[1:3]   # CPU smoke: two of them
+    for (kind, sizes), cfg in itertools.product(ECHO_TUNE_AT, configs):
+        for mib in sizes if not INTERP else (0.0625,):
+            try:
+                r = measure(kind, "triton", c, int(mib * MIB) // 2, roof, cfg)
+                r.pop("device_kernels", None)
+            except Exception as e:   # a config that does not compile or launch is a finding
+                r = {"kernel": kind, "codec": c.name, "mib": mib,
+                     "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            r.update(elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
+                     tiles_per_program=cfg.tiles_per_program, num_stages=cfg.num_stages)
+            rows.append(r)
+            print(r, flush=True)
     return rows
 
 
@@ -477,7 +482,10 @@ def main(argv=None):
         print_table(result["check_echo"], list(result["check_echo"][0]))
         write_json(args.out, result)
     if args.tune and echo:
-        result["tune_echo"] = echo_tune_rows([16, 256] if not INTERP else [0.0625], roof)
+        result["tune_echo"] = echo_tune_rows(roof)
+        print_table(result["tune_echo"], ["kernel", "mib", "elements_per_tile", "num_warps",
+                                          "tiles_per_program", "num_stages", "device_us",
+                                          "device_fraction"])
         write_json(args.out, result)
     if args.tune and not INTERP and len(echo) < len(cs):
         result["tune"] = tune_rows([16, 256], roof)
