@@ -94,12 +94,18 @@ def emulated_loopback(xs, codec, wrong: str | None = None):
     return jnp.stack(out)
 
 
+def _mesh(p: int):
+    """Devices 0..P−1 on one axis; Auto (not Explicit) so the checks can index the result."""
+    return jax.make_mesh((p,), ("tp",), (jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:p])
+
+
 def on_mesh(p: int, codec):
     """taco_jax.psum(transport="fused") over P GPUs of this process: xs (P, n), row d on
     device d → (P, n), row d what device d computed."""
     import taco_jax
     from jax.sharding import NamedSharding, PartitionSpec as P
-    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+    mesh = _mesh(p)
 
     def body(v):
         return taco_jax.psum(v[0], "tp", min_bytes=0, transport="fused", codec=codec)[None]
@@ -210,7 +216,7 @@ def time_mesh(fn, p, n, dtype, codec) -> dict:
     """On P GPUs: the fused psum and lax.psum, host timer, on the same sharded input."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from taco_jax.calibrate import time_calls
-    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+    mesh = _mesh(p)
     xs, _ = make_input(jax.random.key(7), p, n, dtype, codec.block_size)
     xs = jax.device_put(jnp.nan_to_num(xs), NamedSharding(mesh, P("tp")))
     lax_fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "tp"), mesh=mesh,

@@ -80,3 +80,22 @@ def test_projection_arithmetic():
                                     ("4096", 4096), ("0.5GiB", 1 << 29)])
 def test_sizes_parse(text, n):
     assert bench_fused.parse_size(text) == n
+
+
+def test_mesh_mode_checks_and_times_the_transport(monkeypatch):
+    """--impl mesh's own logic (sharding, checks, timing against lax.psum) on CPU devices,
+    the fused transport's three-launch schedule with lax in place of its exchange kernel."""
+    import argparse
+
+    from meshes import lax_exchange_kernel
+    from taco_jax.collectives import fused
+    monkeypatch.setattr(fused, "_platform_reason", lambda: None)
+    monkeypatch.setattr(fused, "one_launch_reason", lambda codec, p, dtype: "emulated")
+    monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
+    a = argparse.Namespace(codec="taco", one_p=2, one_bytes=8 * 1024, one_dtype="bf16",
+                           impl="mesh", wrong_exchange=None, calls=2, time=True)
+    row = bench_fused.run_config(a)
+    assert row["ok"] and row["same_on_every_device"] and row["kernel"] == "one_launch on GPUs"
+    # the three-launch one-shot quantizes once: less error than the xla two-shot
+    assert row["rel_err"] < row["xla_rel_err"]
+    assert row["fused_us"] > 0 and row["lax_psum_us"] > 0 and row["measured_ratio"] > 0
