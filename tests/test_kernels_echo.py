@@ -363,3 +363,20 @@ def test_lowers_to_one_triton_call(h200, kernel, name, b, dt):
     text = lower(kernel, codecs.get(name, block_size=b), dt)
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert f'name = "echo4_{kernel}"' in text
+    if kernel in ("compress", "compress_feedback", "reduce"):   # the encode's PTX
+        assert "mul.rn.f32" in text and "rcp.approx.f32" in text
+
+
+def test_default_tilings_by_size():
+    """Small inputs: 2048-element tiles, 4 warps; above 64 MiB of bf16 the measured
+    large-input tilings (looped one-warp tiles; decompress 8192-element tiles)."""
+    small, big = 1024, (echo4.MID_ELEMENTS // 128) + 1
+    for k in ("compress", "decompress", "reduce", "decode_sum"):
+        cfg = echo4.default_config(128, k, small)
+        assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (16, 4, 1)
+        assert echo4.default_config(128, k) == cfg
+    assert echo4.default_config(128, "decompress", big).blocks_per_program == 64
+    for k in ("compress", "reduce", "decode_sum"):
+        cfg = echo4.default_config(128, k, big)
+        assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (8, 1, 8)
+    assert echo4.default_config(512, "compress", big).blocks_per_program == 2

@@ -40,7 +40,7 @@ LEVELS, SYM_ZERO = _echo.LEVELS, _echo.SYM_QMAX + 1
 _ROUND = np.float32(1.5 * 2 ** 23)       # y + _ROUND: round(y) in the low mantissa bits
 _ROUND_BITS = 0x4B400000                 # the bits of 1.5·2^23
 _FLOAT_BITS = 0x4B000000                 # the bits of 2^23
-ELEMENTS_PER_TILE = 2048
+MID_ELEMENTS = tiling.MID_ELEMENTS     # 64 MiB of bf16: above it, the large-input tilings
 
 
 def covers(codec) -> bool:
@@ -48,13 +48,29 @@ def covers(codec) -> bool:
     return isinstance(codec, _echo.Echo) and not codec.hadamard
 
 
-def default_config(block_size: int, kernel: str) -> tiling.KernelConfig:
-    """One tile of ELEMENTS_PER_TILE elements (≥ 4 groups) per program, 4 warps: the kernels
-    are element-wise plus row reductions, no dots; no loop over tiles."""
+def default_config(block_size: int, kernel: str, n_rows: int | None = None
+                   ) -> tiling.KernelConfig:
+    """The tiling of each kernel, from device time on one H200 (B = 128, bf16,
+    bench/results/kernels_echo4_tune.json; fraction of the roofline):
+
+    * up to MID_ELEMENTS elements (n_rows groups; or n_rows None): one tile of 2048
+      elements per program, 4 warps (compress 0.45 at 16 MiB against 0.36 for looped
+      one-warp tiles, decompress 0.66 against 0.46);
+    * above: compress, reduce, decode_sum loop one warp over 8 tiles of 1024 elements
+      (Triton pipelines the next tile's loads; at 256 MiB compress 0.665 vs 0.584, reduce
+      0.712 vs 0.601, decode_sum 0.691 vs 0.610); decompress takes tiles of 8192 elements,
+      8 warps (0.892 vs 0.847).
+    """
     if kernel not in ("compress", "decompress", "reduce", "decode_sum"):
         raise ValueError(f"echo4 default_config: unknown kernel {kernel!r}")
-    return tiling.KernelConfig(blocks_per_program=max(4, ELEMENTS_PER_TILE // block_size),
-                               num_warps=4, num_stages=2)
+    if n_rows is None or n_rows * block_size <= MID_ELEMENTS:
+        return tiling.KernelConfig(blocks_per_program=max(4, 2048 // block_size),
+                                   num_warps=4, num_stages=2)
+    if kernel == "decompress":
+        return tiling.KernelConfig(blocks_per_program=max(4, 8192 // block_size),
+                                   num_warps=8, num_stages=2)
+    return tiling.KernelConfig(blocks_per_program=max(1, 1024 // block_size), num_warps=1,
+                               num_stages=3, tiles_per_program=8)
 
 
 # -- tile math ((tm, B/2) halves: even and odd elements) ------------------------------------
@@ -76,10 +92,13 @@ def _rint(y):
     return lax.bitcast_convert_type(y + _ROUND, jnp.int32) - _ROUND_BITS
 
 
-def _ptx_binary(instr, a, b):
+def _ptx(instr, *args):
+    """One PTX f32 instruction applied element-wise."""
+    operands = ", ".join(f"${k + 1}" for k in range(len(args)))
     return plgpu.elementwise_inline_asm(
-        f"{instr} $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+        f"{instr} $0, {operands};", args=list(args),
+        constraints="=f," + ",".join("f" * len(args)), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)])[0]
 
 
 def _mul_rn(a, b, cfg):
@@ -90,15 +109,19 @@ def _mul_rn(a, b, cfg):
     b = jnp.broadcast_to(b, a.shape)
     if cfg.interpret:
         return lax.optimization_barrier(a * b)
-    return _ptx_binary("mul.rn.f32", a, b)
+    return _ptx("mul.rn.f32", a, b)
 
 
 def _recip(s, cfg):
-    """1/s of a (tm, 1) scale, IEEE-rounded like XLA's division (`div.rn`; Triton's own f32
-    division need not be)."""
+    """1/s of a (tm, 1) scale, rounded as the reference's 1/s is where it runs. XLA compiles
+    f32 division for NVIDIA GPUs with LLVM's -nvptx-prec-divf32=1 (div.full, not IEEE), and
+    LLVM emits 1/x there as rcp.approx.f32 (the same result as div.full(1, x)): measured on
+    the H200, XLA's 1/s differs from the IEEE quotient in 495 of 4096 groups, enough to move
+    codes that sit at a rounding tie (bf16 data). On CPU (the interpreter) XLA divides
+    IEEE."""
     if cfg.interpret:
         return 1 / s
-    return _ptx_binary("div.rn.f32", jnp.ones_like(s), s)
+    return _ptx("rcp.approx.f32", s)
 
 
 def _to_float(q):
@@ -247,8 +270,8 @@ def _check_codec(codec, what):
                          f"(tah4 and the TACO codecs have other kernels or none)")
 
 
-def _config(cfg, codec, kernel, interpret):
-    return (cfg or default_config(codec.block_size, kernel)).resolve(False, interpret)
+def _config(cfg, codec, kernel, interpret, n_rows):
+    return (cfg or default_config(codec.block_size, kernel, n_rows)).resolve(False, interpret)
 
 
 def _check_float(x, what):
@@ -267,8 +290,8 @@ def compress(x, codec, cfg=None, interpret=False, skip_start=0, skip_rows: int =
     if x.ndim != 2 or x.shape[1] != codec.block_size:
         raise ValueError(f"echo4 compress kernel: {x.shape=} is not (n_blocks, "
                          f"{codec.block_size}) for {codec.name}")
-    return _compress(x, None, codec, _config(cfg, codec, "compress", interpret), skip_start,
-                     skip_rows)
+    return _compress(x, None, codec, _config(cfg, codec, "compress", interpret, x.shape[0]),
+                     skip_start, skip_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "skip_rows"))
@@ -285,8 +308,10 @@ def compress_feedback(x, r, codec, cfg=None, interpret=False, skip_start=0,
     if r.dtype != jnp.float32:
         raise TypeError(f"echo4 compress_feedback kernel: the residual is float32, got "
                         f"{r.dtype=}")
-    return _compress(x, r, codec, _config(cfg, codec, "compress", interpret), skip_start,
-                     skip_rows)
+    # the small-input tiling at every size: 0.93 of the roofline at 256 MiB and 1 GiB on
+    # the H200 (it moves 4× compress's bytes, so it is not latency-bound like compress)
+    return _compress(x, r, codec, _config(cfg, codec, "compress", interpret, None),
+                     skip_start, skip_rows)
 
 
 def _compress(x, r, codec, cfg, skip_start, skip_rows):
@@ -313,8 +338,8 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
     if w.ndim != 2 or w.shape[1] != codec.row_bytes or w.dtype != jnp.uint8:
         raise ValueError(f"echo4 decompress kernel: got {w.shape=} {w.dtype=}; want uint8 "
                          f"rows of {codec.row_bytes} bytes for {codec.name}")
-    cfg = _config(cfg, codec, "decompress", interpret)
     n_rows = w.shape[0]
+    cfg = _config(cfg, codec, "decompress", interpret, n_rows)
     kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
     out = tiling.out_struct((n_rows, codec.block_size), out_dtype, w)
     return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_decompress", w)
@@ -333,7 +358,7 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
                          f"{codec.name} (rows of {codec.row_bytes} bytes, blocks of "
                          f"{codec.block_size})")
     n_peers, n_rows, row = recv.shape
-    cfg = _config(cfg, codec, "reduce", interpret)
+    cfg = _config(cfg, codec, "reduce", interpret, n_rows)
     idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
     kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                n_peers=n_peers)
@@ -350,7 +375,7 @@ def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
         raise ValueError(f"echo4 decode_sum kernel: got {recv.shape=} for {codec.name} "
                          f"(rows of {codec.row_bytes} bytes)")
     n_parts, n_rows, _ = recv.shape
-    cfg = _config(cfg, codec, "decode_sum", interpret)
+    cfg = _config(cfg, codec, "decode_sum", interpret, n_rows)
     kernel = functools.partial(decode_sum_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                n_parts=n_parts)
     out = tiling.out_struct((n_rows, codec.block_size), out_dtype, recv)
