@@ -288,6 +288,39 @@ def test_psum_and_feedback_grads_on_the_kernel_backend(vma):
     np.testing.assert_array_equal(g_k, g_r)
 
 
+def test_grads_under_the_check_vma_convention_emulated():
+    """The check_vma=True rules (pvary's backward psum, the feedback sites' backward
+    residual) on the kernel backend, emulated with jax.vmap (taco_jax.config(
+    vmap_check_vma=True); the interpreter cannot run inside shard_map(check_vma=True)):
+    the kernels run, and the gradients equal the reference backend's bit for bit."""
+    p = 4
+    rng = np.random.default_rng(8)
+    xs = jnp.asarray(rng.standard_normal((p, 6, 200)).astype(np.float32))
+    u = jnp.asarray(rng.standard_normal((6, 200)).astype(np.float32) * 0.1)
+    c = jnp.asarray(rng.standard_normal((6, 200)).astype(np.float32))
+    kw = dict(codec="echo4", min_bytes=0)
+
+    def member(b, u):
+        st = feedback.zeros(u.shape, "tp")
+        u1 = taco_jax.pvary(u, "tp", **kw)
+        u2, st = feedback.pvary_with_feedback(u, "tp", st, **kw)
+        y = taco_jax.psum(jnp.sin(b) * u1, "tp", **kw)
+        y2, _ = feedback.psum_with_feedback(jnp.cos(b) * u2, "tp", st, **kw)
+        return jnp.sum(jnp.cos(y + y2) * c)
+
+    def loss(xs, u):
+        return jax.vmap(member, in_axes=(0, None), axis_name="tp")(xs, u)[0]
+    grads = {}
+    for backend in (BACKEND, "reference"):
+        with taco_jax.config(backend=backend, vmap_check_vma=True):
+            g = jax.grad(loss, (0, 1))
+            assert ("pallas_call" in str(jax.make_jaxpr(g)(xs, u))) == (backend == BACKEND)
+            grads[backend] = [np.asarray(v) for v in jax.jit(g)(xs, u)]
+    for got, want in zip(grads[BACKEND], grads["reference"]):
+        assert np.isfinite(got).all() and np.abs(got).max() > 0
+        np.testing.assert_array_equal(got, want)
+
+
 def test_one_shot_decode_sum_through_dispatch():
     """one_shot (the fused transport's P = 2 schedule) decodes with the echo4 decode_sum
     kernel: the same bits as the reference backend, on both devices."""
