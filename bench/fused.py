@@ -34,6 +34,7 @@ failing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -114,10 +115,25 @@ def on_mesh(p: int, codec):
     return lambda xs: f(jax.device_put(xs, NamedSharding(mesh, P("tp"))))
 
 
-def implementation(name: str, codec, wrong: str | None, p: int):
+def fused_config(pairs):
+    """["order=loads_first", "programs=32"] → kernels.fused_allreduce.FusedConfig."""
+    from taco_jax.kernels import fused_allreduce
+    kw = {}
+    for item in pairs or ():
+        key, _, value = item.partition("=")
+        fields = {f.name: f.type for f in dataclasses.fields(fused_allreduce.FusedConfig)}
+        if key not in fields:
+            raise SystemExit(f"bench.fused: --config {item!r}: not a FusedConfig field "
+                             f"({', '.join(fields)})")
+        kw[key] = value if "str" in str(fields[key]) else int(value)
+    return fused_allreduce.FusedConfig(**kw)
+
+
+def implementation(name: str, codec, wrong: str | None, p: int, config=None):
     if name == "kernel":
         from taco_jax.kernels import fused_allreduce
-        return jax.jit(lambda xs: fused_allreduce.loopback_allreduce(xs, codec))
+        cfg = fused_config(config)
+        return jax.jit(lambda xs: fused_allreduce.loopback_allreduce(xs, codec, cfg))
     if name == "mesh":
         return on_mesh(p, codec)
     return jax.jit(lambda xs: emulated_loopback(xs, codec, wrong))
@@ -191,9 +207,10 @@ def run_config(a) -> dict:
     codec = codecs.get(a.codec)
     p, nbytes, dtype = a.one_p, a.one_bytes, DTYPES[a.one_dtype]
     n = max(1, nbytes // jnp.dtype(dtype).itemsize)
-    fn = implementation(a.impl, codec, a.wrong_exchange, p)
+    fn = implementation(a.impl, codec, a.wrong_exchange, p, a.config)
     ref = xla_transport(p)
     row = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": a.one_dtype,
+           "config": " ".join(a.config or ()) or "default",
            "kernel": {"kernel": "one_launch", "mesh": "one_launch on GPUs"}.get(
                a.impl, "emulated")}
     worst, why = None, None
@@ -334,6 +351,8 @@ def child_cmd(a, p, sizes, dtype) -> list[str]:
            "--impl", a.impl, "--calls", str(a.calls), "--codec", a.codec]
     if a.wrong_exchange:
         cmd += ["--wrong-exchange", a.wrong_exchange]
+    if a.config:
+        cmd += ["--config", *a.config]
     if a.time:
         cmd.append("--time")
     return cmd
@@ -392,6 +411,8 @@ def main(argv=None) -> int:
                     help="kernel: the loopback on one GPU (default on GPU); mesh: "
                          "taco_jax.psum(transport='fused') over P GPUs; emulated: a jnp "
                          "model of the kernel (default elsewhere)")
+    ap.add_argument("--config", nargs="+", metavar="KEY=VALUE", default=None,
+                    help="FusedConfig fields of the loopback kernel, e.g. order=loads_first")
     ap.add_argument("--wrong-exchange", choices=["slot", "stale"], default=None)
     ap.add_argument("--isolate", choices=["config", "group"], default="config")
     ap.add_argument("--timeout", type=float, default=240.0)
@@ -429,6 +450,7 @@ def main(argv=None) -> int:
     configs = [(p, s, d) for p in a.p for s in a.sizes for d in a.dtypes]
     def payload(rows):
         return {**env_facts(), "impl": a.impl, "codec": a.codec, "calls": a.calls,
+                "config": " ".join(a.config or ()) or "default",
                 "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,
                 "projection": "projected for 2 GPUs, not measured: fixed_us + "
                               "max(per_device_us, wire bytes / link_gbps), / 2xH200 "

@@ -22,7 +22,8 @@
 #                  timed against lax.psum. Run it first: when it fails, the later steps
 #                  leave the fused transport out (and say so)
 #   loopback       python -m bench.fused: the same kernel on one GPU for P = 2, 4, 8 virtual
-#                  devices (checks), and at P = 2 its device time and two-GPU projection
+#                  devices (checks), and at P = 2 its device time and two-GPU projection;
+#                  the loads_first order (FusedConfig.order) checked and timed beside it
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -86,7 +87,11 @@ for s in "$@"; do
                 --timeout 80 --out bench/results/fused_loopback_checks.json
               step loopback_time 300 python -m bench.fused --p 2 --dtypes bf16 --time \
                 --sizes 16MiB 64MiB 256MiB --isolate group --calls 1 --timeout 90 \
-                --out bench/results/fused_loopback.json ;;
+                --out bench/results/fused_loopback.json
+              step loopback_loads_first 300 python -m bench.fused --p 2 4 --dtypes bf16 \
+                --time --sizes 1MiB+5 16MiB 64MiB 256MiB --isolate group --calls 2 \
+                --timeout 90 --config order=loads_first \
+                --out bench/results/fused_loopback_loads_first.json ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \
                --out bench/results/train_step_pp.json

@@ -72,9 +72,11 @@ def test_uncovered_calls_take_the_three_launch_schedules(gpu_here):
 
 @pytest.mark.parametrize("p,dtype", [(2, jnp.bfloat16), (2, jnp.float32), (4, jnp.bfloat16),
                                      (8, jnp.bfloat16), (8, jnp.float32)])
-def test_loopback_lowers_and_fits_shared_memory(p, dtype):
+@pytest.mark.parametrize("order", ["encode_first", "loads_first"])
+def test_loopback_lowers_and_fits_shared_memory(p, dtype, order):
     x = jax.ShapeDtypeStruct((p, 64 * 256 * 3 + 17), dtype)
-    text = jax.jit(lambda v: fa.loopback_allreduce(v, TACO)).trace(x).lower(
+    cfg = fa.FusedConfig(order=order)
+    text = jax.jit(lambda v: fa.loopback_allreduce(v, TACO, cfg)).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("taco_fused_allreduce") >= 1
 
@@ -97,6 +99,8 @@ def test_config_refuses_more_programs_than_fit():
     assert fa.FusedConfig().grid(3, 8) == 3          # never more programs than tiles
     with pytest.raises(ValueError, match="parts=3"):
         fa.FusedConfig(parts=3)
+    with pytest.raises(ValueError, match="order='last'"):
+        fa.FusedConfig(order="last")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

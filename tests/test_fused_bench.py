@@ -99,3 +99,10 @@ def test_mesh_mode_checks_and_times_the_transport(monkeypatch):
     # the three-launch one-shot quantizes once: less error than the xla two-shot
     assert row["rel_err"] < row["xla_rel_err"]
     assert row["fused_us"] > 0 and row["lax_psum_us"] > 0 and row["measured_ratio"] > 0
+
+
+def test_config_pairs_name_fused_config_fields():
+    cfg = bench_fused.fused_config(["order=loads_first", "programs=8"])
+    assert cfg.order == "loads_first" and cfg.programs == 8 and cfg.parts == 2
+    with pytest.raises(SystemExit, match="'steps=2': not a FusedConfig field"):
+        bench_fused.fused_config(["steps=2"])

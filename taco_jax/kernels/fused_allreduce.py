@@ -64,10 +64,17 @@ class FusedConfig:
     the registers a thread holds while P tiles are summed)."""
     programs: int | None = None
     parts: int = 2
+    # "encode_first": per step, encode and store tile i, then wait for tile i − 1, load and
+    # decode it (measured, bench/results/fused_loopback.json). "loads_first": signal and
+    # start loading tile i − 1 before encoding tile i, so the loads fly meanwhile.
+    order: str = "encode_first"
 
     def __post_init__(self):
         if self.parts not in (1, 2):
             raise ValueError(f"FusedConfig.parts={self.parts} must be 1 or 2")
+        if self.order not in ("encode_first", "loads_first"):
+            raise ValueError(f"FusedConfig.order={self.order!r} must be 'encode_first' or "
+                             f"'loads_first'")
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"FusedConfig.programs={self.programs} must be >= 1")
 
@@ -181,22 +188,31 @@ def _decode_add_fn(codec, vec: int, parts: int, first: bool):
     return decode_add
 
 
+def _first_loads(load, r_smem, p):
+    """The copies `_sum_tiles` starts with: every tile when all P fit, else device 0's."""
+    for j in range(p if r_smem.shape[0] == p else 1):
+        load(j, j)
+
+
+def _loader(recv, r_smem, r_bar, row0, lines):
+    def load(j, slot):
+        plgpu.copy_gmem_to_smem(recv.at[j, pl.ds(row0, lines)], r_smem.at[slot],
+                                r_bar.at[slot])
+    return load
+
+
 def _sum_tiles(load, r_smem, r_bar, h_dec, codec, p, vec, parts):
     """Σ_j decode(wire tile j), j = 0 … P − 1 in that order, summed in f32: `parts` arrays.
     load(j, slot) starts the TMA copy of device j's wire tile into r_smem[slot] (arriving
-    on r_bar[slot]). With P slots each tile is read once; with 2 (P > 2, to fit shared
-    memory) the tiles stream through them once per column part, the next copy issued as
-    soon as the previous occupant of its slot is in registers."""
+    on r_bar[slot]); the first copies were started by `_first_loads`. With P slots each
+    tile is read once; with 2 (P > 2, to fit shared memory) the tiles stream through them
+    once per column part, the next copy issued as soon as the previous occupant of its
+    slot is in registers."""
     row = codec.row_bytes
     fmt = mosaic.CODE_FORMATS[codec.fmt]
     resident = r_smem.shape[0] == p
     seq = [(part, j) for part in range(parts) for j in range(p)]
     slot_of = (lambda e: seq[e][1]) if resident else (lambda e: e % 2)   # noqa: E731
-    if resident:
-        for j in range(p):
-            load(j, j)
-    else:
-        load(0, 0)
     totals = [None] * parts
     for e, (part, j) in enumerate(seq):
         slot = slot_of(e)
@@ -217,7 +233,7 @@ def _sum_tiles(load, r_smem, r_bar, h_dec, codec, p, vec, parts):
 # -- the kernel ---------------------------------------------------------------------------------
 def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_smem,
                  y_smem, he_smem, hd_smem, x_bar, h_bar, r_bar, sem_scratch, *, peers, codec,
-                 n_tiles, out_dtype, parts):
+                 n_tiles, out_dtype, parts, order):
     p, nprog = peers.p, peers.nprog
     me, b = peers.ids()
     sems = peers.semaphores(sem_scratch, me, b)
@@ -271,8 +287,9 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
             out = recv_mine if k == p else peers.peer(recv_gmem, me, dst)
             plgpu.copy_smem_to_gmem(stage, out.at[me, rows])
 
-    def finish(i):
-        """Tile i's stores have landed (the caller waited): signal, wait, decode, store."""
+    def arrive(i):
+        """Tile i's stores have landed (the caller waited): signal the peers, wait for
+        theirs, start loading the P wire tiles."""
         peers.signal(sems, me, b, [(me + k) % p for k in range(1, p)])
         for k in range(1, p):
             peers.wait(sems, me, b, (me + k) % p)
@@ -280,10 +297,17 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
 
         def load(j, slot):
             plgpu.copy_gmem_to_smem(recv_mine.at[j, rows], r_smem.at[slot], r_bar.at[slot])
+        _first_loads(load, r_smem, p)
+        return load
+
+    def decode(i, load):
         totals = _sum_tiles(load, r_smem, r_bar, hd_smem, codec, p, vec, parts)
         values = [t.astype(out_dtype) for t in totals]
         out_rows = pl.ds(tile(i) * ROWS, ROWS)
         if tma_out:
+            # the last result store has read y_smem (only the P wire stores issued after it
+            # may still be reading their staging)
+            plgpu.wait_smem_to_gmem(p, wait_read_only=True)
             mosaic.store_values(y_smem, values)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(y_smem, y_mine.at[out_rows])
@@ -298,21 +322,33 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
         def _(i):
             if x_slots == 2:
                 prefetch(i)
-            encode_and_push(i)
+            if order == "loads_first":
+                # tile i − 1's loads fly while tile i is encoded
+                @pl.when(i > 0)
+                def _():
+                    plgpu.wait_smem_to_gmem(1)     # all but the last result store
+                    arrive(i - 1)
+                encode_and_push(i)
 
-            @pl.when(i > 0)
-            def _():
-                # all but this step's P stores complete: tile i − 1 has landed everywhere,
-                # and the result store that last read y_smem is done
-                plgpu.wait_smem_to_gmem(p)
-                finish(i - 1)
+                @pl.when(i > 0)
+                def _():
+                    decode(i - 1, _loader(recv_mine, r_smem, r_bar, tile(i - 1) * lines,
+                                          lines))
+            else:
+                encode_and_push(i)
+
+                @pl.when(i > 0)
+                def _():
+                    # all but this step's P stores complete: tile i − 1 has landed
+                    plgpu.wait_smem_to_gmem(p)
+                    decode(i - 1, arrive(i - 1))
 
         plgpu.wait_smem_to_gmem(0)
-        finish(count - 1)
+        decode(count - 1, arrive(count - 1))
         plgpu.wait_smem_to_gmem(0)
 
 
-def _launch(blocks, codec, out_dtype, peers, parts, mat=None):
+def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     """blocks: (n_rows, 256) or, in loopback, (P, n_rows, 256); n_rows % 64 == 0."""
     p = peers.p
     n_rows = blocks.shape[-2]
@@ -351,7 +387,7 @@ def _launch(blocks, codec, out_dtype, peers, parts, mat=None):
         it = iter(refs)
         args = [None if s is None else next(it) for s in scratch]
         _kernel_body(x, he, hd, y, recv, *args, peers=peers, codec=codec, n_tiles=n_tiles,
-                     out_dtype=out_dtype, parts=parts)
+                     out_dtype=out_dtype, parts=cfg.parts, order=cfg.order)
 
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=[s for s in scratch if s is not None],
@@ -413,7 +449,7 @@ def fused_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
         return x
     blocks = _tiles(x.reshape(-1))
     peers = Remote(axis, p, cfg.grid(blocks.shape[0] // ROWS, 1))
-    y = _launch(blocks, codec, x.dtype, peers, cfg.parts, out_mat)
+    y = _launch(blocks, codec, x.dtype, peers, cfg, out_mat)
     return codecs.from_blocks(y, x.shape)
 
 
@@ -429,7 +465,7 @@ def loopback_allreduce(xs, codec, cfg: FusedConfig | None = None):
         return xs
     blocks = _tiles(xs.reshape(p, -1))
     peers = Loopback(p, cfg.grid(blocks.shape[1] // ROWS, p))
-    y = _launch(blocks, codec, xs.dtype, peers, cfg.parts)
+    y = _launch(blocks, codec, xs.dtype, peers, cfg)
     return jax.vmap(lambda v: codecs.from_blocks(v, xs.shape[1:]))(y)
 
 
