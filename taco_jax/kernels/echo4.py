@@ -4,7 +4,8 @@ decompress, the two-shot owner's reduce and the one-shot's decode_sum, each with
 plain-jnp reference (the codec's own math, `taco_jax.codecs.echo`).
 
 The kernels write the references' wire bytes: the tile math is the codec's element-wise ops
-and row reductions, with three substitutions that are exact:
+and row reductions (codes round(x·(1/s)) + z, one reciprocal per group), with substitutes
+for what Triton lacks that give the same bits:
 
 * a (tm, B) tile is viewed as (tm, B/2, 2) and unstacked into its even and odd elements,
   the low and high nibbles of the code bytes, so packing and unpacking are element-wise;
@@ -12,8 +13,9 @@ and row reductions, with three substitutions that are exact:
 * round half to even (`jnp.round`, which Triton does not lower): for |y| < 2^22 the f32 sum
   y + 1.5·2^23 rounds y to an integer (the add rounds to nearest even) and holds it in its
   low mantissa bits, read as int32 straight from the bits (no float→int conversion, a
-  quarter-rate instruction on the GPU). |x/s| ≤ 15 for every finite group; a zero group
-  has x/s = 0;
+  quarter-rate instruction on the GPU). |x·(1/s)| ≤ 15 (+ rounding) for every finite
+  group. The product y is made by PTX `mul.rn`, which no compiler fuses into the add
+  (`_mul_rn`), and 1/s as the reference's compiler makes it (`_recip`);
 * integer codes to floats by the inverse: bits (q | 0x4B000000) are the float 2^23 + q.
 
 A group with NaN or ±Inf is found by Σ x·0 (0 for finite x, NaN otherwise, and it cannot
