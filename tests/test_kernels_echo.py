@@ -413,3 +413,30 @@ def test_default_tilings_by_size():
         cfg = echo4.default_config(128, k, big)
         assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (8, 1, 8)
     assert echo4.default_config(512, "compress", big).blocks_per_program == 2
+
+
+@pytest.mark.parametrize("op", ["psum", "psum_with_feedback"])
+def test_collectives_pick_the_echo4_kernels_on_gpu(h200, op):
+    """On the GPU path (backend "pallas"), lowered for CUDA from this CPU machine: the
+    two-shot psum runs echo4's compress, reduce and decompress kernels; the feedback step
+    its fused compress_feedback (and compress, decompress for the owner's unfused step)."""
+    p = 2
+    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+
+    def body(v):
+        if op == "psum":
+            return taco_jax.psum(v[0], "tp", codec="echo4", min_bytes=0)[None]
+        y, st = feedback.psum_with_feedback(v[0], "tp", feedback.zeros(v.shape[1:], "tp"),
+                                            codec="echo4", min_bytes=0)
+        return (y + st.residual)[None]
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
+    x = jax.ShapeDtypeStruct((p, 8, 512), jnp.bfloat16,
+                             sharding=jax.NamedSharding(mesh, P("tp")))
+    with taco_jax.config(backend="pallas"):
+        text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    names = {"psum": ["echo4_compress", "echo4_reduce", "echo4_decompress"],
+             "psum_with_feedback": ["echo4_compress_feedback", "echo4_compress",
+                                    "echo4_decompress"]}[op]
+    for name in names:
+        assert f'name = "{name}"' in text, name
+    assert 'name = "taco_' not in text                      # no TACO kernel
