@@ -22,7 +22,10 @@ def run(tmp_path, capsys, *extra, p="2"):
 def test_checks_pass_on_a_faithful_exchange(tmp_path, capsys):
     rc, res, _ = run(tmp_path, capsys, p="3")
     assert rc == 0 and len(res["rows"]) == 2
+    assert {"device", "jax", "commit", "rows"} <= set(res)
     for r in res["rows"]:
+        assert {"p", "mib", "dtype", "kernel", "same_on_every_device", "rel_err",
+                "xla_rel_err"} <= set(r)
         assert r["ok"] and r["same_on_every_device"] and r["nan_blocks_ok"]
         assert 0 < r["rel_err"] <= r["xla_rel_err"] < 0.1
 
@@ -93,7 +96,8 @@ def test_mesh_mode_checks_and_times_the_transport(monkeypatch):
     monkeypatch.setattr(fused, "one_launch_reason", lambda codec, p, dtype: "emulated")
     monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
     a = argparse.Namespace(codec="taco", one_p=2, one_bytes=8 * 1024, one_dtype="bf16",
-                           impl="mesh", wrong_exchange=None, calls=2, time=True)
+                           impl="mesh", wrong_exchange=None, calls=2, time=True,
+                           config=None)
     row = bench_fused.run_config(a)
     assert row["ok"] and row["same_on_every_device"] and row["kernel"] == "one_launch on GPUs"
     # the three-launch one-shot quantizes once: less error than the xla two-shot

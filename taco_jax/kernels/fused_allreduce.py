@@ -164,7 +164,10 @@ class Loopback:
 def _decode_add_fn(codec, vec: int, parts: int, first: bool):
     """One column part of a decoded tile (f32, value layout of `vec`-element vectors), plus
     the running sum of the previous devices' (unless first): mosaic.decode_tile's math
-    without its final cast, so P tiles sum in f32 in one register array."""
+    without its final cast, so P tiles sum in f32 in one register array. Built from
+    mosaic.py's register helpers (`_assemble`, `_transformed`, …): its public decode_tile
+    returns every part of a tile at once, cast, which would hold two f32 tiles in
+    registers while summing."""
     layout = mosaic._pallas_layout(mosaic._wire_tiled(vec, BLOCK // parts))
     out = plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.float32, layout)
     args = (plgpu.Layout.WGMMA, mosaic.scale_layout(codec)) + (() if first else (layout,))
