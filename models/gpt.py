@@ -99,7 +99,6 @@ class GPTConfig:
         head = bwd if self.codec_head is None else self.codec_head
         _check_feedback(self, fwd, bwd)
         return SiteCodecs(fwd=fwd, bwd=bwd, head=head, min_bytes=self.min_bytes,
-                          feedback=self.feedback,
                           feedback_bwd=(self.feedback and self.feedback_bwd
                                         and not is_exact(bwd)))
 
@@ -205,8 +204,9 @@ class SiteCodecs:
     bwd: Any  # codec of the f sites (column-parallel inputs)
     head: Any  # codec of the LM head's f
     min_bytes: int | None  # the model's threshold; None: taco_jax reads the recipe's
-    feedback: bool  # the g sites feed their error forward (Echo)
-    feedback_bwd: bool  # the f sites feed theirs back (model.feedback_bwd, compressing bwd)
+    # the f sites feed their error back (model.feedback and model.feedback_bwd with a
+    # compressing backward codec); the g sites do with model.feedback alone
+    feedback_bwd: bool
 
     @property
     def comm(self) -> dict:
