@@ -83,8 +83,10 @@ for s in "$@"; do
     fused) step fused 540 python -m bench.fused --impl mesh --p 2 --time --isolate group \
              --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --timeout 100 \
              --out bench/results/fused_2gpu.json || no_fused ;;
-    loopback) step loopback 560 python -m bench.fused --isolate group --calls 5 \
-                --timeout 80 --out bench/results/fused_loopback_checks.json
+    loopback) for P in 2 4 8; do    # all of them took ~9 min on one H200 at 44319c9
+                step loopback_p$P 400 python -m bench.fused --p $P --isolate group \
+                  --calls 5 --timeout 80 --out bench/results/fused_loopback_checks_p$P.json
+              done
               step loopback_time 300 python -m bench.fused --p 2 --dtypes bf16 --time \
                 --sizes 16MiB 64MiB 256MiB --isolate group --calls 1 --timeout 90 \
                 --out bench/results/fused_loopback.json
