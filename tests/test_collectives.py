@@ -312,6 +312,31 @@ def test_jit_grad_vmap_composition():
     assert rel(gt, gl) < 0.08
 
 
+@pytest.mark.parametrize("op", ["psum", "psum_scatter"])
+def test_emulated_input_shared_by_every_member(op):
+    """Under jax.vmap(axis_name=...) an input closed over is unbatched: one value for every
+    member. lax accepts it; so must the compressed ops (each member compresses its copy)."""
+    w = jnp.asarray(gauss((64, 256), seed=43))
+    kw = dict(codec="taco", min_bytes=0)
+    f = {"psum": lambda: taco_jax.psum(w, "tp", **kw),
+         "psum_scatter": lambda: taco_jax.psum_scatter(w, "tp", tiled=True, **kw)}[op]
+    y = np.asarray(jax.vmap(f, axis_name="tp", axis_size=4)())
+    ref = 4 * np.asarray(w, np.float64)
+    if op == "psum":
+        assert_replicated(y)
+    else:
+        ref = ref.reshape(4, 16, 256)
+    # identical addends carry identical first-quantization errors, which add coherently:
+    # at most one round trip of the sum, plus the owner's re-encode
+    assert rel(y, ref) < 2 * 1.1 * roundtrip_error("taco", w, lead=0)
+    if op == "psum":     # the gradient through the shared input: lax's, to the codec's error
+        g = jax.grad(lambda w: jax.vmap(lambda: taco_jax.psum(w, "tp", **kw), axis_name="tp",
+                                        axis_size=4)().sum())(w)
+        g0 = jax.grad(lambda w: jax.vmap(lambda: lax.psum(w, "tp"), axis_name="tp",
+                                         axis_size=4)().sum())(w)
+        assert rel(g, g0) < CODEC_BOUNDS["taco"]
+
+
 def test_axis_size_one_returns_x():
     x = gauss((1, 7, 33), seed=43)
     np.testing.assert_array_equal(run(x, 1, tpsum()), x[0])

@@ -105,6 +105,9 @@ def psum(x, axis_name, *, codec=None, min_bytes: int | None = None,
         if route == "lax":
             y = lax.psum(v, op.axis)
         else:
+            # under vmap an input shared by the members (unbatched) would meet the codec's
+            # reshapes unbatched while the exchange batches them: give each member its copy
+            v = axes_lib.per_member(v, op.axes, force=True)
             y = _psum(v, op.axis, op.codec, op.p, op.vma, route)
         if tap and not op.vma:   # psum's transpose all-reduces the cotangent of y
             y = telemetry.capture_cotangent(y, "psum", op.axis)

@@ -199,5 +199,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
         route = op.route(v)
         if route == "lax":
             return lax.psum_scatter(v, op.axis, scatter_dimension=dim, tiled=tiled)
+        # an input shared by vmap's members: each member its copy (see psum)
+        v = axes_lib.per_member(v, op.axes, force=True)
         return _psum_scatter(v, op.axis, op.codec, op.p, dim, tiled, route)
     return jax.tree.map(leaf, x)
