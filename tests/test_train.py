@@ -417,6 +417,17 @@ def test_cli_resume_uses_the_runs_config(full_run):
         parse_args(["--resume", str(Path(run_dir) / "ckpt")])  # no config.yaml there
 
 
+@pytest.mark.parametrize("override, named", [("model.codec_fwd=fp4", "'fp4'"),
+                                             ("model.nope=1", "'model.nope'")])
+def test_cli_bad_config_is_a_usage_error(override, named, capsys):
+    """A bad key or value ends the program with argparse's exit 2 and the message naming
+    it, not a traceback."""
+    from train.__main__ import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args([override])
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_named_python_corpora():
     """data.paths may name this interpreter's sources: python:stdlib (the default corpus)
     and python:site-packages (a larger one, for runs longer than one stdlib epoch)."""

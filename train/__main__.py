@@ -30,14 +30,18 @@ def parse_args(argv=None):
 
     from train import config as config_lib
 
-    if args.resume:  # continue that run: its saved config, then the command line's overrides
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").exists():
-            p.error(f"--resume {args.resume}: no config.yaml in that directory")
-        cfg = config_lib.from_dict(config_lib.read_yaml((run_dir / "config.yaml").read_text()),
-                                   [*args.overrides, f"train.run_dir={run_dir}"])
-    else:
-        cfg = config_lib.load_config(args.config, args.overrides)
+    try:
+        if args.resume:  # continue that run: its saved config, then the command line's overrides
+            run_dir = Path(args.resume)
+            if not (run_dir / "config.yaml").exists():
+                p.error(f"--resume {args.resume}: no config.yaml in that directory")
+            cfg = config_lib.from_dict(
+                config_lib.read_yaml((run_dir / "config.yaml").read_text()),
+                [*args.overrides, f"train.run_dir={run_dir}"])
+        else:
+            cfg = config_lib.load_config(args.config, args.overrides)
+    except (ValueError, TypeError) as e:   # a bad preset, key or value: the message says which
+        p.error(str(e))
     return cfg, args
 
 
