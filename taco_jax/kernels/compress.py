@@ -13,7 +13,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
 from taco_jax.kernels import tiling
 from taco_jax.numerics import hadamard, quant
@@ -91,13 +90,7 @@ def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_row
         tiling.store_rows(o_ref, t, codes, tm, 0, rows)
         tiling.store_rows(o_ref, t, scales, tm, b, rows)
 
-    def tile(t):
-        if not skip_rows:
-            return work(t)
-        # Tiles wholly inside the skipped window are left unwritten (see `compress`).
-        inside = (t * tm >= skip0) & (t * tm + tm <= skip0 + skip_rows)
-        pl.when(jnp.logical_not(inside))(lambda: work(t))
-    tiling.for_each_tile(cfg, n_rows, tile)
+    tiling.for_each_tile_outside(cfg, n_rows, work, skip0, skip_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "skip_rows"))

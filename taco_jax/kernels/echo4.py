@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.codecs import echo as _echo
@@ -204,13 +203,7 @@ def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback):
             de, do = decode_codes(qe, qo, s, z)
             tiling.store_rows(e_ref, t, _interleave(de - xe, do - xo), tm, 0, rows)
 
-    def tile(t):
-        if not skip_rows:
-            return work(t)
-        # Tiles wholly inside the skipped window are left unwritten (see `compress`).
-        inside = (t * tm >= skip0) & (t * tm + tm <= skip0 + skip_rows)
-        pl.when(jnp.logical_not(inside))(lambda: work(t))
-    tiling.for_each_tile(cfg, n_rows, tile)
+    tiling.for_each_tile_outside(cfg, n_rows, work, skip0, skip_rows)
 
 
 def decompress_kernel(w_ref, o_ref, *, codec, cfg, n_rows):

@@ -215,6 +215,22 @@ def for_each_tile(cfg: KernelConfig, n_rows: int, body) -> None:
     jax.lax.fori_loop(0, t, step, 0)
 
 
+def for_each_tile_outside(cfg: KernelConfig, n_rows: int, body, skip0, skip_rows: int
+                          ) -> None:
+    """`for_each_tile`, leaving out the tiles wholly inside rows [skip0, skip0 + skip_rows)
+    (skip0 may be traced): a compress whose caller never reads those rows leaves them
+    unwritten."""
+    if not skip_rows:
+        for_each_tile(cfg, n_rows, body)
+        return
+    tm = cfg.blocks_per_program
+
+    def tile(t):
+        inside = (t * tm >= skip0) & (t * tm + tm <= skip0 + skip_rows)
+        pl.when(jnp.logical_not(inside))(lambda: body(t))
+    for_each_tile(cfg, n_rows, tile)
+
+
 def launch(kernel, out_shape, n_rows: int, cfg: KernelConfig, interpret: bool, name: str,
            *args):
     """pallas_call over row tiles; refs are whole arrays (tiles are addressed by hand so
