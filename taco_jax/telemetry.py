@@ -125,16 +125,12 @@ def note_site(op, shape, dtype, axes, codec: str, reason: str | None, p: int = 1
     """Record one traced collective call, counted once times the active `repeated` blocks.
     The collectives call it; so does a caller that counts a loop body's iterations itself,
     noting the other iterations of the body's sites."""
-    _note(op, shape, dtype, axes, codec, reason, p, route, vma)
-
-
-def _note(op, shape, dtype, axes, codec, reason, p, route, vma=True) -> Site:
     site = Site(op, tuple(shape), str(np.dtype(dtype)), tuple(map(str, axes)), codec,
                 reason is None, reason or "", p, route if reason is None else "", bool(vma))
     times = math.prod(getattr(_repeats, "stack", ()))
     forward_only = getattr(_repeats, "forward_only", False)
     if forward_only and op in BACKWARD_ONLY:
-        return site         # nothing is sent: the backward that would send does not run
+        return              # nothing is sent: the backward that would send does not run
     with _sites_lock:
         new = site not in _sites
         _sites[site] = _sites.get(site, 0) + times
@@ -142,7 +138,6 @@ def _note(op, shape, dtype, axes, codec, reason, p, route, vma=True) -> Site:
             _undiff[site] = _undiff.get(site, 0) + times
     if new:
         _log.info("taco_jax site %s", site.describe())
-    return site
 
 
 # the primitives a collective traces to (taco_jax's compressed routes move their codes with
