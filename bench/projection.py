@@ -1,0 +1,291 @@
+"""Projected all-reduce times by link: echo4 and taco over the fused-transport method, beside
+an uncompressed bf16 all-reduce at the same link rate. Arithmetic on measured JSON only.
+
+    python -m bench.projection [--out bench/results/projection_links.json]
+
+Nothing here is measured on more than one GPU: every figure is **projected** from one H200's
+kernel device times and a link rate, by the method of `bench.fused.project` (which this
+program calls for P = 2) and `bench.fused.method_check` (the check of that method against
+what two H200s measured for the xla transport, carried into the JSON):
+
+  * one launch (overlapped): fixed_us + max(per-device compute, wire bytes / link rate);
+  * separate launches (serial): fixed_us × collectives + compute + wire bytes / link rate.
+
+P = 2, one-shot: each device compresses its tensor (n values) once, sends the codes to the
+peer, both decode-and-sum: compute = compress(n) + decode_sum(2 wires of n); wire =
+W(n), the codec's bytes for n values. P = 4, 8, two-shot: compress the (P − 1)/P of the
+tensor that is sent, all-to-all, owner reduce (decode the P − 1 received segments, sum with
+the own segment in fp32, encode once), all-gather, decompress everything: compute =
+(P − 1)/P · compress(n) + owner_reduce + decompress(n); wire = 2 (P − 1)/P · W(n), two
+collectives. The owner reduce is extrapolated from the measured P = 2 reduce of n values
+(`owner_reduce_us`). Uncompressed: bf16 all-reduce, fixed_us + 2 (P − 1)/P · 2n bytes /
+link rate (P = 2: the tensor's bytes, one-shot or two-shot alike), its summation taken as
+hidden under the wire (NCCL reduces in-kernel, far below HBM rate at these links).
+
+Kernel device times (one H200, bf16 in): taco from bench/results/kernels.json (Triton
+compress, reduce, decompress) and, for decode_sum, fused_loopback.json (the Triton
+decode_sum timed beside the loopback; no row at 1 GiB, so no taco one-shot there); echo4
+from kernels_echo4_check.json (commit 507c72a, the current kernels: 16, 256 MiB), else
+kernels_echo4.json (9446b06: at 64 MiB the current tiling; at 1 GiB the older tiling, which
+was 12-14 % slower at 256 MiB). "taco fused kernel": the one-launch taco kernel as it
+runs today (fused_loopback.json per-device time, 1.4-1.8 × its separate kernels), through
+`bench.fused.project` unchanged. Links: 350 GB/s (2×H200 NVLink, per direction, the
+parameter of bench.fused), 250 GB/s (what lax.psum and NCCL reached there), the rate
+fitted per size to the xla transport's measured 2-GPU times (method_check: 96-269 GB/s; a
+pessimistic bound, since it absorbs that transport's fixed costs), and 50 GB/s (PCIe 5.0
+x16, or 400 Gb/s between hosts). fixed_us = 15 µs at every P (checked at P = 2 only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from bench import fused
+from bench.common import env_facts, print_table, write_json
+
+MIB = 1 << 20
+RESULTS = os.path.join(fused.ROOT, "bench", "results")
+SIZES_MIB = (16, 64, 256, 1024)
+PS = (2, 4, 8)
+SLOW_GBPS = 50.0
+ITEMSIZE = 2                                          # bf16
+INPUTS = {"taco_kernels": "kernels.json", "taco_loopback": "fused_loopback.json",
+          "echo4_kernels_current": "kernels_echo4_check.json",
+          "echo4_kernels": "kernels_echo4.json", "lax_psum": "collectives.json"}
+CODECS = ("taco", "echo4")
+ONE_SHOT_KERNELS = ("compress", "decode_sum")
+TWO_SHOT_KERNELS = ("compress", "reduce", "decompress")
+
+
+def links(fitted: dict[float, float]) -> dict[str, object]:
+    """Link name → GB/s per device and direction (a float, or {mib: GB/s} per size)."""
+    return {"nvlink": fused.LINK_GBPS, "nvlink_measured": fused.MEASURED_GBPS,
+            "nvlink_fitted": fitted, "slow_50": SLOW_GBPS}
+
+
+# -- inputs ---------------------------------------------------------------------------------
+def _load(name: str, results: str) -> dict:
+    path = os.path.join(results, INPUTS[name])
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench.projection: input {name} ({path}) unreadable: {e}")
+
+
+def kernel_times(results: str = RESULTS) -> tuple[dict, dict]:
+    """({codec: {mib: {kernel: µs, "source": file@commit}}}, {input: its device facts})."""
+    docs = {k: _load(k, results) for k in INPUTS}
+    facts = {k: {"file": INPUTS[k], **{f: d.get(f) for f in
+                                       ("device", "n_devices", "jax", "commit")}}
+             for k, d in docs.items()}
+    src = lambda k: f"{INPUTS[k]}@{str(docs[k].get('commit'))[:7]}"      # noqa: E731
+    times: dict = {c: {} for c in CODECS}
+    for r in docs["taco_kernels"]["rows"]:
+        if r.get("impl") == "triton" and r.get("codec") == "taco" and "device_us" in r:
+            times["taco"].setdefault(r["mib"], {"source": src("taco_kernels")})[
+                r["kernel"]] = r["device_us"]
+    for r in docs["taco_loopback"]["rows"]:
+        if r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("decode_sum_us"):
+            t = times["taco"].setdefault(r["mib"], {"source": src("taco_kernels")})
+            t["decode_sum"] = r["decode_sum_us"]
+            t["source"] += f"; decode_sum {src('taco_loopback')}"
+    for key in ("echo4_kernels", "echo4_kernels_current"):         # the current ones win
+        for r in docs[key]["rows"]:
+            if r.get("impl") == "triton" and r.get("codec") == "echo4" and "device_us" in r:
+                t = times["echo4"].setdefault(r["mib"], {})
+                if t.get("source", src(key)) != src(key):
+                    t.clear()
+                t.update({"source": src(key), r["kernel"]: r["device_us"]})
+    return times, facts
+
+
+def loopback_rows(results: str = RESULTS) -> list[dict]:
+    """The taco one-launch kernel's measured P = 2 bf16 rows (per-device device time)."""
+    return [r for r in _load("taco_loopback", results)["rows"]
+            if r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("ok")
+            and r.get("per_device_us") is not None]
+
+
+# -- the arithmetic ---------------------------------------------------------------------------
+def wire_bytes(codec, n: int) -> int:
+    """Bytes on the wire for n values: the codec's rows (its own block size and scales)."""
+    return codec.wire_bytes(n)
+
+
+def owner_reduce_us(reduce_p2_us: float, p: int, row_bytes: int, block: int) -> float:
+    """The two-shot owner's step over n/P values and P − 1 received segments, from the
+    measured reduce of n values at P = 2 (one received copy read, own values, one wire out).
+    By element passes: decode (P − 1)/P·n + encode n/P = n, against the measured call's 2n:
+    half, at any P. By bytes: (P·r + s)/(P·(2r + s)) of it (r wire, s input bytes per
+    value), half at P = 2 and less above. The larger (element passes) is taken."""
+    r = row_bytes / block
+    by_bytes = (p * r + ITEMSIZE) / (p * (2 * r + ITEMSIZE))
+    return reduce_p2_us * max(0.5, by_bytes)
+
+
+def _times(compute: float, wire_us: float, fixed_us: float, collectives: int) -> dict:
+    return {"compute_us": round(compute, 2), "wire_us": round(wire_us, 2),
+            "one_launch_us": round(fixed_us + max(compute, wire_us), 2),
+            "separate_us": round(collectives * fixed_us + compute + wire_us, 2),
+            "bound": "compute" if compute > wire_us else "wire"}
+
+
+def one_shot(codec, t: dict, mib: float, gbps: float, fixed_us: float) -> dict | None:
+    """P = 2 through bench.fused.project, with compute = compress + decode_sum."""
+    if not all(k in t for k in ONE_SHOT_KERNELS):
+        return None
+    nbytes = int(mib * MIB)
+    if (nbytes // ITEMSIZE) % 256:
+        raise ValueError(f"{mib=} MiB: bench.fused.project counts wires in 256-value rows")
+    row = {"p": 2, "mib": mib, "bytes": nbytes, "dtype": "bf16",
+           "per_device_us": t["compress"] + t["decode_sum"], "compress_us": t["compress"],
+           "decode_sum_us": t["decode_sum"]}
+    per256 = codec.row_bytes * 256 // codec.block_size       # its bytes per 256 values
+    pj = fused.project(row, per256, gbps, fixed_us)
+    compute, wire_us = row["per_device_us"], pj["wire_us_nvlink"]   # "nvlink": at gbps
+    return {"compute_us": round(compute, 2), "wire_us": wire_us,
+            "one_launch_us": pj["projected_us_nvlink"],
+            "separate_us": pj["projected_three_launch_us_nvlink"],
+            "bound": "compute" if compute > wire_us else "wire",
+            "wire_bytes": wire_bytes(codec, nbytes // ITEMSIZE)}
+
+
+def two_shot(codec, t: dict, mib: float, p: int, gbps: float, fixed_us: float) -> dict | None:
+    """P ≥ 2 two-shot: (P−1)/P compress + owner reduce + decompress; 2 (P−1)/P · W."""
+    if not all(k in t for k in TWO_SHOT_KERNELS):
+        return None
+    n = int(mib * MIB) // ITEMSIZE
+    compute = ((p - 1) / p * t["compress"]
+               + owner_reduce_us(t["reduce"], p, codec.row_bytes, codec.block_size)
+               + t["decompress"])
+    w = 2 * (p - 1) / p * wire_bytes(codec, n)
+    return {**_times(compute, w / gbps / 1e3, fixed_us, 2), "wire_bytes": round(w)}
+
+
+def bf16_allreduce(mib: float, p: int, gbps: float, fixed_us: float) -> dict:
+    """Uncompressed: fixed + 2 (P − 1)/P · tensor bytes / link (P = 2: the tensor's bytes)."""
+    w = 2 * (p - 1) / p * mib * MIB
+    return {"us": round(fixed_us + w / gbps / 1e3, 2), "wire_bytes": round(w)}
+
+
+def project_rows(times: dict, codecs: dict, link_rates: dict, sizes=SIZES_MIB, ps=PS,
+                 fixed_us: float = fused.FIXED_US, loopback: list[dict] = (),
+                 lax_psum=fused.lax_psum_us) -> list[dict]:
+    """One row per (P, size, link): bf16, taco and echo4 projected µs and their ratios."""
+    rows = []
+    for p in ps:
+        for mib in sizes:
+            for link, rate in link_rates.items():
+                gbps = rate.get(mib) if isinstance(rate, dict) else rate
+                if gbps is None:
+                    continue
+                row = {"p": p, "mib": mib, "link": link, "link_gbps": gbps,
+                       "method": "one-shot" if p == 2 else "two-shot",
+                       "bf16": bf16_allreduce(mib, p, gbps, fixed_us)}
+                for name, codec in codecs.items():
+                    t = times.get(name, {}).get(mib, {})
+                    row[name] = (one_shot(codec, t, mib, gbps, fixed_us) if p == 2 else
+                                 two_shot(codec, t, mib, p, gbps, fixed_us))
+                    if row[name] is not None:
+                        row[name]["kernels"] = t.get("source")
+                    else:
+                        need = ONE_SHOT_KERNELS if p == 2 else TWO_SHOT_KERNELS
+                        row[f"{name}_missing"] = (f"no device time of {name} " + ", ".join(
+                            k for k in need if k not in t) + f" at {mib} MiB")
+                if p == 2 and link.startswith("nvlink"):
+                    row["lax_psum_2gpu_measured_us"] = lax_psum(mib)
+                if p == 2:
+                    row.update(fused_kernel_rows(row, times, codecs, loopback, gbps, fixed_us))
+                rows.append(_ratios(row, list(codecs)))
+    return rows
+
+
+def fused_kernel_rows(row, times, codecs, loopback, gbps, fixed_us) -> dict:
+    """P = 2: taco's one-launch kernel as it runs today (its loopback per-device time,
+    through bench.fused.project unchanged), and echo4 if fusing cost it what it costs taco
+    now: compute × (taco kernel / taco compress + decode_sum) at that size."""
+    fk = [r for r in loopback if r["mib"] == row["mib"]]
+    taco = times.get("taco", {}).get(row["mib"], {})
+    if not fk or "taco" not in codecs or "decode_sum" not in taco:
+        return {}
+    out = {"taco_fused_kernel_one_launch_us":
+           fused.project(fk[0], codecs["taco"].row_bytes, gbps, fixed_us)["projected_us_nvlink"]}
+    e = row.get("echo4")
+    if e:
+        overhead = fk[0]["per_device_us"] / (taco["compress"] + taco["decode_sum"])
+        out["echo4_at_taco_fusion_overhead"] = {
+            "overhead": round(overhead, 3), "compute_us": round(e["compute_us"] * overhead, 2),
+            "one_launch_us": round(fixed_us + max(e["compute_us"] * overhead, e["wire_us"]), 2)}
+    return out
+
+
+def _ratios(row: dict, names: list[str]) -> dict:
+    b = row["bf16"]["us"]
+    for n in names:
+        if row[n] is not None:
+            row[f"{n}_vs_bf16"] = round(row[n]["one_launch_us"] / b, 3)
+    if row.get("echo4") and row.get("taco"):
+        row["echo4_vs_taco"] = round(row["echo4"]["one_launch_us"]
+                                     / row["taco"]["one_launch_us"], 3)
+    return row
+
+
+# -- the program ------------------------------------------------------------------------------
+def flat(row: dict) -> dict:
+    """A table row: µs (one launch), compute / wire µs, ratios."""
+    out = {"P": row["p"], "MiB": row["mib"], "link": row["link"], "GB/s": row["link_gbps"],
+           "bf16": row["bf16"]["us"], "lax.psum": row.get("lax_psum_2gpu_measured_us", "")}
+    for n in CODECS:
+        r = row.get(n)
+        out[n] = r["one_launch_us"] if r else "-"
+        out[f"{n} c/w"] = f"{r['compute_us']:.0f}/{r['wire_us']:.0f}" if r else "-"
+        out[f"{n} sep"] = r["separate_us"] if r else "-"
+    out["taco kernel"] = row.get("taco_fused_kernel_one_launch_us", "")
+    out["echo4 @taco ovh"] = row.get("echo4_at_taco_fusion_overhead", {}).get("one_launch_us", "")
+    for k in ("echo4_vs_bf16", "taco_vs_bf16", "echo4_vs_taco"):
+        out[k] = row.get(k, "-")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(RESULTS, "projection_links.json"))
+    a = ap.parse_args(argv)
+    from taco_jax import codecs as codec_registry
+    codecs = {c: codec_registry.get(c) for c in CODECS}
+    times, facts = kernel_times()
+    devices = {f["device"] for f in facts.values()}
+    versions = {f["jax"] for f in facts.values()}
+    if len(devices) != 1 or len(versions) != 1:
+        raise SystemExit(f"bench.projection: inputs from different devices or jax versions: "
+                         f"{devices}, {versions}")
+    taco = codecs["taco"]
+    checks = fused.method_check(taco.row_bytes)        # reads the committed results
+    fitted = {c["mib"]: c["fitted_link_gbps"] for c in checks if c.get("fitted_link_gbps")}
+    rates = links(fitted)
+    rows = project_rows(times, codecs, rates, loopback=loopback_rows())
+    print_table([flat(r) for r in rows], list(flat(rows[0])))
+    print("PROJECTED, not measured (one H200's kernel device times + a link rate); "
+          "µs = one launch; c/w = compute / wire µs; sep = separate launches")
+    payload = {"projected": True, "device": devices.pop(),
+               "jax": versions.pop(),
+               "commit": env_facts()["commit"], "inputs": facts,
+               "parameters": {"fixed_us": fused.FIXED_US, "links_gbps": rates,
+                              "sizes_mib": list(SIZES_MIB), "p": list(PS),
+                              "wire_bytes_per_value": {c: codecs[c].row_bytes
+                                                       / codecs[c].block_size
+                                                       for c in CODECS},
+                              "bf16_bytes_per_value": ITEMSIZE},
+               "method": __doc__.split("\n\n", 2)[2].strip(),
+               "kernel_times_us": {c: {f"{m:g}": t for m, t in sorted(v.items())}
+                                   for c, v in times.items()},
+               "method_check": checks, "rows": rows}
+    write_json(a.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
