@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.codecs import echo as _echo
 from taco_jax.kernels import decode_sum as _ds, reduce as _r, tiling
@@ -93,15 +92,6 @@ def _rint(y):
     return lax.bitcast_convert_type(y + _ROUND, jnp.int32) - _ROUND_BITS
 
 
-def _ptx(instr, *args):
-    """One PTX f32 instruction applied element-wise."""
-    operands = ", ".join(f"${k + 1}" for k in range(len(args)))
-    return plgpu.elementwise_inline_asm(
-        f"{instr} $0, {operands};", args=list(args),
-        constraints="=f," + ",".join("f" * len(args)), pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)])[0]
-
-
 def _mul_rn(a, b, cfg):
     """a·b rounded to f32 and kept apart from the add in `_rint`: fused into it (an FMA, as
     XLA and Triton contract a multiply and an add) the sum would round once, differently
@@ -110,7 +100,7 @@ def _mul_rn(a, b, cfg):
     b = jnp.broadcast_to(b, a.shape)
     if cfg.interpret:
         return lax.optimization_barrier(a * b)
-    return _ptx("mul.rn.f32", a, b)
+    return tiling.ptx("mul.rn.f32", a, b)
 
 
 def _recip(s, cfg):
@@ -122,7 +112,7 @@ def _recip(s, cfg):
     IEEE."""
     if cfg.interpret:
         return 1 / s
-    return _ptx("rcp.approx.f32", s)
+    return tiling.ptx("rcp.approx.f32", s)
 
 
 def _to_float(q):

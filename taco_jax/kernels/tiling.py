@@ -77,10 +77,13 @@ class KernelConfig:
         return dataclasses.replace(self, precise=precise, interpret=interpret)
 
 
-def _ptx_unary(instr: str, x):
+def ptx(instr: str, *args):
+    """One PTX f32 instruction applied element-wise (Pallas-Triton kernels)."""
+    operands = ", ".join(f"${k + 1}" for k in range(len(args)))
     return plgpu.elementwise_inline_asm(
-        f"{instr} $0, $1;", args=[x], constraints="=f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+        f"{instr} $0, {operands};", args=list(args),
+        constraints="=f," + ",".join("f" * len(args)), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)])[0]
 
 
 def div(a, b, cfg: KernelConfig):
@@ -88,7 +91,7 @@ def div(a, b, cfg: KernelConfig):
     approximate reciprocal of b (rcp.approx.ftz.f32: ≤ 1 ulp; inf → 0, 0 → inf, NaN → NaN;
     the interpreter divides)."""
     if cfg.fast_rowmath and not cfg.interpret:
-        return a * _ptx_unary("rcp.approx.ftz.f32", b)
+        return a * ptx("rcp.approx.ftz.f32", b)
     return a / b
 
 
@@ -97,7 +100,7 @@ def rsqrt_approx(x, cfg: KernelConfig):
     interpreter uses lax.rsqrt."""
     if cfg.interpret:
         return jax.lax.rsqrt(x)
-    return _ptx_unary("rsqrt.approx.ftz.f32", x)
+    return ptx("rsqrt.approx.ftz.f32", x)
 
 
 def kron_ok(block_size: int) -> bool:
