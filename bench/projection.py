@@ -27,7 +27,7 @@ compress, reduce, decompress) and, for decode_sum, fused_loopback.json (the Trit
 decode_sum timed beside the loopback; no row at 1 GiB, so no taco one-shot there); echo4
 from kernels_echo4_check.json (commit 507c72a, the current kernels: 16, 256 MiB), else
 kernels_echo4.json (9446b06: at 64 MiB the current tiling; at 1 GiB the older tiling, which
-was 12-14 % slower at 256 MiB). "taco fused kernel": the one-launch taco kernel as it
+was 6-16 % slower at 256 MiB). "taco fused kernel": the one-launch taco kernel as it
 runs today (fused_loopback.json per-device time, 1.4-1.8 × its separate kernels), through
 `bench.fused.project` unchanged. Links: 350 GB/s (2×H200 NVLink, per direction, the
 parameter of bench.fused), 250 GB/s (what lax.psum and NCCL reached there), the rate
