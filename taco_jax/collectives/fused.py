@@ -125,7 +125,7 @@ def _kernel_exchange(send, axis, p: int, gather: bool, out_mat):
     m = send.shape[-1]
     lines = send.reshape(*send.shape[:-1], m // LINE, LINE)         # (…, rows, LINE)
     tiles = m // TILE_BYTES
-    nprog = min(mosaic._sm_count(), tiles)
+    nprog = min(mosaic.sm_count(), tiles)
     body = functools.partial(_exchange_body, axis=axis, p=p, gather=gather, tiles=tiles,
                              nprog=nprog)
     shape = (p, m // LINE, LINE)

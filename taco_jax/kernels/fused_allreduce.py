@@ -80,7 +80,7 @@ class FusedConfig:
 
     def grid(self, n_tiles: int, devices_here: int) -> int:
         """Programs per device: ≤ this GPU's multiprocessors / devices_here."""
-        cap = max(1, mosaic._sm_count() // devices_here)
+        cap = max(1, mosaic.sm_count() // devices_here)
         want = cap if self.programs is None else self.programs
         if want > cap:
             raise ValueError(f"FusedConfig.programs={want} exceeds the {cap} programs that "

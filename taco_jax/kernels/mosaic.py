@@ -121,10 +121,12 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.parts={self.parts} must be 1 or 2")
 
     def grid(self, n_tiles: int) -> int:
-        return max(1, min(n_tiles, _sm_count() * self.ctas_per_sm))
+        return max(1, min(n_tiles, sm_count() * self.ctas_per_sm))
 
 
-def _sm_count() -> int:
+def sm_count() -> int:
+    """Multiprocessors of this process's first GPU: the most programs that are resident at
+    once when each takes one."""
     try:
         dev = jax.devices("gpu")[0]
         return int(getattr(dev, "core_count", 0)) or 132
