@@ -50,15 +50,22 @@ def segments(x, p: int, block: int):
 def scatter_sum(blocks, nb: int, axis, codec, p: int, move=lax_exchange):
     """Steps 1–3 unfused: (this device's fp32 sum of its segment (nb, B), the decoded form
     of what it sent (P·nb, B))."""
-    row = codec.row_bytes
     me = lax.axis_index(axis)
     wire = dispatch.compress(blocks, codec)                          # (rows, row_bytes)
-    recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)  # [j]: from j
-    got = dispatch.decompress(recv.reshape(p * nb, row), codec, jnp.float32)
-    got = got.reshape(p, nb, -1)
     own = lax.dynamic_slice_in_dim(blocks, me * nb, nb).astype(jnp.float32)
+    return owner_sum(wire, own, nb, axis, codec, p, move), wire
+
+
+def owner_sum(wire, own, nb: int, axis, codec, p: int, move=lax_exchange):
+    """Steps 2–3: segment j of every device's wire (P·nb, row_bytes) goes to device j,
+    which adds the peers' decoded segments to its own fp32 part `own` (nb, B). Its own
+    segment of `wire` is never read."""
+    row = codec.row_bytes
+    me = lax.axis_index(axis)
+    recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)  # [j]: from j
+    got = dispatch.decompress(recv.reshape(p * nb, row), codec, jnp.float32).reshape(p, nb, -1)
     peers = jnp.where((jnp.arange(p) != me)[:, None, None], got, 0.0)
-    return own + jnp.sum(peers, axis=0), wire
+    return own + jnp.sum(peers, axis=0)
 
 
 def gather_decoded(wire, axis, codec, p: int, out_dtype, vma: bool, move=lax_exchange):
@@ -110,12 +117,9 @@ def two_shot_feedback(x, r, axis, codec, p: int, vma: bool, *, move=lax_exchange
     me = lax.axis_index(axis)
     # the own segment is never sent: its codes and first error need not be computed
     wire, err = dispatch.compress_feedback(xb, rb, codec, skip_start=me * nb, skip_rows=nb)
-    recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)  # [j]: from j
-    got = dispatch.decompress(recv.reshape(p * nb, row), codec, jnp.float32).reshape(p, nb, -1)
     own = (lax.dynamic_slice_in_dim(xb, me * nb, nb).astype(jnp.float32)
            - lax.dynamic_slice_in_dim(rb, me * nb, nb))
-    peers = jnp.where((jnp.arange(p) != me)[:, None, None], got, 0.0)
-    s_tilde = own + jnp.sum(peers, axis=0)                           # as `scatter_sum`
+    s_tilde = owner_sum(wire, own, nb, axis, codec, p, move)
     out = gather_decoded(dispatch.compress(s_tilde, codec), axis, codec, p, x.dtype, vma,
                          move)                                       # (rows, B)
     y = axes_lib.per_member(codecs.from_blocks(out, x.shape), axes_lib.as_tuple(axis))
