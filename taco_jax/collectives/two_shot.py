@@ -74,43 +74,30 @@ def gather_decoded(wire, axis, codec, p: int, out_dtype, vma: bool, move=lax_exc
     return dispatch.decompress(everyone.reshape(-1, codec.row_bytes), codec, out_dtype)
 
 
-def two_shot(x, axis, codec, p: int, vma: bool, *, with_error: bool = False,
-             out_dtype=None, move=lax_exchange):
-    """The compressed psum of x over `axis` (a name or tuple of names, P devices).
-
-    with_error: also return this device's share e of the error, Σ_devices e = y − Σ x:
-    the first quantization of the segments it sent and the second of the one it owns
-    (as returned, after the cast to out_dtype, default x.dtype); error feedback subtracts
-    it downstream."""
+def two_shot(x, axis, codec, p: int, vma: bool, *, move=lax_exchange):
+    """The compressed psum of x over `axis` (a name or tuple of names, P devices)."""
     b, row = codec.block_size, codec.row_bytes
     blocks, nb = segments(x, p, b)
     me = lax.axis_index(axis)
-    if with_error:
-        s_tilde, wire = scatter_sum(blocks, nb, axis, codec, p, move)
-        mine = dispatch.compress(s_tilde, codec)
-    else:
-        # the own segment is never sent, so its codes need not be computed
-        wire = dispatch.compress(blocks, codec, skip_start=me * nb, skip_rows=nb)
-        recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)
-        mine = dispatch.reduce(recv, blocks, me, codec, own_row0=me * nb)
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    out = gather_decoded(mine, axis, codec, p, out_dtype, vma, move)  # (rows, B)
+    # the own segment is never sent, so its codes need not be computed
+    wire = dispatch.compress(blocks, codec, skip_start=me * nb, skip_rows=nb)
+    recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)
+    mine = dispatch.reduce(recv, blocks, me, codec, own_row0=me * nb)
+    out = gather_decoded(mine, axis, codec, p, x.dtype, vma, move)   # (rows, B)
     y = axes_lib.per_member(codecs.from_blocks(out, x.shape), axes_lib.as_tuple(axis))
     if telemetry.enabled():
         telemetry.report("psum", x, y, axis, codec, wire_bytes=2 * p * nb * row)
-    if not with_error:
-        return y
-    sent = dispatch.decompress(wire, codec, jnp.float32)
-    own_err = lax.dynamic_slice_in_dim(out, me * nb, nb).astype(jnp.float32) - s_tilde
-    err = lax.dynamic_update_slice_in_dim(sent - blocks, own_err, me * nb, 0)
-    return y, codecs.from_blocks(err, x.shape)
+    return y
 
 
 def two_shot_feedback(x, r, axis, codec, p: int, vma: bool, *, move=lax_exchange):
-    """`two_shot(x − r, with_error=True, out_dtype=x.dtype)`, the step of error feedback,
-    with the subtraction and the senders' error shares done by the compress
-    (`dispatch.compress_feedback`: one kernel pass over x and r for Echo's codecs). Same
-    y and error share; r is float32, x's shape."""
+    """The step of error feedback: (y, e), y the compressed psum of z = x − r (cast to
+    x.dtype) and e this device's share of its error, Σ_devices e = y − Σ z: the first
+    quantization of the segments it sent and the second of the one it owns (as returned,
+    after the cast); r is float32, x's shape. The subtraction and the senders' error
+    shares are done by the compress (`dispatch.compress_feedback`: one kernel pass over x
+    and r for Echo's codecs); the owner's step is unfused (decode, fp32 sum, compress) so
+    that its fp32 sum s̃ is at hand for the second error."""
     b, row = codec.block_size, codec.row_bytes
     xb, nb = segments(x, p, b)
     rb, _ = segments(r, p, b)
