@@ -38,7 +38,7 @@ from bench.common import env_facts, print_table, write_json
 from models import parallel, pipeline
 from train import config as config_lib
 from train.loop import (build_mesh, make_train_step, setup_backend, step_memory,
-                        step_wire_bytes, traced_sites)
+                        step_wire_bytes)
 
 AXES = ("tp", "pp", "dp")
 ALIASES = {"2d": ("dp", "pp"), "3d": ("dp", "pp", "tp")}
@@ -90,7 +90,7 @@ def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str
     x = parallel.put_batch(rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32), mesh)
     y = parallel.put_batch(rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32), mesh)
     t0 = time.perf_counter()
-    (state, m), sites = traced_sites(step, state, x, y)
+    (state, m), sites = taco_jax.telemetry.traced_sites(step, state, x, y)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
     memory = step_memory(step, state, x, y) or {}

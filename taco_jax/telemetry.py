@@ -2,9 +2,10 @@
 
 `sites()` lists every collective call site traced so far (shape, dtype, axes, codec, bytes
 per device, and whether it was compressed or went to lax, with the reason). It is recorded
-at trace time, always, at no run-time cost; `site_report()` formats it, and each new site
-is logged once to the "taco_jax" logger (INFO). The rest is opt-in: off by default and free
-when off, as the flag is read when a function is traced.
+at trace time, always, at no run-time cost; `site_report()` formats it, `traced_sites(fn,
+*args)` returns the sites that one call of fn traced, and each new site is logged once to
+the "taco_jax" logger (INFO). The rest is opt-in: off by default and free when off, as the
+flag is read when a function is traced.
 
 What a count is: one per trace of the call, in the forward pass. A site inside a loop body
 (`lax.scan`, `fori_loop`, `while_loop`) is traced once and runs once per iteration, and
@@ -38,6 +39,7 @@ import functools
 import logging
 import math
 import threading
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -179,9 +181,8 @@ def check_loops(fn, *args, **kwargs) -> list[str]:
     "taco_jax" logger). Call it once per function (a trainer at start-up, or a test); fn
     must trace afresh (a jitted function traced before is cached: its sites are not seen,
     and no warning is given for its loops)."""
-    before = dict(sites())
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
-    counts = [n - before.get(s, 0) for s, n in sites() if n > before.get(s, 0)]
+    closed, traced = traced_sites(jax.make_jaxpr(fn), *args, **kwargs)
+    counts = [n for _, n in traced]
     if not counts:
         return []
     warned = []
@@ -209,6 +210,17 @@ def sites() -> list[tuple[Site, int]]:
     times its `repeated` blocks)."""
     with _sites_lock:
         return list(_sites.items())
+
+
+def traced_sites(fn: Callable, *args, **kwargs) -> tuple[Any, list[tuple[Site, int]]]:
+    """Call fn(*args, **kwargs) and return (its result, [(site, calls)] of the taco_jax
+    collectives that call traced): the difference of `sites()` around it, so sites traced
+    earlier in the process (an earlier run, another function) do not count. Empty when fn
+    was traced before (a jitted function's cached trace records no site)."""
+    before = dict(sites())
+    out = fn(*args, **kwargs)
+    return out, [(site, n - before.get(site, 0)) for site, n in sites()
+                 if n > before.get(site, 0)]
 
 
 def clear_sites() -> None:

@@ -32,11 +32,10 @@ def sharded(x):
 
 def new_sites(fn, x):
     """{site: calls} that tracing fn(x) adds (nothing compiles)."""
-    before = dict(telemetry.sites())
     with jax.set_mesh(mesh4()):
-        jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                sharding=jax.NamedSharding(mesh4(), P("tp"))))
-    return {s: n - before.get(s, 0) for s, n in telemetry.sites() if n > before.get(s, 0)}
+        _, traced = telemetry.traced_sites(jax.make_jaxpr(fn), jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.NamedSharding(mesh4(), P("tp"))))
+    return dict(traced)
 
 
 def site(op, shape, codec="tah4", compressed=True, p=4):
@@ -102,12 +101,10 @@ def scanned(length, declare=None, codec="taco"):
 
 def checked(fn, x):
     """({site: calls} that tracing fn(x) adds, check_loops' warnings)."""
-    before = dict(telemetry.sites())
     with jax.set_mesh(mesh4()):
-        warned = telemetry.check_loops(fn, jax.ShapeDtypeStruct(
+        warned, traced = telemetry.traced_sites(telemetry.check_loops, fn, jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=jax.NamedSharding(mesh4(), P("tp"))))
-    return ({s: n - before.get(s, 0) for s, n in telemetry.sites() if n > before.get(s, 0)},
-            warned)
+    return dict(traced), warned
 
 
 def test_site_in_a_scan_counts_once_per_trace_and_check_loops_warns(caplog):
@@ -222,6 +219,21 @@ def test_check_loops_sees_nested_scans():
     assert checked(on_mesh(lambda v: fn(v, True), vma=False), x)[1] == []
     warned = checked(on_mesh(lambda v: fn(v, False), vma=False), x)[1]
     assert len(warned) == 1 and "lax.scan(length=3) > lax.scan(length=5)" in warned[0], warned
+
+
+def test_traced_sites_counts_only_this_call():
+    """Sites traced before the call do not count; the call's result and keyword arguments
+    pass through; a jitted function traced before records none."""
+    x = sharded(np.ones((4, 8, 64), np.float32))
+    f = jax.jit(on_mesh(lambda v: taco_jax.psum(v, "tp", codec="int4-sym", min_bytes=0) * 2,
+                        vma=False))
+    with jax.set_mesh(mesh4()):
+        first, traced = telemetry.traced_sites(lambda a, *, k: f(a) + k, x, k=1.0)
+        again, repeat = telemetry.traced_sites(f, x)
+    assert [(s.op, s.shape, s.codec, n) for s, n in traced] == [("psum", (8, 64), "int4-sym",
+                                                                 1)]
+    assert repeat == [] and np.isfinite(np.asarray(first)).all()
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again) + 1.0)
 
 
 # -- ppermute's error records ----------------------------------------------------------------

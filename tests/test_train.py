@@ -18,6 +18,7 @@ import pytest
 
 import train
 from models import parallel
+from taco_jax import telemetry
 from train import config as config_lib
 from train import data as data_lib
 from train.metrics import read_jsonl
@@ -245,7 +246,7 @@ def _step_sites(cfg):
     prog = train.build(cfg, mesh)
     x = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), np.int32,
                              sharding=jax.sharding.NamedSharding(mesh, parallel.BATCH_SPEC))
-    _, sites = train.loop.traced_sites(jax.eval_shape, prog.step, prog.abstract_state(), x, x)
+    _, sites = telemetry.traced_sites(jax.eval_shape, prog.step, prog.abstract_state(), x, x)
     return sites
 
 

@@ -300,16 +300,6 @@ def evaluate(prog: Program, params, batches, n: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # What compression did: call sites, bytes on the wire, codec error
 
-def traced_sites(fn: Callable, *args) -> tuple[Any, list[tuple[telemetry.Site, int]]]:
-    """-> (fn(*args), [(site, calls)] of the taco_jax collectives traced by this call): the
-    difference of telemetry.sites() around it, so sites traced earlier in the process (an
-    earlier run, another function) do not count. Empty when fn was already traced."""
-    before = dict(telemetry.sites())
-    out = fn(*args)
-    return out, [(site, n - before.get(site, 0)) for site, n in telemetry.sites()
-                 if n > before.get(site, 0)]
-
-
 def sites_report(sites: list[tuple[telemetry.Site, int]]) -> str:
     """telemetry.site_report()'s lines, for these sites."""
     if not sites:
@@ -579,7 +569,8 @@ class _Loop:
     def _first_step(self, batch) -> dict:
         """The step that traces and compiles: note its collectives, the bytes they send and
         its memory; report them. -> the step's metrics."""
-        (self.state, metrics), self.sites = traced_sites(self.prog.step, self.state, *batch)
+        (self.state, metrics), self.sites = telemetry.traced_sites(self.prog.step, self.state,
+                                                                   *batch)
         self.wire_bytes = step_wire_bytes(self.sites)
         self.memory = step_memory(self.prog.step, self.state, *batch)
         if self.probe is not None and not any(s.compressed for s, _ in self.sites):
