@@ -56,18 +56,46 @@ MAX_P = 8
 
 
 # -- configuration ----------------------------------------------------------------------------
+# Measurement knobs (`FusedConfig.ablate`): each leaves one stage of the per-tile work out
+# or does it twice, so variants timed side by side attribute the kernel's time
+# (`python -m bench.fused --ablate`). With any of them but "none" the results are wrong.
+ABLATIONS = {
+    "none": "the kernel as it is",
+    "encode_twice": "each tile encoded and staged twice",
+    "no_encode": "no encode: the staging buffer's bytes as they are go out",
+    "decode_twice": "each wire tile read from shared memory, transformed and decoded twice",
+    "no_decode": "wire tiles loaded and waited for, not decoded: zeros stored",
+    "no_peer_stores": "each tile stored into this device's own slot only",
+    "no_signal": "no semaphore signal or wait (stores still waited for)",
+    "no_sync": "no semaphore signal or wait, no wait for the stores to land",
+}
+SMEM_PER_SM = 228 * 1024     # Hopper: shared memory per multiprocessor …
+SMEM_RESERVED = 1024         # … of which each resident program's runtime takes this
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
-    """`programs`: programs per device (None: this GPU's multiprocessors / P in loopback, all
-    of them otherwise); every program of every device must be resident together, so more
-    than one per multiprocessor is refused. `parts`: the decode's column passes (2 halves
-    the registers a thread holds while P tiles are summed)."""
+    """`programs`: programs per device (None: all that can be resident: `per_sm` per
+    multiprocessor, divided by P in loopback); every program of every device must be
+    resident together (a program waits for its peers' programs). `parts`: the decode's
+    column passes (2 halves the registers a thread holds while P tiles are summed)."""
     programs: int | None = None
     parts: int = 2
     # "encode_first": per step, encode and store tile i, then wait for tile i − 1, load and
     # decode it (measured, bench/results/fused_loopback.json). "loads_first": signal and
     # start loading tile i − 1 before encoding tile i, so the loads fly meanwhile.
     order: str = "encode_first"
+    # Shared memory per program, so that 2 programs fit per multiprocessor (`per_sm=2`):
+    # input tiles staged (None: 2 for 16-bit input, double-buffered; 1 for f32) and
+    # "tma": 16-bit results staged in shared memory and stored by TMA, "registers":
+    # stored from registers (f32 results always are).
+    x_slots: int | None = None
+    out_store: str = "tma"
+    # Programs per multiprocessor (1 or 2): 2 needs each program's shared memory to fit
+    # in half of it (`smem_bytes`), so one program's waits can hide behind the other's work.
+    per_sm: int = 1
+    # A measurement knob (ABLATIONS), "none" in use.
+    ablate: str = "none"
 
     def __post_init__(self):
         if self.parts not in (1, 2):
@@ -77,14 +105,25 @@ class FusedConfig:
                              f"'loads_first'")
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"FusedConfig.programs={self.programs} must be >= 1")
+        if self.x_slots not in (None, 1, 2):
+            raise ValueError(f"FusedConfig.x_slots={self.x_slots} must be None, 1 or 2")
+        if self.out_store not in ("tma", "registers"):
+            raise ValueError(f"FusedConfig.out_store={self.out_store!r} must be 'tma' or "
+                             f"'registers'")
+        if self.per_sm not in (1, 2):
+            raise ValueError(f"FusedConfig.per_sm={self.per_sm} must be 1 or 2")
+        if self.ablate not in ABLATIONS:
+            raise ValueError(f"FusedConfig.ablate={self.ablate!r} must be one of "
+                             f"{', '.join(ABLATIONS)}")
 
     def grid(self, n_tiles: int, devices_here: int) -> int:
-        """Programs per device: ≤ this GPU's multiprocessors / devices_here."""
-        cap = max(1, mosaic.sm_count() // devices_here)
+        """Programs per device: ≤ per_sm × this GPU's multiprocessors / devices_here."""
+        cap = max(1, self.per_sm * mosaic.sm_count() // devices_here)
         want = cap if self.programs is None else self.programs
         if want > cap:
             raise ValueError(f"FusedConfig.programs={want} exceeds the {cap} programs that "
-                             f"can be resident per device ({devices_here} on this GPU)")
+                             f"can be resident per device ({devices_here} on this GPU, "
+                             f"per_sm={self.per_sm})")
         return max(1, min(n_tiles, want))
 
 
@@ -204,40 +243,54 @@ def _loader(recv, r_smem, r_bar, row0, lines):
     return load
 
 
-def _sum_tiles(load, r_smem, r_bar, h_dec, codec, p, vec, parts):
+def _zeros(vec: int, parts: int):
+    """A column part of zeros in the decode's value layout (the "no_decode" knob)."""
+    layout = mosaic._pallas_layout(mosaic._wire_tiled(vec, BLOCK // parts))
+    return plgpu.layout_cast(jnp.zeros((ROWS, BLOCK // parts), jnp.float32), layout)
+
+
+def _sum_tiles(load, r_smem, r_bar, h_dec, codec, p, vec, parts, ablate="none"):
     """Σ_j decode(wire tile j), j = 0 … P − 1 in that order, summed in f32: `parts` arrays.
     load(j, slot) starts the TMA copy of device j's wire tile into r_smem[slot] (arriving
     on r_bar[slot]); the first copies were started by `_first_loads`. With P slots each
     tile is read once; with 2 (P > 2, to fit shared memory) the tiles stream through them
     once per column part, the next copy issued as soon as the previous occupant of its
-    slot is in registers."""
+    slot is in registers. ablate "decode_twice" / "no_decode": each tile decoded twice /
+    not at all (zeros returned); the copies and their waits are the same."""
     row = codec.row_bytes
     fmt = mosaic.CODE_FORMATS[codec.fmt]
     resident = r_smem.shape[0] == p
     seq = [(part, j) for part in range(parts) for j in range(p)]
     slot_of = (lambda e: seq[e][1]) if resident else (lambda e: e % 2)   # noqa: E731
+    reps = {"decode_twice": 2, "no_decode": 0}.get(ablate, 1)
     totals = [None] * parts
     for e, (part, j) in enumerate(seq):
         slot = slot_of(e)
         if not resident or part == 0:
             plgpu.barrier_wait(r_bar.at[slot])
-        codes, scales = mosaic.load_wire_tile(r_smem.at[slot].reshape(ROWS, row), codec)
-        if not resident and e + 1 < len(seq):
-            load(seq[e + 1][1], (e + 1) % 2)     # the slot's last reader is done (loads sync)
-        q = [lax.bitcast_convert_type(codes[:, 16 * c:16 * (c + 1)], fmt)
-             .astype(jnp.float16) for c in range(mosaic.FACTOR)]
-        acc = mosaic._transform_part(lambda c: q[c], h_dec, part, parts)
-        total = totals[part]
-        totals[part] = _decode_add_fn(codec, vec, parts, total is None)(
-            acc, scales, *(() if total is None else (total,)))
-    return totals
+        for rep in range(max(reps, 1)):
+            if reps:
+                codes, scales = mosaic.load_wire_tile(r_smem.at[slot].reshape(ROWS, row),
+                                                      codec)
+            if rep == 0 and not resident and e + 1 < len(seq):
+                load(seq[e + 1][1], (e + 1) % 2)   # the slot's last reader is done (loads sync)
+            if not reps:
+                continue
+            q = [lax.bitcast_convert_type(codes[:, 16 * c:16 * (c + 1)], fmt)
+                 .astype(jnp.float16) for c in range(mosaic.FACTOR)]
+            acc = mosaic._transform_part(lambda c: q[c], h_dec, part, parts)
+            total = totals[part]
+            totals[part] = _decode_add_fn(codec, vec, parts, total is None)(
+                acc, scales, *(() if total is None else (total,)))
+    return [_zeros(vec, parts) if t is None else t for t in totals]
 
 
 # -- the kernel ---------------------------------------------------------------------------------
 def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_smem,
                  y_smem, he_smem, hd_smem, x_bar, h_bar, r_bar, sem_scratch, *, peers, codec,
-                 n_tiles, out_dtype, parts, order):
+                 n_tiles, out_dtype, cfg):
     p, nprog = peers.p, peers.nprog
+    parts, order, ablate = cfg.parts, cfg.order, cfg.ablate
     me, b = peers.ids()
     sems = peers.semaphores(sem_scratch, me, b)
     x_mine, y_mine = peers.local(x_gmem, me), peers.local(y_gmem, me)
@@ -248,6 +301,11 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
     tile = lambda i: b + i * nprog                               # noqa: E731
     vec = mosaic._value_vec(out_dtype)
     tma_out = y_smem is not None
+    # Bulk store groups per step, in issue order: the wire stores of tile i (n_wire), then
+    # the result store of tile i − 1 (n_res; none when results leave from registers).
+    n_wire = 1 if ablate == "no_peer_stores" else p
+    n_res = 1 if tma_out else 0
+    sync = ablate not in ("no_signal", "no_sync")
 
     plgpu.copy_gmem_to_smem(he_gmem, he_smem, h_bar)
     plgpu.barrier_wait(h_bar)
@@ -266,26 +324,35 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
         def _():
             load_x(i + 1)
 
+    def landed(n):
+        """All but the last n bulk store groups are complete (skipped by "no_sync")."""
+        if ablate != "no_sync":
+            plgpu.wait_smem_to_gmem(n)
+
     def encode_and_push(i):
         slot = i % x_slots
         plgpu.barrier_wait(x_bar.at[slot])
         src = x_smem.at[slot]
         if xb_smem is not None:            # f32 input: the transform's operand is bf16
             v = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False)
-            prefetch(i)                    # one x slot: refill it once it is in registers
+            if x_slots == 1:
+                prefetch(i)                # one x slot: refill it once it is in registers
             xb_smem[...] = v.astype(xb_smem.dtype)
             plgpu.commit_smem()
             src = xb_smem
-        slot = i % 2
-        codes, scales = mosaic.encode_tile(src, he_smem, codec, 1)
-        # the staging slot was last read by step i − 2's stores: all but the most recent
-        # P + 1 groups (step i − 1's P wire stores and one result store) are done
-        plgpu.wait_smem_to_gmem(p + 1, wait_read_only=True)
-        stage = w_smem.at[slot]
-        mosaic.store_wire_tile(stage.reshape(ROWS, row), codes, scales)
+        wires = [mosaic.encode_tile(src, he_smem, codec, 1)
+                 for _ in range({"encode_twice": 2, "no_encode": 0}.get(ablate, 1))]
+        if x_slots == 1 and xb_smem is None:
+            prefetch(i)                    # the transform has read the tile
+        # the staging slot was last read by step i − 2's stores: all groups issued before
+        # step i − 1's wire stores and result store are done reading
+        plgpu.wait_smem_to_gmem(n_wire + n_res, wait_read_only=True)
+        stage = w_smem.at[i % 2]
+        for codes, scales in wires:
+            mosaic.store_wire_tile(stage.reshape(ROWS, row), codes, scales)
         plgpu.commit_smem()
         rows = pl.ds(tile(i) * lines, lines)
-        for k in range(1, p + 1):         # peers first, this device's own slot last
+        for k in range(p + 1 - n_wire, p + 1):   # peers first, this device's own slot last
             dst = (me + k) % p
             out = recv_mine if k == p else peers.peer(recv_gmem, me, dst)
             plgpu.copy_smem_to_gmem(stage, out.at[me, rows])
@@ -293,9 +360,10 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
     def arrive(i):
         """Tile i's stores have landed (the caller waited): signal the peers, wait for
         theirs, start loading the P wire tiles."""
-        peers.signal(sems, me, b, [(me + k) % p for k in range(1, p)])
-        for k in range(1, p):
-            peers.wait(sems, me, b, (me + k) % p)
+        if sync:
+            peers.signal(sems, me, b, [(me + k) % p for k in range(1, p)])
+            for k in range(1, p):
+                peers.wait(sems, me, b, (me + k) % p)
         rows = pl.ds(tile(i) * lines, lines)
 
         def load(j, slot):
@@ -304,13 +372,13 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
         return load
 
     def decode(i, load):
-        totals = _sum_tiles(load, r_smem, r_bar, hd_smem, codec, p, vec, parts)
+        totals = _sum_tiles(load, r_smem, r_bar, hd_smem, codec, p, vec, parts, ablate)
         values = [t.astype(out_dtype) for t in totals]
         out_rows = pl.ds(tile(i) * ROWS, ROWS)
         if tma_out:
-            # the last result store has read y_smem (only the P wire stores issued after it
+            # the last result store has read y_smem (only the wire stores issued after it
             # may still be reading their staging)
-            plgpu.wait_smem_to_gmem(p, wait_read_only=True)
+            plgpu.wait_smem_to_gmem(n_wire, wait_read_only=True)
             mosaic.store_values(y_smem, values)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(y_smem, y_mine.at[out_rows])
@@ -329,7 +397,7 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
                 # tile i − 1's loads fly while tile i is encoded
                 @pl.when(i > 0)
                 def _():
-                    plgpu.wait_smem_to_gmem(1)     # all but the last result store
+                    landed(n_res)                  # all but tile i − 2's result store
                     arrive(i - 1)
                 encode_and_push(i)
 
@@ -342,13 +410,59 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
 
                 @pl.when(i > 0)
                 def _():
-                    # all but this step's P stores complete: tile i − 1 has landed
-                    plgpu.wait_smem_to_gmem(p)
+                    # all but tile i − 2's result store and tile i's wire stores complete:
+                    # tile i − 1 has landed
+                    landed(n_res + n_wire)
                     decode(i - 1, arrive(i - 1))
 
         plgpu.wait_smem_to_gmem(0)
         decode(count - 1, arrive(count - 1))
         plgpu.wait_smem_to_gmem(0)
+
+
+def _scratch(p, codec, in_dtype, out_dtype, cfg, remote: bool):
+    """The kernel's scratch, in `_kernel_body`'s order (None: not used)."""
+    lines = ROWS * codec.row_bytes // LINE
+    enc_dtype = jnp.bfloat16 if in_dtype == jnp.float32 else in_dtype
+    x_slots = cfg.x_slots or (1 if in_dtype == jnp.float32 else 2)
+    tma_out = jnp.dtype(out_dtype).itemsize == 2 and cfg.out_store == "tma"
+    x_transforms = () if in_dtype == jnp.float32 else mosaic.SMEM_TRANSFORMS
+    return [
+        plgpu.SMEM((x_slots, ROWS, BLOCK), in_dtype, transforms=x_transforms),
+        (plgpu.SMEM((ROWS, BLOCK), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS)
+         if in_dtype == jnp.float32 else None),
+        plgpu.SMEM((2, lines, LINE), jnp.uint8),
+        # every device's wire tile resident at P = 2; two streaming slots above
+        plgpu.SMEM((p if p == 2 else 2, lines, LINE), jnp.uint8),
+        (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=mosaic._swizzled(out_dtype))
+         if tma_out else None),
+        plgpu.SMEM((16, 16), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS),
+        plgpu.SMEM((16, 16), jnp.float16, transforms=mosaic.SMEM_TRANSFORMS),
+        plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.Barrier(num_barriers=2),
+        (plgpu.SemaphoreType.REGULAR((p,)) if remote else None),
+    ]
+
+
+def smem_bytes(p: int, codec, in_dtype, out_dtype=None, cfg: FusedConfig | None = None):
+    """Shared memory one program of the kernel takes (buffers rounded up to 1 KiB, the
+    alignment a swizzled TMA buffer needs), for `FusedConfig.per_sm`'s check."""
+    out_dtype = in_dtype if out_dtype is None else out_dtype
+    total = 0
+    for s in _scratch(p, codec, in_dtype, out_dtype, cfg or FusedConfig(), False):
+        if s is not None and hasattr(s, "shape"):            # the SMEM buffers
+            nbytes = int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+            total += -(-nbytes // 1024) * 1024
+    return total + 1024                                              # barriers
+
+
+def _check_resident(p, codec, in_dtype, out_dtype, cfg):
+    need = cfg.per_sm * (smem_bytes(p, codec, in_dtype, out_dtype, cfg) + SMEM_RESERVED)
+    if need > SMEM_PER_SM:
+        raise ValueError(
+            f"FusedConfig(per_sm={cfg.per_sm}, x_slots={cfg.x_slots}, "
+            f"out_store={cfg.out_store!r}): {cfg.per_sm} programs need {need // 1024} KiB "
+            f"of shared memory per multiprocessor at P={p}, {jnp.dtype(in_dtype).name}; "
+            f"it has {SMEM_PER_SM // 1024} KiB")
 
 
 def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
@@ -360,7 +474,7 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     lines = ROWS * codec.row_bytes // LINE
     in_dtype = blocks.dtype
     enc_dtype = jnp.bfloat16 if in_dtype == jnp.float32 else in_dtype
-    tma_out = jnp.dtype(out_dtype).itemsize == 2
+    _check_resident(p, codec, in_dtype, out_dtype, cfg)
 
     def struct(shape, dtype):
         if mat is None:
@@ -369,28 +483,13 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
 
     out_type = (struct((*lead, n_rows, BLOCK), out_dtype),
                 struct((*lead, p, n_tiles * lines, LINE), jnp.uint8))   # receive buffers
-    x_transforms = () if in_dtype == jnp.float32 else mosaic.SMEM_TRANSFORMS
-    scratch = [
-        # f32 tiles are twice the size: one slot, refilled as soon as it is in registers
-        plgpu.SMEM((1 if in_dtype == jnp.float32 else 2, ROWS, BLOCK), in_dtype,
-                   transforms=x_transforms),
-        (plgpu.SMEM((ROWS, BLOCK), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS)
-         if in_dtype == jnp.float32 else None),
-        plgpu.SMEM((2, lines, LINE), jnp.uint8),
-        plgpu.SMEM((p if p == 2 else 2, lines, LINE), jnp.uint8),
-        (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=mosaic._swizzled(out_dtype))
-         if tma_out else None),
-        plgpu.SMEM((16, 16), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS),
-        plgpu.SMEM((16, 16), jnp.float16, transforms=mosaic.SMEM_TRANSFORMS),
-        plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.Barrier(num_barriers=2),
-        (plgpu.SemaphoreType.REGULAR((p,)) if isinstance(peers, Remote) else None),
-    ]
+    scratch = _scratch(p, codec, in_dtype, out_dtype, cfg, isinstance(peers, Remote))
 
     def body(x, he, hd, y, recv, *refs):
         it = iter(refs)
         args = [None if s is None else next(it) for s in scratch]
         _kernel_body(x, he, hd, y, recv, *args, peers=peers, codec=codec, n_tiles=n_tiles,
-                     out_dtype=out_dtype, parts=cfg.parts, order=cfg.order)
+                     out_dtype=out_dtype, cfg=cfg)
 
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=[s for s in scratch if s is not None],
