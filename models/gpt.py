@@ -214,9 +214,9 @@ class SiteCodecs:
         return {} if self.min_bytes is None else {"min_bytes": self.min_bytes}
 
 
-def traced_sites(cfg: GPTConfig) -> SiteCodecs:
-    """cfg's sites under the recipe in effect here: called where the model is traced, the
-    recipe that taco_jax's collectives read too."""
+def site_codecs(cfg: GPTConfig) -> SiteCodecs:
+    """`cfg.sites` under the recipe in effect here (the compression of each TP site):
+    called where the model is traced, the recipe that taco_jax's collectives read too."""
     return cfg.sites(taco_jax.recipe.current())
 
 
@@ -272,7 +272,7 @@ class _TPSublayer:
     pair shares its site's codec: codec_bwd at f, codec_fwd at g."""
 
     def __call__(self, x):  # x: (B, T, d), invariant over "tp"; (B, T/tp, d) with SP
-        sites, dt = traced_sites(self.cfg), self.cfg.compute_dtype
+        sites, dt = site_codecs(self.cfg), self.cfg.compute_dtype
         if self.cfg.sequence_parallel:
             x = taco_jax.all_gather(x, TP, axis=1, tiled=True, codec=sites.bwd, **sites.comm)
             y = taco_jax.psum_scatter(self.partial(x), TP, scatter_dimension=1, tiled=True,
@@ -378,7 +378,7 @@ class Block(nnx.Module):
         if state is None:
             x = x + self.attn(self.ln1(x))
             return x + self.mlp(self.ln2(x))
-        sites = traced_sites(self.cfg)
+        sites = site_codecs(self.cfg)
         for ln, branch in ((self.ln1, self.attn), (self.ln2, self.mlp)):
             h, state = f_site(x, ln, sites, state)
             y, state = g_site(branch.partial(h), sites, state)
@@ -425,7 +425,7 @@ class GPT(nnx.Module):
         """Stream (B, T, d) -> local logits (B, T, V/tp) fp32: final LayerNorm, the LM
         head's f (with sequence parallelism the all-gather of the sequence), the
         vocab-parallel matmul."""
-        sites = traced_sites(self.cfg)
+        sites = site_codecs(self.cfg)
         if self.cfg.sequence_parallel:
             x = taco_jax.all_gather(self.ln_f(x), TP, axis=1, tiled=True, codec=sites.head,
                                     **sites.comm)
@@ -447,7 +447,7 @@ class GPT(nnx.Module):
             for block in self.blocks:
                 x, state = block(x, state)
             # f of the LM head: first backward site
-            sites = traced_sites(cfg)
+            sites = site_codecs(cfg)
             x, _ = f_site(x, self.ln_f, sites, state, codec=sites.head)
             return self.logits(x)
         for block in self.blocks:
