@@ -25,11 +25,10 @@ def traced_sites(fn, vma=True, shape=(4 * 4, 512)):
     """The sites tracing fn on each device's block adds."""
     mesh = mesh4()
     sm = jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=vma)
-    before = dict(telemetry.sites())
     with jax.set_mesh(mesh):
-        jax.make_jaxpr(sm)(jax.ShapeDtypeStruct(shape, jnp.float32,
-                                                sharding=NamedSharding(mesh, P("tp"))))
-    return [s for s, n in telemetry.sites() if n > before.get(s, 0)]
+        _, traced = telemetry.traced_sites(jax.make_jaxpr(sm), jax.ShapeDtypeStruct(
+            shape, jnp.float32, sharding=NamedSharding(mesh, P("tp"))))
+    return [s for s, _ in traced]
 
 
 @pytest.mark.parametrize("op", OPS)
