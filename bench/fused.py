@@ -211,8 +211,16 @@ def run_config(a) -> dict:
     ref = xla_transport(p)
     row = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": a.one_dtype,
            "config": " ".join(a.config or ()) or "default",
+           "variant": getattr(a, "variant", None) or "default",
            "kernel": {"kernel": "one_launch", "mesh": "one_launch on GPUs"}.get(
                a.impl, "emulated")}
+    # a measurement knob makes the results wrong on purpose: such a variant is timed only
+    checked = fused_config(a.config).ablate == "none"
+    row["checked"] = checked
+    if not checked:
+        row.update(ok=True, reason=None, calls=0)
+        row.update(time_config(fn, p, n, dtype, codec, separate=False) if a.time else {})
+        return row
     worst, why = None, None
     for call in range(a.calls):              # back to back, fresh inputs each time
         xs, bad = make_input(jax.random.key(1000 * p + call), p, n, dtype, codec.block_size)
@@ -244,24 +252,38 @@ def time_mesh(fn, p, n, dtype, codec) -> dict:
             "measured_ratio": round(fused_us / lax_us, 3)}
 
 
-def time_config(fn, p, n, dtype, codec) -> dict:
-    """Device time of the loopback (all P virtual devices), and of the three-launch path's
-    kernels for one device (Triton compress of its tensor + decode_sum of P wires)."""
+def _us(t: dict) -> tuple[float, str]:
+    """A device_time result → (µs, timer): the device's kernel time, or, where the trace
+    has no device (CPU), the host timer's, labelled as such."""
+    return (t["us"], "device") if t.get("us") is not None else (t["host_us"], "host")
+
+
+def time_config(fn, p, n, dtype, codec, separate: bool = True) -> dict:
+    """Device time of the loopback (all P virtual devices), and (separate) of the
+    three-launch path's kernels for one device (Triton compress of its tensor +
+    decode_sum of P wires)."""
     from bench.common import device_time
     from taco_jax import codecs
     from taco_jax.kernels import compress, decode_sum
     xs, _ = make_input(jax.random.key(7), p, n, dtype, codec.block_size)
     iters = 3 if n * jnp.dtype(dtype).itemsize * p >= 1 << 30 else 10
     loop = device_time(fn, xs, iters=iters)
+    us, timer = _us(loop)
+    out = {"timer": timer, "device_us": round(us, 2), "per_device_us": round(us / p, 2),
+           "kernel_us": round(sum(v for k, v in loop.get("kernels", {}).items()
+                                  if "fused" in k), 2)}
+    if not separate:
+        return out
+    # the Triton kernels on a GPU; their references elsewhere (CPU tests of this logic)
+    gpu = jax.default_backend() == "gpu"
+    enc = (lambda b: compress.compress(b, codec)) if gpu else codec.compress_reference
+    dec = decode_sum.decode_sum if gpu else decode_sum.decode_sum_reference
     blocks = codecs.to_blocks(xs[0], codec.block_size)
-    comp = device_time(lambda b: compress.compress(b, codec), blocks, iters=iters)
-    wire = compress.compress(blocks, codec)
-    recv = jnp.stack([wire] * p)
-    dsum = device_time(lambda r: decode_sum.decode_sum(r, codec, dtype), recv, iters=iters)
-    out = {"device_us": round(loop["us"], 2), "per_device_us": round(loop["us"] / p, 2),
-           "kernel_us": round(sum(v for k, v in loop["kernels"].items() if "fused" in k), 2),
-           "separate_us": round(comp["us"] + dsum["us"], 2),
-           "compress_us": round(comp["us"], 2), "decode_sum_us": round(dsum["us"], 2)}
+    comp, _ = _us(device_time(enc, blocks, iters=iters))
+    recv = jnp.stack([enc(blocks)] * p)
+    dsum, _ = _us(device_time(lambda r: dec(r, codec, dtype), recv, iters=iters))
+    out.update(separate_us=round(comp + dsum, 2), compress_us=round(comp, 2),
+               decode_sum_us=round(dsum, 2))
     return out
 
 
@@ -293,7 +315,8 @@ def project(row: dict, row_bytes: int, link_gbps: float = LINK_GBPS,
     """Two-GPU projections (P = 2) from a timed loopback row: one launch, fixed +
     max(per-device compute, wire / link); three launches (compress, exchange kernel,
     decode_sum in series), fixed + compress + wire / link + decode_sum. Each / lax.psum."""
-    if row.get("p") != 2 or row.get("per_device_us") is None:
+    if (row.get("p") != 2 or row.get("per_device_us") is None or "compress_us" not in row
+            or not row.get("checked", True)):
         return {}
     wire_us = wire_bytes(row["bytes"], 2 if row["dtype"] == "bf16" else 4,
                          row_bytes) / link_gbps / 1e3
@@ -344,11 +367,59 @@ def annotate(payload: dict, row_bytes: int) -> dict:
     return {**payload, "rows": rows, "method_check": method_check(row_bytes)}
 
 
+# -- attribution of the kernel's time (--ablate) ------------------------------------------------
+# Variants timed side by side: FusedConfig fields of each, and what its difference to the
+# default (variant − default, per device) estimates. "ablate=…" variants are measurement
+# knobs (wrong results, timed only); the others are checked as usual. The 2-per-SM variant
+# is last: if its programs are not all resident it hangs, and costs only itself.
+VARIANTS = {
+    "default": ([], "the kernel as it is"),
+    "encode_twice": (["ablate=encode_twice"], "+ one encode and its staging"),
+    "no_encode": (["ablate=no_encode"], "− the encode and its staging"),
+    "decode_twice": (["ablate=decode_twice"], "+ one decode of the P tiles"),
+    "no_decode": (["ablate=no_decode"], "− the decode (loads kept)"),
+    "no_peer_stores": (["ablate=no_peer_stores"], "− the P − 1 stores to peers"),
+    "no_signal": (["ablate=no_signal"], "− signal and wait on the semaphores"),
+    "no_sync": (["ablate=no_sync"], "− signal, wait and the stores' landing wait"),
+    "loads_first": (["order=loads_first"], "loads of tile i − 1 before encoding tile i"),
+    "slim": (["x_slots=1", "out_store=registers"], "half the shared memory, 1 per SM"),
+    "slim_2_per_sm": (["x_slots=1", "out_store=registers", "per_sm=2"],
+                      "half the shared memory, 2 programs per SM"),
+}
+ABLATE_SIZES = ["16MiB", "64MiB", "256MiB"]
+
+
+def ablation_table(rows: list[dict]) -> list[dict]:
+    """Timed rows of several variants → one row per (P, dtype, MiB, variant): its
+    per-device µs, the difference to the default variant's (µs and fraction of it), the
+    separate kernels' µs where measured, and what the difference estimates."""
+    key = lambda r: (r["p"], r["dtype"], r["mib"])               # noqa: E731
+    base = {key(r): r for r in rows
+            if r.get("variant", "default") == "default" and r.get("per_device_us")}
+    out = []
+    for r in rows:
+        b = base.get(key(r))
+        us = r.get("per_device_us")
+        entry = {"p": r["p"], "dtype": r["dtype"], "mib": r["mib"],
+                 "variant": r.get("variant", "default"), "checked": r.get("checked", True),
+                 "ok": r.get("ok"), "per_device_us": us,
+                 "estimates": VARIANTS.get(r.get("variant", "default"), ([], ""))[1]}
+        if b is not None and us is not None:
+            d = us - b["per_device_us"]
+            entry.update(delta_us=round(d, 2), delta_frac=round(d / b["per_device_us"], 3))
+            if b.get("separate_us"):
+                entry["vs_separate"] = round(us / b["separate_us"], 3)
+        out.append(entry)
+    return out
+
+
 # -- the driver -----------------------------------------------------------------------------
 def child_cmd(a, p, sizes, dtype) -> list[str]:
     cmd = [sys.executable, "-m", "bench.fused", "--one", str(p),
            ",".join(map(str, sizes)), dtype,
            "--impl", a.impl, "--calls", str(a.calls), "--codec", a.codec]
+    if getattr(a, "variant", None):
+        cmd += ["--variant", a.variant]
     if a.wrong_exchange:
         cmd += ["--wrong-exchange", a.wrong_exchange]
     if a.config:
@@ -385,12 +456,13 @@ def run_children(a, configs, save=lambda rows: None) -> list[dict]:
             why = f"timed out after {limit:.0f} s"
         got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
         for r in got:
-            print(f"P={p} {r['mib']} MiB {dtype}: " + ("ok" if r["ok"] else r["reason"]),
-                  flush=True)
+            print(f"P={p} {r['mib']} MiB {dtype} {r.get('variant', '')}: "
+                  + ("ok" if r["ok"] else r["reason"]), flush=True)
         rows += got
         for nbytes in sizes[len(got):]:
             rows.append({"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes,
-                         "dtype": dtype, "ok": False, "reason": why or "no result"})
+                         "dtype": dtype, "variant": getattr(a, "variant", None) or "default",
+                         "ok": False, "reason": why or "no result"})
             print(f"P={p} {rows[-1]['mib']} MiB {dtype}: {rows[-1]['reason']}", flush=True)
         save(rows)                 # what is done survives a kill of the whole batch
     return rows
@@ -398,12 +470,13 @@ def run_children(a, configs, save=lambda rows: None) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--p", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--sizes", type=parse_size, nargs="+",
-                    default=[parse_size(s) for s in DEFAULT_SIZES])
-    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    ap.add_argument("--p", type=int, nargs="+", default=None, help="default 2 4 8")
+    ap.add_argument("--sizes", type=parse_size, nargs="+", default=None,
+                    help=f"default {' '.join(DEFAULT_SIZES)}")
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=None,
+                    help="default bf16 f32")
     ap.add_argument("--codec", default="taco")
-    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=None, help="default 5 (--ablate: 1)")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--annotate", metavar="JSON", default=None,
                     help="recompute the projections of a results file, run nothing")
@@ -413,6 +486,13 @@ def main(argv=None) -> int:
                          "model of the kernel (default elsewhere)")
     ap.add_argument("--config", nargs="+", metavar="KEY=VALUE", default=None,
                     help="FusedConfig fields of the loopback kernel, e.g. order=loads_first")
+    ap.add_argument("--ablate", action="store_true",
+                    help="time the variants of --variants side by side (default sizes "
+                         f"{' '.join(ABLATE_SIZES)}, P = 2, bf16, 1 checked call) and "
+                         "print their differences to the default")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="with --ablate: the variants, in order (default first)")
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--wrong-exchange", choices=["slot", "stale"], default=None)
     ap.add_argument("--isolate", choices=["config", "group"], default="config")
     ap.add_argument("--timeout", type=float, default=240.0)
@@ -420,6 +500,16 @@ def main(argv=None) -> int:
     ap.add_argument("--one", nargs=3, metavar=("P", "BYTES,…", "DTYPE"), default=None,
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.p = a.p or ([2] if a.ablate else [2, 4, 8])
+    a.sizes = a.sizes or [parse_size(s) for s in (ABLATE_SIZES if a.ablate
+                                                   else DEFAULT_SIZES)]
+    a.dtypes = a.dtypes or (["bf16"] if a.ablate else list(DTYPES))
+    a.calls = a.calls if a.calls is not None else (1 if a.ablate else 5)
+    if a.ablate:
+        a.time = True
+        if a.config:
+            raise SystemExit("bench.fused: --ablate takes its configurations from "
+                             "--variants, not --config")
     if a.impl is None:
         a.impl = "kernel" if jax.default_backend() == "gpu" else "emulated"
     if a.impl in ("kernel", "mesh") and jax.default_backend() != "gpu":
@@ -448,17 +538,32 @@ def main(argv=None) -> int:
             write_json(a.annotate, annotate(json.load(f), codec.row_bytes))
         return 0
     configs = [(p, s, d) for p in a.p for s in a.sizes for d in a.dtypes]
+    config = "ablation" if a.ablate else " ".join(a.config or ()) or "default"
+
     def payload(rows):
         return {**env_facts(), "impl": a.impl, "codec": a.codec, "calls": a.calls,
-                "config": " ".join(a.config or ()) or "default",
+                "config": config,
                 "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,
                 "projection": "projected for 2 GPUs, not measured: fixed_us + "
                               "max(per_device_us, wire bytes / link_gbps), / 2xH200 "
                               "lax.psum (bench/results/collectives.json)",
                 "rows": rows, "method_check": []}
-    rows = run_children(a, configs, lambda rows: write_json(a.out, payload(rows)))
+    if a.ablate:
+        rows = []
+        for name in a.variants:
+            a.config, a.variant = VARIANTS[name][0] or None, name
+            rows += run_children(a, configs,
+                                 lambda got: write_json(a.out, payload(rows + got)))
+    else:
+        rows = run_children(a, configs, lambda rows: write_json(a.out, payload(rows)))
     result = annotate(payload(rows), codec.row_bytes)
     rows = result["rows"]
+    if a.ablate:
+        result["ablation"] = ablation_table(rows)
+        print("per-device time of each variant, and its difference to the default's:")
+        print_table(result["ablation"], ["p", "dtype", "mib", "variant", "checked", "ok",
+                                         "per_device_us", "delta_us", "delta_frac",
+                                         "vs_separate", "estimates"])
     cols = ["p", "mib", "dtype", "ok", "same_on_every_device", "rel_err", "xla_rel_err",
             "device_us", "per_device_us", "separate_us", "projected_ratio_nvlink",
             "projected_three_launch_ratio_nvlink", "measured_ratio"]

@@ -110,3 +110,57 @@ def test_config_pairs_name_fused_config_fields():
     assert cfg.order == "loads_first" and cfg.programs == 8 and cfg.parts == 2
     with pytest.raises(SystemExit, match="'steps=2': not a FusedConfig field"):
         bench_fused.fused_config(["steps=2"])
+
+
+def test_ablation_table_takes_differences_to_the_default():
+    rows = [{"p": 2, "dtype": "bf16", "mib": 16.0, "variant": "default", "ok": True,
+             "per_device_us": 40.0, "separate_us": 25.0},
+            {"p": 2, "dtype": "bf16", "mib": 16.0, "variant": "no_sync", "checked": False,
+             "ok": True, "per_device_us": 30.0},
+            {"p": 2, "dtype": "bf16", "mib": 16.0, "variant": "encode_twice",
+             "checked": False, "ok": True, "per_device_us": 48.0},
+            {"p": 2, "dtype": "bf16", "mib": 64.0, "variant": "no_sync", "checked": False,
+             "ok": True, "per_device_us": 90.0},           # no default at 64 MiB
+            {"p": 2, "dtype": "bf16", "mib": 16.0, "variant": "slim_2_per_sm", "ok": False,
+             "reason": "timed out after 90 s"}]
+    got = {(r["mib"], r["variant"]): r for r in bench_fused.ablation_table(rows)}
+    assert got[16.0, "default"]["delta_us"] == 0.0
+    assert got[16.0, "default"]["vs_separate"] == pytest.approx(1.6)
+    assert got[16.0, "no_sync"]["delta_us"] == -10.0
+    assert got[16.0, "no_sync"]["delta_frac"] == pytest.approx(-0.25)
+    assert got[16.0, "encode_twice"]["delta_us"] == 8.0
+    assert "delta_us" not in got[64.0, "no_sync"]
+    assert not got[16.0, "slim_2_per_sm"]["ok"] and "delta_us" not in got[16.0,
+                                                                          "slim_2_per_sm"]
+    assert all(r["estimates"] for r in got.values())
+
+
+def test_every_variant_names_fused_config_fields():
+    from taco_jax.kernels import fused_allreduce
+    for name, (pairs, _) in bench_fused.VARIANTS.items():
+        cfg = bench_fused.fused_config(pairs)
+        assert (cfg.ablate != "none") == name.startswith(("no_", "encode_", "decode_"))
+    knobs = {bench_fused.fused_config(pairs).ablate for pairs, _ in
+             bench_fused.VARIANTS.values()}
+    assert knobs == set(fused_allreduce.ABLATIONS)          # every knob is timed
+
+
+def test_ablate_times_variants_and_checks_only_the_unablated(tmp_path, capsys):
+    """--ablate end to end on CPU (the jnp model in place of the kernel; host timer): one
+    child per variant, the knob variants timed unchecked, the table of differences."""
+    out = tmp_path / "ablate.json"
+    rc = bench_fused.main(["--ablate", "--impl", "emulated", "--sizes", "1KiB",
+                           "--variants", "default", "no_sync", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["config"] == "ablation"
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert rows["default"]["checked"] and rows["default"]["same_on_every_device"]
+    assert not rows["no_sync"]["checked"] and "rel_err" not in rows["no_sync"]
+    assert rows["no_sync"]["config"] == "ablate=no_sync"
+    assert "separate_us" in rows["default"] and "separate_us" not in rows["no_sync"]
+    table = {r["variant"]: r for r in res["ablation"]}
+    assert table["no_sync"]["delta_us"] == pytest.approx(
+        rows["no_sync"]["per_device_us"] - rows["default"]["per_device_us"], abs=0.02)
+    assert "per-device time of each variant" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--variants, not --config"):
+        bench_fused.main(["--ablate", "--impl", "emulated", "--config", "parts=1"])
