@@ -29,15 +29,14 @@ import pytest
 
 import numpy_taco as nt
 import taco_jax
+from kernel_cases import DTYPES, INTERPRET, case, case_id, rows_over_tiles
 from taco_jax import codecs
 from taco_jax.kernels import (compress, decode_sum, decompress, dispatch, reduce,
                               tiling as common)
 
-INTERPRET = jax.default_backend() != "gpu"
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 KERNEL_CODECS = ("taco", "taco-e5m2", "taco-int8", "taco-1scale", "block-fp8")
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 OUT_ROUNDOFF = {"f32": 2.0 ** -24, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}
 
 
@@ -47,8 +46,7 @@ def f64(x) -> np.ndarray:
 
 def n_rows_for(b: int) -> int:
     """Two and a half default tiles plus one row: full tiles, a partial tile, masking."""
-    tm = common.KernelConfig.default(b).blocks_per_program
-    return 2 * tm + tm // 2 + 1
+    return rows_over_tiles(common.KernelConfig.default(b).blocks_per_program)
 
 
 def kernel_rows(n: int, b: int, dt: str, seed: int = 0) -> np.ndarray:
@@ -114,14 +112,9 @@ COMPRESS_CASES = [("taco", 256, "f32"), ("taco", 512, "bf16"), ("taco-e5m2", 32,
                   ("block-fp8", 128, "f32")]
 
 
-def case_id(v):
-    return f"B{v}" if isinstance(v, int) else str(v)
-
-
 @pytest.mark.parametrize("name,b,dt", COMPRESS_CASES, ids=case_id)
 def test_compress_kernel_vs_reference(name, b, dt):
-    c = codecs.get(name, block_size=b)
-    x = jnp.asarray(kernel_rows(n_rows_for(b), b, dt)).astype(DTYPES[dt])
+    c, x = case(name, b, dt, kernel_rows, n_rows_for(b))
     w_kernel = np.asarray(compress.compress(x, c, interpret=INTERPRET))
     w_ref = np.asarray(compress.compress_reference(x, c))
     assert w_kernel.shape == w_ref.shape == (x.shape[0], c.row_bytes)
@@ -153,10 +146,9 @@ def test_ieee_rowmath_matches_reference(name, b, dt):
     the default kernels (fast_rowmath, tested everywhere else: on CPU the interpreter runs
     lax.rsqrt and a division; on GPU the ≤ 2-ulp MUFU ops), NaN and Inf rows included;
     decode and the reduce agree with their references too."""
-    c = codecs.get(name, block_size=b)
+    c, x = case(name, b, dt, kernel_rows, n_rows_for(b))
     cfg = common.KernelConfig.default(b)
     ieee = common.KernelConfig(blocks_per_program=cfg.blocks_per_program, fast_rowmath=False)
-    x = jnp.asarray(kernel_rows(n_rows_for(b), b, dt)).astype(DTYPES[dt])
     w_ref = compress.compress_reference(x, c)
     w = np.asarray(compress.compress(x, c, cfg=ieee, interpret=INTERPRET))
     compare_wires(name, b, w, np.asarray(w_ref), f64(x), coarse(dt, b))

@@ -18,21 +18,19 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import taco_jax
+from kernel_cases import DTYPES, INTERPRET, case, case_id, rows_over_tiles
 from taco_jax import codecs, feedback
 from taco_jax.collectives import two_shot as ts
 from taco_jax.kernels import dispatch, echo4
 
-INTERPRET = jax.default_backend() != "gpu"
 BACKEND = "interpret" if INTERPRET else "pallas"
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
 def n_rows_for(b: int) -> int:
     """Two and a half default tiles plus one row: full tiles, a partial tile, masking."""
-    tm = echo4.default_config(b, "compress").blocks_per_program
-    return 2 * tm + tm // 2 + 1
+    return rows_over_tiles(echo4.default_config(b, "compress").blocks_per_program)
 
 
 def echo_rows(n: int, b: int, dt: str, seed: int = 0) -> np.ndarray:
@@ -71,15 +69,10 @@ CASES = [("echo4", 128, "bf16"), ("echo4", 32, "f32"), ("echo4", 512, "f16"),
          ("int4-sym", 64, "bf16")]
 
 
-def case_id(v):
-    return f"B{v}" if isinstance(v, int) else str(v)
-
-
 # -- compress / decompress ---------------------------------------------------------------------
 @pytest.mark.parametrize("name,b,dt", CASES, ids=case_id)
 def test_compress_and_decompress_match_reference_bytes(name, b, dt):
-    c = codecs.get(name, block_size=b)
-    x = jnp.asarray(echo_rows(n_rows_for(b), b, dt)).astype(DTYPES[dt])
+    c, x = case(name, b, dt, echo_rows, n_rows_for(b))
     wk = echo4.compress(x, c, interpret=INTERPRET)
     wr = _compress_ref(x, c)
     assert wk.shape == (x.shape[0], c.row_bytes) and wk.dtype == jnp.uint8
@@ -150,9 +143,8 @@ def test_tilings_are_bit_identical():
 def test_compress_feedback_matches_unfused(name, b, dt):
     """One pass over x and r: the wire of x − r and the new residual decode − (x − r), bit
     for bit as compress then decompress then subtract (NaN groups: NaN residual)."""
-    c = codecs.get(name, block_size=b)
-    n = n_rows_for(b)
-    x = jnp.asarray(echo_rows(n, b, dt, seed=1)).astype(DTYPES[dt])
+    c, x = case(name, b, dt, echo_rows, n_rows_for(b), seed=1)
+    n = x.shape[0]
     r = jnp.asarray(np.random.default_rng(2).standard_normal((n, b)).astype(np.float32) * .1)
     wk, ek = echo4.compress_feedback(x, r, c, interpret=INTERPRET)
     wr, er = _feedback_ref(x, r, c)
