@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from taco_jax.codecs import echo as _echo
+from taco_jax.codecs.base import check_float
 from taco_jax.kernels import decode_sum as _ds, reduce as _r, tiling
 from taco_jax.numerics import quant
 
@@ -259,19 +260,13 @@ def _config(cfg, codec, kernel, interpret, n_rows):
     return (cfg or default_config(codec.block_size, kernel, n_rows)).resolve(False, interpret)
 
 
-def _check_float(x, what):
-    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise TypeError(f"echo4 {what} kernel: {x.dtype=} must be float32, bfloat16 or "
-                        f"float16")
-
-
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret", "skip_rows"))
 def compress(x, codec, cfg=None, interpret=False, skip_start=0, skip_rows: int = 0):
     """(n_blocks, B) float → (n_blocks, row_bytes) uint8, the codec's wire rows. Output rows
     [skip_start, skip_start + skip_rows) (skip_start may be traced) may be left unwritten
     (the two-shot all-reduce never reads the segment a device would send to itself)."""
     _check_codec(codec, "compress")
-    _check_float(x, "compress")
+    check_float(x, "echo4 compress kernel: x")
     if x.ndim != 2 or x.shape[1] != codec.block_size:
         raise ValueError(f"echo4 compress kernel: {x.shape=} is not (n_blocks, "
                          f"{codec.block_size}) for {codec.name}")
@@ -286,7 +281,7 @@ def compress_feedback(x, r, codec, cfg=None, interpret=False, skip_start=0,
     (n_blocks, B) float32 → (wire of z = x − r, new residual decode(wire) − z (n_blocks, B)
     float32). Rows in the skipped window (see `compress`) are left unwritten in both."""
     _check_codec(codec, "compress_feedback")
-    _check_float(x, "compress_feedback")
+    check_float(x, "echo4 compress_feedback kernel: x")
     if x.ndim != 2 or x.shape[1] != codec.block_size or r.shape != x.shape:
         raise ValueError(f"echo4 compress_feedback kernel: {x.shape=} and {r.shape=} must "
                          f"both be (n_blocks, {codec.block_size}) for {codec.name}")
@@ -336,7 +331,7 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
     float, me int32 → (n_blocks, row_bytes) uint8, compress(own[own_row0:][:n_blocks] +
     Σ_{p ≠ me} decompress(recv[p])), summed in f32 in that order (recv[me] is never read)."""
     _check_codec(codec, "reduce")
-    _check_float(own, "reduce")
+    check_float(own, "echo4 reduce kernel: own")
     if (recv.ndim != 3 or recv.shape[2] != codec.row_bytes or own.ndim != 2
             or own.shape[1] != codec.block_size or own.shape[0] < recv.shape[1]):
         raise ValueError(f"echo4 reduce kernel: got {recv.shape=}, {own.shape=} for "
