@@ -169,3 +169,86 @@ def test_reference_is_the_one_shot(dtype):
     assert got.dtype == dtype and got.shape == x.shape[1:]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[0], np.float32),
                                rtol=1e-2, atol=1e-2)
+
+
+# -- the two-shot kernel (P ≥ 3; built and lowered, not yet run, so no collective picks it) --
+def lowered_two_shot(shape, names, axis, vma, dtype=jnp.bfloat16):
+    """HLO text of fa.two_shot_allreduce over `axis` of a mesh `names` → shape, lowered for
+    CUDA; the other axes shard the input too."""
+    n = int(np.prod(shape))
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
+    spec, p = P(names), dict(zip(names, shape))[axis]
+
+    def body(v):
+        mat = getattr(jax.typeof(v), "manual_axis_type", None)
+        if mat is not None and vma:
+            mat = mat.update(varying=frozenset(mat.varying) - {axis})
+        return fa.two_shot_allreduce(v[0], axis, p, TACO, out_mat=mat)[None]
+    out_spec = P(tuple(a for a in names if a != axis)) if vma else spec
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=vma)
+    x = jax.ShapeDtypeStruct((n, 3, 5000), dtype, sharding=NamedSharding(mesh, spec))
+    return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("shape,names", [((3,), ("tp",)), ((2, 4), ("data", "tp")),
+                                         ((1, 2, 4), ("data", "pipe", "tp"))])
+@pytest.mark.parametrize("vma", [False, True])
+def test_two_shot_lowers_on_meshes_of_one_two_three_axes(shape, names, vma):
+    text = lowered_two_shot(shape, names, "tp", vma)
+    assert text.count("taco_fused_two_shot") >= 1 and text.count("custom_call") == 1
+
+
+@pytest.mark.parametrize("p", [3, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_two_shot_loopback_lowers_and_fits_shared_memory(p, dtype):
+    x = jax.ShapeDtypeStruct((p, 64 * 256 * 5 + 17), dtype)
+    text = jax.jit(lambda v: fa.loopback_two_shot(v, TACO)).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("taco_fused_two_shot") >= 1
+
+
+def test_two_shot_is_not_selected_by_the_collectives(gpu_here):
+    """Until it passes its loopback checks on a GPU, P ≥ 3 takes the three-launch schedule."""
+    text = lowered_psum((4,), ("tp",), "tp", False)
+    assert "taco_fused_two_shot" not in text and "taco_fused_exchange" in text
+
+
+def test_two_shot_refuses_what_it_does_not_cover():
+    with pytest.raises(ValueError, match="P=9"):
+        fa.loopback_two_shot(jnp.ones((9, 512), jnp.bfloat16), TACO)
+    with pytest.raises(ValueError, match="int32"):
+        fa.loopback_two_shot(jnp.ones((3, 512), jnp.int32), TACO)
+    assert fa.loopback_two_shot(jnp.ones((3, 0), jnp.bfloat16), TACO).shape == (3, 0)
+
+
+def _rel(y, exact):
+    y, exact = np.asarray(y, np.float64), np.asarray(exact, np.float64)
+    return np.linalg.norm(y - exact) / np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("p", [3, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_two_shot_reference_is_the_two_shot_schedule_within_its_error(p, dtype):
+    """The kernel's reference (segments of whole tiles, owner's part exact, re-encoded from
+    f32) against `two_shot.two_shot` (three launches, segments of whole blocks): both
+    quantize at most twice, so both err like it, and they differ by about that error."""
+    n = 64 * 256 * p + 3 * 256 + 5                    # segments end mid-tile
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = (jax.random.normal(k1, (p, n)) * jnp.exp(jax.random.normal(k2, (p, 1)))).astype(dtype)
+    exact = np.sum(np.asarray(x, np.float64), axis=0)
+    got = fa.two_shot_reference(x, TACO)
+    want = per_device(lambda v: two_shot.two_shot(v, "tp", TACO, p, False), x)
+    assert got.dtype == dtype and got.shape == (n,)
+    e_got, e_want = _rel(got, exact), _rel(want[0], exact)
+    one_shot_err = _rel(fa.fused_allreduce_reference(x, TACO), exact)
+    assert 0 < e_got <= 1.1 * e_want and e_got > one_shot_err   # two quantizations, not one
+    assert _rel(got, want[0]) < 2 * e_want
+
+
+def test_two_shot_reference_keeps_non_finite_blocks_nan():
+    x = jax.random.normal(jax.random.key(1), (3, 64 * 256 * 3)).astype(jnp.bfloat16)
+    x = x.at[0, 5].set(jnp.nan).at[2, 64 * 256 * 2 + 300].set(jnp.inf)
+    y = np.asarray(fa.two_shot_reference(x, TACO), np.float32)
+    blk = np.arange(y.size) // 256
+    bad = np.isin(blk, [0, (64 * 256 * 2 + 300) // 256])
+    assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
