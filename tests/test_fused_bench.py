@@ -164,3 +164,39 @@ def test_ablate_times_variants_and_checks_only_the_unablated(tmp_path, capsys):
     assert "per-device time of each variant" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--variants, not --config"):
         bench_fused.main(["--ablate", "--impl", "emulated", "--config", "parts=1"])
+
+
+@pytest.mark.parametrize("wrong,reason", [(None, None),
+                                          ("slot", "results differ between virtual devices"),
+                                          ("stale", "NaN where the input was finite|rel_err")])
+def test_two_shot_checks_pass_on_its_model_and_fail_on_a_wrong_exchange(tmp_path, capsys,
+                                                                        wrong, reason):
+    import re
+    extra = ["--kernel", "two_shot"] + (["--wrong-exchange", wrong] if wrong else [])
+    rc, res, out = run(tmp_path, capsys, *extra, p="3")
+    assert all(r["kernel"] == "emulated_two_shot" for r in res["rows"])
+    if wrong is None:
+        assert rc == 0 and all(r["ok"] and "reference_rel_err" in r for r in res["rows"])
+        assert all(r["rel_err"] == r["reference_rel_err"] for r in res["rows"])
+    else:
+        assert rc == 1 and not any(r["ok"] for r in res["rows"])
+        assert re.search(reason, out.strip().splitlines()[-1])
+
+
+def test_two_shot_is_a_loopback_only_and_takes_no_knobs(tmp_path):
+    with pytest.raises(SystemExit, match="loopback only|cannot run here"):
+        bench_fused.main(["--kernel", "two_shot", "--impl", "mesh", "--out",
+                          str(tmp_path / "no.json")])
+    with pytest.raises(SystemExit, match="one-shot kernel's variants"):
+        bench_fused.main(["--ablate", "--kernel", "two_shot", "--impl", "emulated"])
+
+
+def test_fail_fast_runs_nothing_after_a_timeout(tmp_path, capsys):
+    out = tmp_path / "ff.json"
+    rc = bench_fused.main(["--p", "2", "3", "--sizes", "1KiB", "--dtypes", "bf16",
+                           "--calls", "1", "--impl", "emulated", "--timeout", "0.01",
+                           "--fail-fast", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 1 and len(rows) == 2
+    assert "timed out" in rows[0]["reason"]
+    assert rows[1]["reason"].startswith("not run: P=2 bf16 timed out")

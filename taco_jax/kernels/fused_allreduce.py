@@ -806,6 +806,16 @@ def _segments(flat, p: int):
     return flat.reshape(*flat.shape[:-1], p * seg_tiles * ROWS, BLOCK), seg_tiles
 
 
+def _two_shot_cfg(cfg: FusedConfig | None) -> FusedConfig:
+    """The two-shot kernel reads `programs`, `parts`, `x_slots` and `out_store`; the
+    measurement knobs and per_sm are the one-shot kernel's."""
+    cfg = cfg or FusedConfig()
+    if cfg.ablate != "none" or cfg.per_sm != 1 or cfg.order != "encode_first":
+        raise ValueError(f"the two-shot kernel takes no ablate, per_sm or order (got "
+                         f"ablate={cfg.ablate!r}, per_sm={cfg.per_sm}, order={cfg.order!r})")
+    return cfg
+
+
 def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
                        cfg: FusedConfig | None = None):
     """The compressed two-shot all-reduce in one kernel (built and lowered; not yet run on
@@ -819,7 +829,7 @@ def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
     Args and Raises: as `fused_allreduce` (P = 2..8; meant for P ≥ 3).
     Returns: an array of x's shape and dtype."""
     _check(codec, p, x.dtype, "two_shot_allreduce")
-    cfg = cfg or FusedConfig()
+    cfg = _two_shot_cfg(cfg)
     if x.size == 0:
         return x
     blocks, seg_tiles = _segments(x.reshape(-1), p)
@@ -834,7 +844,7 @@ def loopback_two_shot(xs, codec, cfg: FusedConfig | None = None):
     `loopback_allreduce`): returns (P, …), row d what device d computes."""
     p = xs.shape[0]
     _check(codec, p, xs.dtype, "loopback_two_shot")
-    cfg = cfg or FusedConfig()
+    cfg = _two_shot_cfg(cfg)
     if xs.size == 0:
         return xs
     blocks, seg_tiles = _segments(xs.reshape(p, -1), p)
