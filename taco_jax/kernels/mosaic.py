@@ -66,7 +66,11 @@ warpgroup per 64 rows. `parts` (1 or 2) splits a tile's 256 columns into that ma
       values: list of `parts` (64, 256/parts) out_dtype arrays in
       value_layout(out_dtype, parts), blocks in natural element order; add parts of the
       same layout elementwise, or write them with store_values(ref, values) into a
-      (64, 256) view (a 128-byte-swizzled SMEM tile for a TMA copy, or GMEM).
+      (64, 256) view (an SMEM tile with swizzled(out_dtype)'s transforms for a TMA copy,
+      or GMEM).
+
+  swizzled(dtype) -> transforms
+      of such a (64, 256) SMEM tile of values: (8, 128 / itemsize) tiling, 128-byte swizzle.
 """
 from __future__ import annotations
 
@@ -528,11 +532,20 @@ def _lines(n_rows: int, row: int) -> int:
     return n_rows * row // 256
 
 
-def _swizzled(dtype):
-    """Shared-memory tiling of a (64, 256) value tile for TMA: 128-byte swizzle, so the
-    16-byte vector stores of the value layout spread over the banks."""
+def swizzled(dtype) -> tuple:
+    """The SMEM transforms of a (ROWS, BLOCK) tile of decoded values that `store_values`
+    writes and a TMA copy sends out: (8, 128 / itemsize) tiling and a 128-byte swizzle, so
+    the 16-byte vector stores of the value layout spread over the banks.
+
+    Args:
+      dtype: the values' dtype (bf16, f16 or f32).
+    Returns:
+      transforms for `plgpu.SMEM((ROWS, BLOCK), dtype, transforms=...)` or a BlockSpec."""
     return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(128))
+
+
+_swizzled = swizzled     # the spelling kernels/fused_allreduce.py uses
 
 
 def _compress_kernel(x, hole, codec, cfg):
@@ -599,7 +612,7 @@ def _decompress_kernel(w, codec, out_dtype, cfg):
             pipeline = plgpu.emit_pipeline(
                 step, grid=(count,), max_concurrent_steps=cfg.steps, in_specs=[w_spec],
                 out_specs=[plgpu.BlockSpec((ROWS, BLOCK), lambda i: (tile(i), 0),
-                                           transforms=_swizzled(out_dtype))])
+                                           transforms=swizzled(out_dtype))])
             args = (w_gmem, o_gmem)
         else:
             def step(idx, w_smem):
