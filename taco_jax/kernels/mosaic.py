@@ -130,7 +130,9 @@ class MosaicConfig:
 
 def sm_count() -> int:
     """Multiprocessors of this process's first GPU: the most programs that are resident at
-    once when each takes one."""
+    once when each takes one. Without a GPU (lowering for CUDA on CPU, as the tests and
+    the lowering checks do), or where the device does not report its count, 132: an H100
+    SXM or an H200 has 132, so a grid sized on CPU is the grid those GPUs launch."""
     try:
         dev = jax.devices("gpu")[0]
         return int(getattr(dev, "core_count", 0)) or 132
