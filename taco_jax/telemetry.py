@@ -229,9 +229,11 @@ def clear_sites() -> None:
         _undiff.clear()
 
 
-def site_report() -> str:
-    """One line per distinct site: what it sends, and compressed or plain and why."""
-    rows = sites()
+def site_report(rows: list[tuple[Site, int]] | None = None) -> str:
+    """One line per distinct site: its calls, what it sends, and compressed or plain and
+    why. rows: [(site, calls)], e.g. from `traced_sites`; default every site traced so far
+    (`sites()`)."""
+    rows = sites() if rows is None else rows
     if not rows:
         return "no taco_jax collective traced"
     return "\n".join(f"{n:>4} × {s.describe()}" for s, n in rows)

@@ -233,6 +233,9 @@ def test_traced_sites_counts_only_this_call():
     assert [(s.op, s.shape, s.codec, n) for s, n in traced] == [("psum", (8, 64), "int4-sym",
                                                                  1)]
     assert repeat == [] and np.isfinite(np.asarray(first)).all()
+    report = telemetry.site_report(traced)                    # these sites only
+    assert report.startswith("   1 × psum") and "int4-sym" in report and "\n" not in report
+    assert telemetry.site_report([]) == "no taco_jax collective traced"
     np.testing.assert_array_equal(np.asarray(first), np.asarray(again) + 1.0)
 
 

@@ -258,7 +258,7 @@ def test_recipe_and_model_fields_decide_each_site():
     sites = _step_sites(config_lib.load_config("tiny", small + ["recipe.min_bytes=1048576"]))
     assert sites and not any(s.compressed for s, _ in sites)
     assert all("< min_bytes=1048576" in s.reason for s, _ in sites)
-    assert "plain: " in train.loop.sites_report(sites)
+    assert "plain: " in telemetry.site_report(sites)
     sites = _step_sites(config_lib.load_config("tiny", small + ["recipe.min_bytes=1048576",
                                                                 "model.min_bytes=0",
                                                                 "model.codec_fwd=none",

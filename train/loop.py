@@ -300,13 +300,6 @@ def evaluate(prog: Program, params, batches, n: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # What compression did: call sites, bytes on the wire, codec error
 
-def sites_report(sites: list[tuple[telemetry.Site, int]]) -> str:
-    """telemetry.site_report()'s lines, for these sites."""
-    if not sites:
-        return "no taco_jax collective traced"
-    return "\n".join(f"{n:>4} × {s.describe()}" for s, n in sites)
-
-
 # ops whose transpose sends as much again through the same codec (ppermute: the reverse
 # permutation; all_gather and psum_scatter: each other); their sites are noted forward only
 _SENDS_BACK = ("ppermute", "all_gather", "psum_scatter")
@@ -578,7 +571,7 @@ class _Loop:
         if self.lead:
             self.say(f"[train] taco_jax collectives of one train step "
                      f"({self.wire_bytes / 2**20:.3g} MiB sent per device):\n"
-                     + sites_report(self.sites))
+                     + telemetry.site_report(self.sites))
         return metrics
 
     def _log(self, step: int, metrics: dict, is_eval: bool) -> None:
