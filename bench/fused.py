@@ -244,8 +244,9 @@ def run_config(a) -> dict:
     codec = codecs.get(a.codec)
     p, nbytes, dtype = a.one_p, a.one_bytes, DTYPES[a.one_dtype]
     n = max(1, nbytes // jnp.dtype(dtype).itemsize)
-    two = a.kernel == "two_shot"
-    fn = implementation(a.impl, codec, a.wrong_exchange, p, a.config, a.kernel)
+    kernel = getattr(a, "kernel", "one_shot")
+    two = kernel == "two_shot"
+    fn = implementation(a.impl, codec, a.wrong_exchange, p, a.config, kernel)
     ref = xla_transport(p)
     model = None
     if two:
