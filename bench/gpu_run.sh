@@ -24,6 +24,15 @@
 #   loopback       python -m bench.fused: the same kernel on one GPU for P = 2, 4, 8 virtual
 #                  devices (checks), and at P = 2 its device time and two-GPU projection;
 #                  the loads_first order (FusedConfig.order) checked and timed beside it
+#   fused_ablate   python -m bench.fused --ablate: the one-launch kernel's variants at 16, 64
+#                  and 256 MiB (P = 2 loopback, bf16) timed side by side: measurement knobs
+#                  (a stage left out or done twice; timed, not checked), loads_first and
+#                  half the shared memory at 1 and 2 programs per SM (checked), with the
+#                  table of differences to the default (~250 s)
+#   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
+#                  checks, P = 3, 4, 8, bf16 and f32, 1 KiB to 64 MiB; stops at the first
+#                  hang or crash (~280 s)
+#   fused_next     fused_ablate then fused_two_shot, within 540 s: one GPU call
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -94,6 +103,16 @@ for s in "$@"; do
                 --time --sizes 1MiB+5 16MiB 64MiB 256MiB --isolate group --calls 2 \
                 --timeout 90 --config order=loads_first \
                 --out bench/results/fused_loopback_loads_first.json ;;
+    fused_ablate|fused_two_shot|fused_next)
+      if [[ $s != fused_two_shot ]]; then
+        step fused_ablate 250 python -m bench.fused --ablate --isolate group --timeout 30 \
+          --out bench/results/fused_ablation.json
+      fi
+      if [[ $s != fused_ablate ]]; then
+        step fused_two_shot 280 python -m bench.fused --kernel two_shot --p 3 4 8 \
+          --dtypes bf16 f32 --sizes 1KiB 1MiB+5 16MiB 64MiB --calls 2 --isolate group \
+          --timeout 20 --fail-fast --out bench/results/fused_two_shot_checks.json
+      fi ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \
                --out bench/results/train_step_pp.json

@@ -22,7 +22,8 @@ def test_every_documented_step_has_a_case():
     text = SCRIPT.read_text()
     header = text.split("set -u")[0]
     documented = set(re.findall(r"^#   (\w+)\s{2,}", header, re.M))
-    cases = set(re.findall(r"^\s{4}(\w+)\)", text, re.M))
+    cases = {name for alts in re.findall(r"^\s{4}([\w|]+)\)", text, re.M)
+             for name in alts.split("|")}
     assert documented and documented <= cases, documented - cases
 
 
@@ -69,3 +70,30 @@ def test_failed_fused_step_leaves_the_fused_transport_out(tmp_path, fused_rc):
         assert not any(re.search(r"\bfused\b", c) for c in later)
     else:
         assert all(re.search(r"--transports xla fused\b", c) for c in later)
+
+
+@pytest.mark.parametrize("steps,want", [(["fused_next"], ["--ablate", "--kernel two_shot"]),
+                                        (["fused_ablate"], ["--ablate"]),
+                                        (["fused_two_shot"], ["--kernel two_shot"])])
+def test_fused_next_runs_the_ablation_and_the_two_shot_checks(tmp_path, steps, want):
+    env = fake_python(tmp_path, 0)
+    r = subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
+             if "bench.fused" in c]
+    assert r.returncode == 0 and len(calls) == len(want)
+    for call, flag in zip(calls, want):
+        assert flag in call and "--out bench/results/fused_" in call
+    if "--kernel two_shot" in want:
+        two = calls[want.index("--kernel two_shot")]
+        assert "--p 3 4 8" in two and "--dtypes bf16 f32" in two and "--fail-fast" in two
+        assert "--sizes 1KiB 1MiB+5 16MiB 64MiB" in two
+
+
+def test_fused_next_fits_one_call():
+    """Its steps' timeouts add up to at most 540 s (one GPU command runs ≤ 600 s)."""
+    text = SCRIPT.read_text()
+    block = text[text.index("fused_ablate|fused_two_shot|fused_next)"):]
+    block = block[:block.index(";;")]
+    limits = [int(t) for t in re.findall(r"step fused_\w+ (\d+) ", block)]
+    assert len(limits) == 2 and sum(limits) <= 540
