@@ -32,7 +32,9 @@
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 3, 4, 8, bf16 and f32, 1 KiB to 64 MiB; stops at the first
 #                  hang or crash (~280 s)
-#   fused_next     fused_ablate then fused_two_shot, within 540 s: one GPU call
+#   fused_next     fused_ablate then fused_two_shot, within 540 s: one GPU call (a step cut
+#                  by its limit runs alone in a second call, FUSED_ABLATE_S=540 or
+#                  FUSED_TWO_SHOT_S=540)
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -105,13 +107,14 @@ for s in "$@"; do
                 --out bench/results/fused_loopback_loads_first.json ;;
     fused_ablate|fused_two_shot|fused_next)
       if [[ $s != fused_two_shot ]]; then
-        step fused_ablate 250 python -m bench.fused --ablate --isolate group --timeout 30 \
-          --out bench/results/fused_ablation.json
+        step fused_ablate "${FUSED_ABLATE_S:-250}" python -m bench.fused --ablate \
+          --isolate group --timeout 20 --out bench/results/fused_ablation.json
       fi
       if [[ $s != fused_ablate ]]; then
-        step fused_two_shot 280 python -m bench.fused --kernel two_shot --p 3 4 8 \
-          --dtypes bf16 f32 --sizes 1KiB 1MiB+5 16MiB 64MiB --calls 2 --isolate group \
-          --timeout 20 --fail-fast --out bench/results/fused_two_shot_checks.json
+        step fused_two_shot "${FUSED_TWO_SHOT_S:-280}" python -m bench.fused \
+          --kernel two_shot --p 3 4 8 --dtypes bf16 f32 --sizes 1KiB 1MiB+5 16MiB 64MiB \
+          --calls 2 --isolate group --timeout 20 --fail-fast \
+          --out bench/results/fused_two_shot_checks.json
       fi ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \

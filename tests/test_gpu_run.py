@@ -95,5 +95,5 @@ def test_fused_next_fits_one_call():
     text = SCRIPT.read_text()
     block = text[text.index("fused_ablate|fused_two_shot|fused_next)"):]
     block = block[:block.index(";;")]
-    limits = [int(t) for t in re.findall(r"step fused_\w+ (\d+) ", block)]
+    limits = [int(t) for t in re.findall(r'step fused_\w+ "\$\{\w+:-(\d+)\}" ', block)]
     assert len(limits) == 2 and sum(limits) <= 540
