@@ -403,9 +403,16 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
                 prefetch(i)
             if order == "loads_first":
                 # tile i − 1's loads fly while tile i is encoded
-                @pl.when(i > 0)
+                # tile i − 1 has landed: every group but tile i − 2's result store (the
+                # last one issued) is complete; at i = 1 there is none
+                @pl.when(i == 1)
                 def _():
-                    landed(n_res)                  # all but tile i − 2's result store
+                    landed(0)
+                    arrive(i - 1)
+
+                @pl.when(i > 1)
+                def _():
+                    landed(n_res)
                     arrive(i - 1)
                 encode_and_push(i)
 
@@ -418,9 +425,8 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
 
                 @pl.when(i > 0)
                 def _():
-                    # all but tile i − 2's result store and tile i's wire stores complete:
-                    # tile i − 1 has landed
-                    landed(n_res + n_wire)
+                    # all but this step's wire stores complete: tile i − 1 has landed
+                    landed(n_wire)
                     decode(i - 1, arrive(i - 1))
 
         plgpu.wait_smem_to_gmem(0)
