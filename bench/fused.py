@@ -3,6 +3,7 @@ projection for two GPUs.
 
     python -m bench.fused [--p 2 4 8] [--sizes 1KiB 1MiB+5 16MiB ...] [--dtypes bf16 f32]
                           [--time] [--out bench/results/fused_loopback.json]
+                          [--kernel two_shot] [--ablate [--variants ...]] [--fail-fast]
 
 P virtual devices are P groups of programs of the one-launch kernel
 (`kernels.fused_allreduce.loopback_allreduce`): the kernel body, tile math and protocol of
@@ -27,9 +28,20 @@ as one): fixed + max(per-device compute, wire bytes / link bandwidth), divided b
 transport (its kernels' device times plus the all-to-all and all-gather at the link rate,
 in series) is set beside what two GPUs measured for it there ("method_check").
 
+`--kernel two_shot` checks the one-launch two-shot kernel (`loopback_two_shot`, P ≥ 3;
+rows "one_launch_two_shot") the same way, its error gated on its jnp reference's
+(`two_shot_reference`: the same segments and owners) within TWO_SHOT_SLACK, the xla
+transport's reported beside it. `--fail-fast` runs nothing more after a hang or crash.
+
+`--ablate` times the one-shot kernel's VARIANTS side by side (P = 2, bf16, 16/64/256 MiB
+by default): measurement knobs (`FusedConfig.ablate`: a stage left out or done twice;
+timed, not checked, as their results are wrong on purpose), loads_first, and half the
+shared memory at one and two programs per multiprocessor (checked), then prints each
+variant's per-device time and its difference to the default's ("ablation" in the JSON).
+
 On CPU (tests) `--impl emulated` stands a jnp model of the kernel's exchange in for the
 kernel, and `--wrong-exchange slot|stale` breaks that exchange, so the checks can be seen
-failing.
+failing; times there are the host timer's (rows "timer": "host").
 """
 from __future__ import annotations
 

@@ -15,7 +15,9 @@ Schedules, by axis size P:
   * P ≥ 3, and codecs the one-launch kernel does not cover: the schedules of `two_shot`
     with `exchange` (an all-gather or all-to-all by remote stores) carrying the bytes
     between the compress and decode kernels. The two-shot quantizes each element at most
-    twice, as the xla transport does; codec "none" is the exact one-shot.
+    twice, as the xla transport does; codec "none" is the exact one-shot. A two-shot in
+    one kernel exists (`kernels.fused_allreduce.two_shot_allreduce`) but is not selected
+    until its loopback checks pass on a GPU (`python -m bench.fused --kernel two_shot`).
 
 XLA zeroes a kernel's semaphores and runs a cross-device barrier before it (the kernels
 never set `skip_device_barrier`), so no store reaches a peer whose previous call is still

@@ -30,8 +30,29 @@ program b handles the same tiles, so it talks only to the peers' programs b):
            P wire tiles in device order, sum, store the result (TMA).
 
 Every program of every device must be resident at once (a program waits for its peers'
-programs): the grid is at most one program per multiprocessor per device
-(`FusedConfig.programs`).
+programs): the grid is at most `FusedConfig.per_sm` programs per multiprocessor per
+device, and 2 only where the shared memory of two fits (`smem_bytes`).
+
+`FusedConfig.ablate` is a measurement knob (`ABLATIONS`: a stage of the per-tile work left
+out or done twice; wrong results) for `python -m bench.fused --ablate`, which times the
+variants side by side to attribute the kernel's time.
+
+The two-shot in one kernel (`two_shot_allreduce`, `loopback_two_shot`; for P ≥ 3; built
+and lowered, not yet run on a GPU, so no collective selects it): x is cut into P segments
+of whole tiles; program b of every device takes tiles b, b + n, … of each segment.
+
+  1. for each owner j ≠ me: encode segment j's tiles, store them into j's first receive
+     buffer (slot me); then wait for the stores, signal the peers' programs b, wait for
+     theirs;
+  2. as owner: its exact segment + the P − 1 decoded copies (senders me + 1, me + 2, …)
+     in f32, encoded once (`_encode_split`: the f32 sum as two bf16 tiles through one
+     wgmma accumulator), stored into every device's second receive buffer (slot me, its
+     own last); handshake again;
+  3. decode the P owners' sums into the output.
+At most two quantizations per element (sender, owner); every device decodes the same
+bytes, so all get the same bits; a non-finite block decodes to NaN. Its reference is
+`two_shot_reference`. The handshakes are per program b (no grid-wide barrier): a device's
+program b only ever waits on the peers' programs b, which handle the same tiles.
 """
 from __future__ import annotations
 
