@@ -469,7 +469,7 @@ def _scratch(p, codec, in_dtype, out_dtype, cfg, remote: bool):
         plgpu.SMEM((2, lines, LINE), jnp.uint8),
         # both wire tiles resident at P = 2; above, the tiles stream through the two slots
         plgpu.SMEM((2, lines, LINE), jnp.uint8),
-        (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=mosaic._swizzled(out_dtype))
+        (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=mosaic.swizzled(out_dtype))
          if tma_out else None),
         plgpu.SMEM((16, 16), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS),
         plgpu.SMEM((16, 16), jnp.float16, transforms=mosaic.SMEM_TRANSFORMS),
@@ -703,7 +703,7 @@ def _two_shot_body(x_gmem, he_gmem, hd_gmem, hb_gmem, y_gmem, recv1_gmem, recv2_
         plgpu.wait_smem_to_gmem(0)
     if tma_out:
         pl.run_scoped(gather, plgpu.SMEM((ROWS, BLOCK), out_dtype,
-                                         transforms=mosaic._swizzled(out_dtype)))
+                                         transforms=mosaic.swizzled(out_dtype)))
     else:
         gather(None)
 
