@@ -547,7 +547,6 @@ def swizzled(dtype) -> tuple:
             plgpu.SwizzleTransform(128))
 
 
-_swizzled = swizzled     # the spelling kernels/fused_allreduce.py uses
 
 
 def _compress_kernel(x, hole, codec, cfg):
