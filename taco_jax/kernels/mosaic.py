@@ -547,8 +547,6 @@ def swizzled(dtype) -> tuple:
             plgpu.SwizzleTransform(128))
 
 
-
-
 def _compress_kernel(x, hole, codec, cfg):
     n_rows, row = x.shape[0], codec.row_bytes
     n_tiles = n_rows // ROWS
