@@ -5,6 +5,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import pytest
 
 # No calibration cache from this machine's user leaks into the tests: a path that does not
 # exist (tests that need a cache write their own).
@@ -31,3 +32,12 @@ jax.devices()
 
 # Import models/ and train/ from this checkout even when pytest is run without `python -m`.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """Make Pallas' Triton lowering believe it targets an H200 (fp8 casts need sm >= 8.9), so
+    kernels lower for the GPU on a CPU machine (test_kernels, test_kernels_echo)."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))

@@ -350,15 +350,7 @@ def test_kernel_wrappers_validate_shapes():
             pytest.fail(f"case {i} did not raise")
 
 
-# -- Triton lowering for an H200, on CPU ------------------------------------------------------------
-@pytest.fixture
-def h200(monkeypatch):
-    """Make Pallas' Triton lowering believe it targets an H200 (fp8 casts need sm ≥ 8.9)."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
-
-
+# -- Triton lowering for an H200, on CPU (conftest's h200 fixture) ----------------------------------
 def lower_for_cuda(f, *args) -> str:
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 

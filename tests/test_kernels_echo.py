@@ -372,14 +372,7 @@ def test_wrappers_validate():
             pytest.fail(f"case {i} did not raise")
 
 
-# -- Triton lowering for an H200, on CPU ------------------------------------------------------------
-@pytest.fixture
-def h200(monkeypatch):
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
-
-
+# -- Triton lowering for an H200, on CPU (conftest's h200 fixture) ----------------------------------
 def lower(kernel, c, dt):
     n, b, sds = 100, c.block_size, jax.ShapeDtypeStruct
     wire = sds((n, c.row_bytes), jnp.uint8)
