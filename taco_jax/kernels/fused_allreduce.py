@@ -8,7 +8,14 @@ every device, so every device gets the same bits. The result equals
 `two_shot.one_shot` (compress → all-gather → `decode_sum`, three launches) up to the
 encoder's rounding (`mosaic.encode_tile` vs the Triton compress).
 
-One kernel body, two ways to address a peer (`Remote`, `Loopback`):
+One kernel body for every codec it covers: what it needs of a codec is a tile codec
+(`tile_codec`: a tile row's wire bytes, constant operands in shared memory, encode and
+store a tile, load and decode-and-add a column part): `TacoTiles` (the Hadamard FP8 codecs,
+mosaic.py's tile math) and `Echo4Tiles` (echo4, `mosaic_echo4`: two groups of 128 per tile
+row). A tile codec's `checked_on_gpu` says whether its loopback checks have passed on a
+GPU; the collectives select the kernel only for those (echo4: built and lowered, not yet).
+
+And two ways to address a peer (`Remote`, `Loopback`):
 
   * `Remote`: inside `jax.shard_map`, one device per mesh member along `axis`; a peer's
     receive buffer is `plgpu.remote_ref(recv, {axis: peer})` (addressed by axis name, so
@@ -69,7 +76,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, vector
 
 from taco_jax import codecs
-from taco_jax.kernels import mosaic
+from taco_jax.kernels import mosaic, mosaic_echo4
 
 ROWS, BLOCK, LINE = mosaic.ROWS, mosaic.BLOCK, 256
 IN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -224,6 +231,123 @@ class Loopback:
         pl.semaphore_wait(self._sem(sems, me, src, b, phase), 1)
 
 
+# -- tile codecs: a codec's math on a tile, for the one kernel body ----------------------------
+# The one-shot kernel's protocol (stores, signals, sums) is codec-blind; what it needs of a
+# codec is a tile codec: the wire bytes of a tile row (64 rows of 256 values per tile), the
+# constant operands it keeps in shared memory, encode a tile of values and store its wire,
+# load a wire tile and decode-and-add one column part of it in f32.
+@dataclasses.dataclass(frozen=True)
+class TacoTiles:
+    """The Hadamard FP8 codecs with B = 256 (taco, taco-e5m2, taco-1scale): a block per tile
+    row, mosaic.py's tile math (wgmma transform; f32 input is encoded from bf16).
+    `checked_on_gpu`: its loopback checks pass on a GPU, so the collectives may select it."""
+    codec: object
+    checked_on_gpu = True
+
+    @property
+    def row_bytes(self) -> int:
+        return self.codec.row_bytes
+
+    def unsupported(self, dtype) -> str | None:
+        enc = jnp.bfloat16 if jnp.dtype(dtype) == jnp.float32 else dtype
+        return (mosaic.unsupported("compress", self.codec, (ROWS, BLOCK), enc)
+                or mosaic.unsupported("decompress", self.codec, (ROWS, BLOCK), dtype))
+
+    def staged(self, in_dtype) -> bool:
+        """f32 input goes through a bf16 copy in shared memory (the wgmma's operand)."""
+        return jnp.dtype(in_dtype) == jnp.float32
+
+    def x_transforms(self, in_dtype) -> tuple:
+        return () if self.staged(in_dtype) else mosaic.SMEM_TRANSFORMS
+
+    def x_slots(self, in_dtype) -> int:
+        return 1 if self.staged(in_dtype) else 2
+
+    def operands(self, in_dtype) -> tuple:
+        """(encode factor, decode factor), each with its SMEM transforms."""
+        enc = jnp.bfloat16 if self.staged(in_dtype) else in_dtype
+        return ((mosaic.hadamard_operand("encode", enc), mosaic.SMEM_TRANSFORMS),
+                (mosaic.hadamard_operand("decode"), mosaic.SMEM_TRANSFORMS))
+
+    def encode(self, x_smem, consts):
+        return mosaic.encode_tile(x_smem, consts[0], self.codec, 1)
+
+    def store(self, view, wire):
+        mosaic.store_wire_tile(view, *wire)
+
+    def load(self, view, part: int, parts: int):
+        del part, parts                    # the whole tile: a part's wgmma reads every code
+        return mosaic.load_wire_tile(view, self.codec)
+
+    def decode_add(self, wire, consts, vec: int, part: int, parts: int, total=None):
+        codes, scales = wire
+        fmt = mosaic.CODE_FORMATS[self.codec.fmt]
+        q = [lax.bitcast_convert_type(codes[:, 16 * c:16 * (c + 1)], fmt)
+             .astype(jnp.float16) for c in range(mosaic.FACTOR)]
+        acc = mosaic._transform_part(lambda c: q[c], consts[1], part, parts)
+        return _decode_add_fn(self.codec, vec, parts, total is None)(
+            acc, scales, *(() if total is None else (total,)))
+
+    def encoded(self, v):
+        """What the kernel encodes of input v (for the references)."""
+        return v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo4Tiles:
+    """echo4 (groups of 128, 4-bit codes): two groups per tile row, a tile row's wire their
+    two codec rows (144 bytes), `mosaic_echo4`'s register math; no constant operands, input
+    of any covered dtype encoded as it is (f32 too, as the codec does). Built and lowered;
+    not yet checked on a GPU, so no collective selects it."""
+    codec: object
+    checked_on_gpu = False
+
+    @property
+    def row_bytes(self) -> int:
+        return mosaic_echo4.row_bytes(self.codec)
+
+    def unsupported(self, dtype) -> str | None:
+        why = mosaic_echo4.unsupported(self.codec)
+        if why is None and jnp.dtype(dtype) not in map(jnp.dtype, mosaic_echo4.IN_DTYPES):
+            why = f"{jnp.dtype(dtype).name} data (covered: bfloat16, float16, float32)"
+        return why
+
+    def staged(self, in_dtype) -> bool:
+        return False
+
+    def x_transforms(self, in_dtype) -> tuple:
+        return ()                          # read into registers by plain loads
+
+    def x_slots(self, in_dtype) -> int:
+        return 2
+
+    def operands(self, in_dtype) -> tuple:
+        return ()
+
+    def encode(self, x_smem, consts):
+        return mosaic_echo4.encode_tile(x_smem)
+
+    def store(self, view, wire):
+        mosaic_echo4.store_wire_tile(view, wire)
+
+    def load(self, view, part: int, parts: int):
+        return mosaic_echo4.load_wire_tile(view, part, parts)
+
+    def decode_add(self, wire, consts, vec: int, part: int, parts: int, total=None):
+        return mosaic_echo4.decode_add(wire, vec, total)
+
+    def encoded(self, v):
+        return v
+
+
+def tile_codec(codec):
+    """The tile codec of `codec`: Echo4Tiles for echo4, else TacoTiles (whose `unsupported`
+    says whether it covers the codec)."""
+    if mosaic_echo4.unsupported(codec) is None:
+        return Echo4Tiles(codec)
+    return TacoTiles(codec)
+
+
 # -- decode and add, in registers ---------------------------------------------------------------
 @functools.cache
 def _decode_add_fn(codec, vec: int, parts: int, first: bool):
@@ -276,7 +400,7 @@ def _zeros(vec: int, parts: int):
     return plgpu.layout_cast(jnp.zeros((ROWS, BLOCK // parts), jnp.float32), layout)
 
 
-def _sum_tiles(load, r_smem, r_bar, h_dec, codec, n_src, vec, parts, ablate="none",
+def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="none",
                init=None):
     """init + Σ_j decode(wire tile j), j = 0 … n_src − 1 in that order, summed in f32:
     `parts` arrays (init: `parts` f32 arrays in the same layout, or None). load(j, slot)
@@ -285,9 +409,9 @@ def _sum_tiles(load, r_smem, r_bar, h_dec, codec, n_src, vec, parts, ablate="non
     a slot each tile is read once; else (P > 2, to fit shared memory) the tiles stream
     through 2 slots once per column part, the next copy issued as soon as the previous
     occupant of its slot is in registers. ablate "decode_twice" / "no_decode": each tile
-    decoded twice / not at all (zeros returned); the copies and their waits are the same."""
-    row = codec.row_bytes
-    fmt = mosaic.CODE_FORMATS[codec.fmt]
+    decoded twice / not at all (zeros returned); the copies and their waits are the same.
+    `tiles`: the tile codec, `consts` its operands in shared memory."""
+    row = tiles.row_bytes
     resident = n_src <= r_smem.shape[0]
     seq = [(part, j) for part in range(parts) for j in range(n_src)]
     slot_of = (lambda e: seq[e][1]) if resident else (lambda e: e % 2)   # noqa: E731
@@ -299,32 +423,27 @@ def _sum_tiles(load, r_smem, r_bar, h_dec, codec, n_src, vec, parts, ablate="non
             plgpu.barrier_wait(r_bar.at[slot])
         for rep in range(max(reps, 1)):
             if reps:
-                codes, scales = mosaic.load_wire_tile(r_smem.at[slot].reshape(ROWS, row),
-                                                      codec)
+                wire = tiles.load(r_smem.at[slot].reshape(ROWS, row), part, parts)
             if rep == 0 and not resident and e + 1 < len(seq):
                 load(seq[e + 1][1], (e + 1) % 2)   # the slot's last reader is done (loads sync)
             if not reps:
                 continue
-            q = [lax.bitcast_convert_type(codes[:, 16 * c:16 * (c + 1)], fmt)
-                 .astype(jnp.float16) for c in range(mosaic.FACTOR)]
-            acc = mosaic._transform_part(lambda c: q[c], h_dec, part, parts)
-            total = totals[part]
-            totals[part] = _decode_add_fn(codec, vec, parts, total is None)(
-                acc, scales, *(() if total is None else (total,)))
+            totals[part] = tiles.decode_add(wire, consts, vec, part, parts, totals[part])
     return [_zeros(vec, parts) if t is None else t for t in totals]
 
 
 # -- the kernel ---------------------------------------------------------------------------------
-def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_smem,
-                 y_smem, he_smem, hd_smem, x_bar, h_bar, r_bar, sem_scratch, *, peers, codec,
-                 n_tiles, out_dtype, cfg):
+def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_smem, y_smem,
+                 c_smem, x_bar, h_bar, r_bar, sem_scratch, *, peers, tiles, n_tiles, out_dtype,
+                 cfg):
+    """c_gmem, c_smem: the tile codec's constant operands and their shared-memory copies."""
     p, nprog = peers.p, peers.nprog
     parts, order, ablate = cfg.parts, cfg.order, cfg.ablate
     me, b = peers.ids()
     sems = peers.semaphores(sem_scratch, me, b)
     x_mine, y_mine = peers.local(x_gmem, me), peers.local(y_gmem, me)
     recv_mine = peers.local(recv_gmem, me)
-    row = codec.row_bytes
+    row = tiles.row_bytes
     lines = ROWS * row // LINE                                   # wire lines per tile
     count = (n_tiles - b + nprog - 1) // nprog                    # this program's tiles
     tile = lambda i: b + i * nprog                               # noqa: E731
@@ -336,10 +455,9 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
     n_res = 1 if tma_out else 0
     sync = ablate not in ("no_signal", "no_sync")
 
-    plgpu.copy_gmem_to_smem(he_gmem, he_smem, h_bar)
-    plgpu.barrier_wait(h_bar)
-    plgpu.copy_gmem_to_smem(hd_gmem, hd_smem, h_bar)
-    plgpu.barrier_wait(h_bar)
+    for src, dst in zip(c_gmem, c_smem):
+        plgpu.copy_gmem_to_smem(src, dst, h_bar)
+        plgpu.barrier_wait(h_bar)
 
     x_slots = x_smem.shape[0]
 
@@ -369,7 +487,7 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
             xb_smem[...] = v.astype(xb_smem.dtype)
             plgpu.commit_smem()
             src = xb_smem
-        wires = [mosaic.encode_tile(src, he_smem, codec, 1)
+        wires = [tiles.encode(src, c_smem)
                  for _ in range({"encode_twice": 2, "no_encode": 0}.get(ablate, 1))]
         if x_slots == 1 and xb_smem is None:
             prefetch(i)                    # the transform has read the tile
@@ -377,8 +495,8 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
         # step i − 1's wire stores and result store are done reading
         plgpu.wait_smem_to_gmem(n_wire + n_res, wait_read_only=True)
         stage = w_smem.at[i % 2]
-        for codes, scales in wires:
-            mosaic.store_wire_tile(stage.reshape(ROWS, row), codes, scales)
+        for wire in wires:
+            tiles.store(stage.reshape(ROWS, row), wire)
         plgpu.commit_smem()
         rows = pl.ds(tile(i) * lines, lines)
         for k in range(p + 1 - n_wire, p + 1):   # peers first, this device's own slot last
@@ -401,7 +519,7 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
         return load
 
     def decode(i, load):
-        totals = _sum_tiles(load, r_smem, r_bar, hd_smem, codec, p, vec, parts, ablate)
+        totals = _sum_tiles(load, r_smem, r_bar, tiles, c_smem, p, vec, parts, ablate)
         values = [t.astype(out_dtype) for t in totals]
         out_rows = pl.ds(tile(i) * ROWS, ROWS)
         if tma_out:
@@ -455,27 +573,40 @@ def _kernel_body(x_gmem, he_gmem, hd_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w
         plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(p, codec, in_dtype, out_dtype, cfg, remote: bool):
-    """The kernel's scratch, in `_kernel_body`'s order (None: not used)."""
-    lines = ROWS * codec.row_bytes // LINE
-    enc_dtype = jnp.bfloat16 if in_dtype == jnp.float32 else in_dtype
-    x_slots = cfg.x_slots or (1 if in_dtype == jnp.float32 else 2)
+def _scratch(p, tiles, in_dtype, out_dtype, cfg, remote: bool):
+    """The kernel's scratch, in `_kernel_body`'s order (None: not used; a tuple: the
+    shared-memory copies of the tile codec's operands)."""
+    lines = ROWS * tiles.row_bytes // LINE
+    x_slots = cfg.x_slots or tiles.x_slots(in_dtype)
     tma_out = jnp.dtype(out_dtype).itemsize == 2 and cfg.out_store == "tma"
-    x_transforms = () if in_dtype == jnp.float32 else mosaic.SMEM_TRANSFORMS
     return [
-        plgpu.SMEM((x_slots, ROWS, BLOCK), in_dtype, transforms=x_transforms),
-        (plgpu.SMEM((ROWS, BLOCK), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS)
-         if in_dtype == jnp.float32 else None),
+        plgpu.SMEM((x_slots, ROWS, BLOCK), in_dtype, transforms=tiles.x_transforms(in_dtype)),
+        (plgpu.SMEM((ROWS, BLOCK), jnp.bfloat16, transforms=mosaic.SMEM_TRANSFORMS)
+         if tiles.staged(in_dtype) else None),
         plgpu.SMEM((2, lines, LINE), jnp.uint8),
         # both wire tiles resident at P = 2; above, the tiles stream through the two slots
         plgpu.SMEM((2, lines, LINE), jnp.uint8),
         (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=mosaic.swizzled(out_dtype))
          if tma_out else None),
-        plgpu.SMEM((16, 16), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS),
-        plgpu.SMEM((16, 16), jnp.float16, transforms=mosaic.SMEM_TRANSFORMS),
+        tuple(plgpu.SMEM(a.shape, a.dtype, transforms=t) for a, t in tiles.operands(in_dtype)),
         plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.Barrier(num_barriers=2),
         (plgpu.SemaphoreType.REGULAR((p,)) if remote else None),
     ]
+
+
+def _flat(scratch) -> list:
+    """The scratch list without its Nones, the operand copies spliced in."""
+    out = []
+    for s in scratch:
+        out += list(s) if isinstance(s, tuple) else [] if s is None else [s]
+    return out
+
+
+def _unflatten(scratch, refs) -> list:
+    """The kernel's scratch refs → one argument per `_scratch` entry."""
+    it = iter(refs)
+    return [tuple(next(it) for _ in s) if isinstance(s, tuple) else
+            None if s is None else next(it) for s in scratch]
 
 
 def smem_bytes(p: int, codec, in_dtype, out_dtype=None, cfg: FusedConfig | None = None):
@@ -483,8 +614,9 @@ def smem_bytes(p: int, codec, in_dtype, out_dtype=None, cfg: FusedConfig | None 
     alignment a swizzled TMA buffer needs), for `FusedConfig.per_sm`'s check."""
     out_dtype = in_dtype if out_dtype is None else out_dtype
     total = 0
-    for s in _scratch(p, codec, in_dtype, out_dtype, cfg or FusedConfig(), False):
-        if s is not None and hasattr(s, "shape"):            # the SMEM buffers
+    for s in _flat(_scratch(p, tile_codec(codec), in_dtype, out_dtype, cfg or FusedConfig(),
+                            False)):
+        if hasattr(s, "shape"):                              # the SMEM buffers
             nbytes = int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
             total += -(-nbytes // 1024) * 1024
     return total + 1024                                              # barriers
@@ -506,9 +638,9 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     n_rows = blocks.shape[-2]
     n_tiles = n_rows // ROWS
     lead = blocks.shape[:-2]
-    lines = ROWS * codec.row_bytes // LINE
+    tiles = tile_codec(codec)
+    lines = ROWS * tiles.row_bytes // LINE
     in_dtype = blocks.dtype
-    enc_dtype = jnp.bfloat16 if in_dtype == jnp.float32 else in_dtype
     _check_resident(p, codec, in_dtype, out_dtype, cfg)
 
     def struct(shape, dtype):
@@ -518,20 +650,20 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
 
     out_type = (struct((*lead, n_rows, BLOCK), out_dtype),
                 struct((*lead, p, n_tiles * lines, LINE), jnp.uint8))   # receive buffers
-    scratch = _scratch(p, codec, in_dtype, out_dtype, cfg, isinstance(peers, Remote))
+    scratch = _scratch(p, tiles, in_dtype, out_dtype, cfg, isinstance(peers, Remote))
+    operands = [a for a, _ in tiles.operands(in_dtype)]
+    n_ops = len(operands)
 
-    def body(x, he, hd, y, recv, *refs):
-        it = iter(refs)
-        args = [None if s is None else next(it) for s in scratch]
-        _kernel_body(x, he, hd, y, recv, *args, peers=peers, codec=codec, n_tiles=n_tiles,
-                     out_dtype=out_dtype, cfg=cfg)
+    def body(x, *refs):
+        consts, (y, recv), refs = refs[:n_ops], refs[n_ops:n_ops + 2], refs[n_ops + 2:]
+        _kernel_body(x, consts, y, recv, *_unflatten(scratch, refs), peers=peers, tiles=tiles,
+                     n_tiles=n_tiles, out_dtype=out_dtype, cfg=cfg)
 
     kernel = plgpu.kernel(
-        body, out_type=out_type, scratch_types=[s for s in scratch if s is not None],
+        body, out_type=out_type, scratch_types=_flat(scratch),
         grid=(peers.grid(),), grid_names=("prog",), kernel_name="taco_fused_allreduce",
         compiler_params=plgpu.CompilerParams(lowering_semantics=mosaic.LANE))
-    y, _ = kernel(blocks, mosaic.hadamard_operand("encode", enc_dtype),
-                  mosaic.hadamard_operand("decode"))
+    y, _ = kernel(blocks, *operands)
     return y
 
 
@@ -649,8 +781,8 @@ def _two_shot_body(x_gmem, he_gmem, hd_gmem, hb_gmem, y_gmem, recv1_gmem, recv2_
             own = [plgpu.load(x_mine.at[x_rows(me, i), pl.ds(width * q, width)],
                               layout=own_layout, optimized=False).astype(jnp.float32)
                    for q in range(parts)]
-            totals = _sum_tiles(load, r_smem, r_bar, hd_smem, codec, p - 1, vec, parts,
-                                init=own)
+            totals = _sum_tiles(load, r_smem, r_bar, TacoTiles(codec), (he_smem, hd_smem),
+                                p - 1, vec, parts, init=own)
             # the sum goes to the transform's operand layout through shared memory (the
             # value layout's vectors cannot be stored into a wgmma-operand tile directly)
             mosaic.store_values(s_smem, totals)
@@ -752,19 +884,22 @@ def _launch_two_shot(blocks, codec, out_dtype, peers, cfg, mat=None):
 
 
 # -- wrappers ------------------------------------------------------------------------------------
-def unsupported(codec, p: int, dtype) -> str | None:
-    """Why the one-launch kernel does not cover this all-reduce (None: it does)."""
+def unsupported(codec, p: int, dtype, kernel: str = "one_shot") -> str | None:
+    """Why the one-launch kernel does not cover this all-reduce (None: it does). kernel
+    "one_shot": the Hadamard FP8 codecs with B = 256 and echo4 (`tile_codec`); "two_shot":
+    the former only."""
     if not 2 <= p <= MAX_P:
         return f"P={p} devices (the kernel covers 2..{MAX_P})"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in IN_DTYPES]:
         return f"{jnp.dtype(dtype).name} data (covered: bfloat16, float16, float32)"
-    enc = jnp.bfloat16 if jnp.dtype(dtype) == jnp.float32 else dtype
-    return (mosaic.unsupported("compress", codec, (ROWS, BLOCK), enc)
-            or mosaic.unsupported("decompress", codec, (ROWS, BLOCK), dtype))
+    tiles = tile_codec(codec)
+    if kernel == "two_shot" and not isinstance(tiles, TacoTiles):
+        return f"{codec.name}: the two-shot kernel has the FP8 codecs' tile math only"
+    return tiles.unsupported(dtype)
 
 
-def _check(codec, p, dtype, where):
-    why = unsupported(codec, p, dtype)
+def _check(codec, p, dtype, where, kernel="one_shot"):
+    why = unsupported(codec, p, dtype, kernel)
     if why is not None:
         raise ValueError(f"{where}: {why}")
 
@@ -791,7 +926,8 @@ def fused_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
       axis: one mesh axis name; peers are addressed by it, other axes keep this device's
         coordinates.
       p: the axis size (2..8).
-      codec: a Hadamard FP8 codec with B = 256 (`mosaic.unsupported`).
+      codec: a Hadamard FP8 codec with B = 256 (`mosaic.unsupported`) or echo4 (B = 128,
+        `mosaic_echo4`): `tile_codec(codec)` gives its tile math.
       out_mat: the result's `manual_axis_type` under check_vma (None without).
       cfg: launch shape (`FusedConfig`).
     Returns: an array of x's shape and dtype, the same bits on every device.
@@ -855,7 +991,7 @@ def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
 
     Args and Raises: as `fused_allreduce` (P = 2..8; meant for P ≥ 3).
     Returns: an array of x's shape and dtype."""
-    _check(codec, p, x.dtype, "two_shot_allreduce")
+    _check(codec, p, x.dtype, "two_shot_allreduce", "two_shot")
     cfg = _two_shot_cfg(cfg)
     if x.size == 0:
         return x
@@ -870,7 +1006,7 @@ def loopback_two_shot(xs, codec, cfg: FusedConfig | None = None):
     """`two_shot_allreduce` on one GPU for P = xs.shape[0] virtual devices (as
     `loopback_allreduce`): returns (P, …), row d what device d computes."""
     p = xs.shape[0]
-    _check(codec, p, xs.dtype, "loopback_two_shot")
+    _check(codec, p, xs.dtype, "loopback_two_shot", "two_shot")
     cfg = _two_shot_cfg(cfg)
     if xs.size == 0:
         return xs
@@ -904,10 +1040,12 @@ def two_shot_reference(xs, codec):
 
 def fused_allreduce_reference(xs, codec):
     """Plain jnp: (P, …) → Σ_j decode(encode(xs[j])) in f32, j in order, in xs's dtype
-    (f32 inputs are encoded from bf16, as the kernel does)."""
+    (what the kernel encodes: for the FP8 codecs f32 inputs from bf16, for echo4 as they
+    are; `tile_codec(codec).encoded`)."""
+    tiles = tile_codec(codec)
     acc = None
     for j in range(xs.shape[0]):
-        v = xs[j].astype(jnp.bfloat16) if xs.dtype == jnp.float32 else xs[j]
+        v = tiles.encoded(xs[j])
         blocks = codecs.to_blocks(v, codec.block_size)
         dec = codec.decompress_reference(codec.compress_reference(blocks)).astype(jnp.float32)
         acc = dec if acc is None else acc + dec
