@@ -12,6 +12,8 @@ Schedules, by axis size P:
     encodes its tiles, stores them into its own and the peer's receive buffers, signals per
     tile, and decodes both contributions in device order as they arrive: one quantization
     per element, bit-identical results on both devices.
+    The kernel has echo4's tile math too (`kernels.mosaic_echo4`), not selected until its
+    loopback checks pass on a GPU (`python -m bench.fused --codec echo4`).
   * P ≥ 3, and codecs the one-launch kernel does not cover: the schedules of `two_shot`
     with `exchange` (an all-gather or all-to-all by remote stores) carrying the bytes
     between the compress and decode kernels. The two-shot quantizes each element at most
@@ -76,10 +78,17 @@ def mesh_unavailable_reason(mesh) -> str | None:
 
 # -- one launch ---------------------------------------------------------------------------
 def one_launch_reason(codec, p: int, dtype) -> str | None:
-    """Why `one_launch` does not cover this all-reduce (None: it does)."""
+    """Why `one_launch` does not cover this all-reduce (None: it does). A codec whose tile
+    math the kernel has but whose loopback checks have not passed on a GPU (echo4:
+    `fused_allreduce.Echo4Tiles`) is not selected."""
     if p != 2:
         return f"P={p} (the one-launch schedule is the one-shot of P = 2)"
-    return fused_allreduce.unsupported(codec, p, dtype)
+    why = fused_allreduce.unsupported(codec, p, dtype)
+    if why is None and not fused_allreduce.tile_codec(codec).checked_on_gpu:
+        why = (f"{codec.name}: the one-launch kernel's tile math for it is built and "
+               f"lowered, not yet checked on a GPU (python -m bench.fused --codec "
+               f"{codec.name})")
+    return why
 
 
 def one_launch(x, axis, codec, p: int, vma: bool):

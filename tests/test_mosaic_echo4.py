@@ -1,0 +1,118 @@
+"""echo4's Mosaic GPU tile math (taco_jax/kernels/mosaic_echo4.py).
+
+Mosaic GPU kernels do not run in Pallas' interpreter: on CPU the tile kernels are traced
+and lowered for a CUDA target, and the register layouts and the wrappers' checks are
+tested. On a Hopper GPU (`pytest tests/test_mosaic_echo4.py -k gpu`) the kernels' bytes
+are compared with the codec's reference, bit for bit.
+"""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from taco_jax import codecs
+from taco_jax.kernels import mosaic, mosaic_echo4 as me
+
+ECHO4 = codecs.get("echo4")
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+
+
+def lowered(fn, *structs):
+    return jax.jit(fn).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_groups", [128, 128 * 133])       # one tile; more tiles than SMs
+def test_compress_lowers_for_cuda(dtype, n_groups):
+    text = lowered(lambda v: me.compress(v, ECHO4), jax.ShapeDtypeStruct((n_groups, 128),
+                                                                           dtype))
+    assert text.count("taco_echo4_compress_mosaic") >= 1 and text.count("custom_call") == 1
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_decompress_lowers_for_cuda(out_dtype):
+    text = lowered(lambda w: me.decompress(w, ECHO4, out_dtype),
+                   jax.ShapeDtypeStruct((256, ECHO4.row_bytes), jnp.uint8))
+    assert text.count("taco_echo4_decompress_mosaic") >= 1
+
+
+def test_a_tile_row_is_two_codec_rows():
+    assert me.row_bytes(ECHO4) == 2 * ECHO4.row_bytes == 144
+    assert me.ROWS * me.row_bytes(ECHO4) % 256 == 0          # whole 256-byte lines per tile
+
+
+def test_register_layouts_hold_what_the_math_assumes():
+    """Per thread: a group's code bytes as 2 row halves × 2 runs of 8 bytes; its scale
+    bytes one vector per row half; values 2 row halves × 2 groups × 2 runs of 16."""
+    codes = me._code_tiled()
+    assert int(np.prod(codes.registers_shape((64, 64)))) == 4
+    assert codes.vector_length == 8
+    scales = mosaic._scale_tiled(8)
+    assert int(np.prod(scales.registers_shape((64, 8)))) == 2
+    for dtype, vec in [(jnp.bfloat16, 8), (jnp.float32, 4)]:
+        values = mosaic._wire_tiled(vec, 256)
+        assert int(np.prod(values.registers_shape((64, 256)))) * vec == 64 * 256 // 128
+
+
+@pytest.mark.parametrize("name,match", [("int4-sym", "not echo4"), ("tah4", "not echo4"),
+                                        ("taco", "not echo4")])
+def test_other_codecs_are_refused_by_name(name, match):
+    with pytest.raises(ValueError, match=match):
+        me.compress(jnp.ones((128, 128), jnp.bfloat16), codecs.get(name))
+    assert me.unsupported(codecs.get("echo4", block_size=64)) is not None
+
+
+def test_bad_shapes_name_the_value():
+    with pytest.raises(ValueError, match="100 groups"):
+        me.compress(jnp.ones((100, 128), jnp.bfloat16), ECHO4)
+    with pytest.raises(ValueError, match="int32"):
+        me.compress(jnp.ones((128, 128), jnp.int32), ECHO4)
+    with pytest.raises(ValueError, match="w.shape"):
+        me.decompress(jnp.zeros((128, 64), jnp.uint8), ECHO4)
+    with pytest.raises(ValueError, match="out_dtype"):
+        me.decompress(jnp.zeros((128, 72), jnp.uint8), ECHO4, jnp.int8)
+
+
+# -- on a Hopper GPU: the bytes ----------------------------------------------------------------
+def _hopper() -> bool:
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return False
+    return "H100" in dev.device_kind or "H200" in dev.device_kind or "H800" in dev.device_kind
+
+
+gpu = pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels run on a Hopper GPU")
+
+
+def _input(dtype, n_groups=128 * 40):
+    """Normal values of per-group scales, with the groups the math must get right: all
+    zero, one sign only, a NaN, ±Inf, ties at half a step, tiny and huge values."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(k1, (n_groups, 128)) * jnp.exp(3 * jax.random.normal(k2, (n_groups,
+                                                                                      1)))
+    x = x.at[0].set(0.0).at[1].set(jnp.abs(x[1])).at[2].set(-jnp.abs(x[2]))
+    x = x.at[3, 5].set(jnp.nan).at[4, 7].set(jnp.inf).at[5, 0].set(-jnp.inf)
+    x = x.at[6].set(jnp.arange(128, dtype=jnp.float32) / 2 - 30)     # ties
+    x = x.at[7].set(1e-38).at[8].set(3e38).at[8, 0].set(-3e38)
+    return x.astype(dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_compress_writes_the_reference_bytes(dtype):
+    x = _input(dtype)
+    got = np.asarray(me.compress(x, ECHO4))
+    want = np.asarray(ECHO4.compress_reference(x))
+    bad = np.nonzero((got != want).any(axis=1))[0]
+    assert bad.size == 0, f"{bad.size} groups differ, first {bad[:8]}"
+
+
+@gpu
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_gpu_decompress_is_the_reference(out_dtype):
+    w = ECHO4.compress_reference(_input(jnp.float32))
+    got = np.asarray(me.decompress(w, ECHO4, out_dtype), np.float32)
+    want = np.asarray(ECHO4.decompress_reference(w, out_dtype), np.float32)
+    np.testing.assert_array_equal(got, want)
