@@ -89,11 +89,11 @@ def emulated_loopback(xs, codec, wrong: str | None = None):
     slot P − 1 holds, on every device, the wire of other values of the same scale (what a
     receive buffer keeps from an earlier call when a store never lands)."""
     from taco_jax import codecs
-    from taco_jax.kernels import decode_sum
+    from taco_jax.kernels import decode_sum, fused_allreduce
     p = xs.shape[0]
+    encoded = fused_allreduce.tile_codec(codec).encoded    # what the kernel encodes of v
     enc = lambda v: codec.compress_reference(    # noqa: E731
-        codecs.to_blocks(v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v,
-                         codec.block_size))
+        codecs.to_blocks(encoded(v), codec.block_size))
     wires = [enc(xs[j]) for j in range(p)]
     out = []
     for d in range(p):
@@ -174,10 +174,11 @@ def implementation(name: str, codec, wrong: str | None, p: int, config=None,
     return jax.jit(lambda xs: model(xs, codec, wrong))
 
 
-def xla_transport(p: int):
+def xla_transport(p: int, codec=None):
+    """taco_jax.psum(transport="xla") with `codec` (None: the default) under jax.vmap."""
     import taco_jax
-    return jax.jit(jax.vmap(lambda v: taco_jax.psum(v, "tp", min_bytes=0, transport="xla"),
-                            axis_name="tp"))
+    return jax.jit(jax.vmap(lambda v: taco_jax.psum(v, "tp", codec=codec, min_bytes=0,
+                                                    transport="xla"), axis_name="tp"))
 
 
 # -- one configuration (the child process) ----------------------------------------------
@@ -259,7 +260,7 @@ def run_config(a) -> dict:
     kernel = getattr(a, "kernel", "one_shot")
     two = kernel == "two_shot"
     fn = implementation(a.impl, codec, a.wrong_exchange, p, a.config, kernel)
-    ref = xla_transport(p)
+    ref = xla_transport(p, codec)
     model = None
     if two:
         from taco_jax.kernels import fused_allreduce
@@ -320,7 +321,7 @@ def time_config(fn, p, n, dtype, codec, separate: bool = True) -> dict:
     decode_sum of P wires)."""
     from bench.common import device_time
     from taco_jax import codecs
-    from taco_jax.kernels import compress, decode_sum
+    from taco_jax.kernels import compress, decode_sum, echo4
     xs, _ = make_input(jax.random.key(7), p, n, dtype, codec.block_size)
     iters = 3 if n * jnp.dtype(dtype).itemsize * p >= 1 << 30 else 10
     loop = device_time(fn, xs, iters=iters)
@@ -332,8 +333,10 @@ def time_config(fn, p, n, dtype, codec, separate: bool = True) -> dict:
         return out
     # the Triton kernels on a GPU; their references elsewhere (CPU tests of this logic)
     gpu = jax.default_backend() == "gpu"
-    enc = (lambda b: compress.compress(b, codec)) if gpu else codec.compress_reference
-    dec = decode_sum.decode_sum if gpu else decode_sum.decode_sum_reference
+    kernels = echo4 if echo4.covers(codec) else None      # echo4's own Triton kernels
+    enc = ((lambda b: (kernels or compress).compress(b, codec)) if gpu
+           else codec.compress_reference)
+    dec = ((kernels or decode_sum).decode_sum if gpu else decode_sum.decode_sum_reference)
     blocks = codecs.to_blocks(xs[0], codec.block_size)
     comp, _ = _us(device_time(enc, blocks, iters=iters))
     recv = jnp.stack([enc(blocks)] * p)
@@ -367,7 +370,7 @@ def wire_bytes(nbytes: int, itemsize: int, row_bytes: int, block: int = 256) -> 
 
 
 def project(row: dict, row_bytes: int, link_gbps: float = LINK_GBPS,
-            fixed_us: float = FIXED_US) -> dict:
+            fixed_us: float = FIXED_US, block: int = 256) -> dict:
     """Two-GPU projections (P = 2) from a timed loopback row: one launch, fixed +
     max(per-device compute, wire / link); three launches (compress, exchange kernel,
     decode_sum in series), fixed + compress + wire / link + decode_sum. Each / lax.psum."""
@@ -375,7 +378,7 @@ def project(row: dict, row_bytes: int, link_gbps: float = LINK_GBPS,
             or not row.get("checked", True)):
         return {}
     wire_us = wire_bytes(row["bytes"], 2 if row["dtype"] == "bf16" else 4,
-                         row_bytes) / link_gbps / 1e3
+                         row_bytes, block) / link_gbps / 1e3
     one = fixed_us + max(row["per_device_us"], wire_us)
     three = fixed_us + row["compress_us"] + wire_us + row["decode_sum_us"]
     lax_us = lax_psum_us(row["mib"]) if row["dtype"] == "bf16" else None
@@ -417,10 +420,14 @@ def method_check(row_bytes: int, link_gbps: float = LINK_GBPS,
     return out
 
 
-def annotate(payload: dict, row_bytes: int) -> dict:
-    """Derived figures (projections, the method's check) from a payload's measured ones."""
-    rows = [{**r, **project(r, row_bytes)} if r.get("ok") else r for r in payload["rows"]]
-    return {**payload, "rows": rows, "method_check": method_check(row_bytes)}
+def annotate(payload: dict, row_bytes: int, block: int = 256) -> dict:
+    """Derived figures (projections, the method's check) from a payload's measured ones;
+    row_bytes, block: the codec's. The method's check is on the xla transport's taco rows
+    of two GPUs, so only a codec with taco's blocks (256) gets it."""
+    rows = [{**r, **project(r, row_bytes, block=block)} if r.get("ok") else r
+            for r in payload["rows"]]
+    return {**payload, "rows": rows,
+            "method_check": method_check(row_bytes) if block == 256 else []}
 
 
 # -- attribution of the kernel's time (--ablate) ------------------------------------------------
@@ -579,6 +586,16 @@ def main(argv=None) -> int:
                                                    else DEFAULT_SIZES)]
     a.dtypes = a.dtypes or (["bf16"] if a.ablate else list(DTYPES))
     a.calls = a.calls if a.calls is not None else (1 if a.ablate else 5)
+    from taco_jax import codecs
+    from taco_jax.kernels import fused_allreduce
+    tiles = fused_allreduce.tile_codec(codecs.get(a.codec))
+    if a.kernel == "two_shot" and not isinstance(tiles, fused_allreduce.TacoTiles):
+        raise SystemExit(f"bench.fused: --kernel two_shot has the FP8 codecs' tile math "
+                         f"only, not {a.codec}'s")
+    if a.impl == "mesh" and not tiles.checked_on_gpu:
+        raise SystemExit(f"bench.fused: --impl mesh: the collectives do not select the "
+                         f"one-launch kernel for {a.codec} until its loopback checks pass "
+                         f"(--impl kernel on one GPU)")
     if a.kernel == "two_shot" and a.impl == "mesh":
         raise SystemExit("bench.fused: --kernel two_shot runs as a loopback only (no "
                          "collective selects it yet)")
@@ -610,11 +627,11 @@ def main(argv=None) -> int:
             a.one_bytes = int(nbytes)
             print("ROW " + json.dumps(run_config(a)), flush=True)
         return 0
-    from taco_jax import codecs
     codec = codecs.get(a.codec)
     if a.annotate:                   # recompute the derived figures of a results file
         with open(a.annotate) as f:
-            write_json(a.annotate, annotate(json.load(f), codec.row_bytes))
+            write_json(a.annotate, annotate(json.load(f), codec.row_bytes,
+                                            codec.block_size))
         return 0
     configs = [(p, s, d) for p in a.p for s in a.sizes for d in a.dtypes]
     config = "ablation" if a.ablate else " ".join(a.config or ()) or "default"
@@ -635,7 +652,7 @@ def main(argv=None) -> int:
                                  lambda got: write_json(a.out, payload(rows + got)))
     else:
         rows = run_children(a, configs, lambda rows: write_json(a.out, payload(rows)))
-    result = annotate(payload(rows), codec.row_bytes)
+    result = annotate(payload(rows), codec.row_bytes, codec.block_size)
     rows = result["rows"]
     if a.ablate:
         result["ablation"] = ablation_table(rows)

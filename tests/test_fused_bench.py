@@ -200,3 +200,44 @@ def test_fail_fast_runs_nothing_after_a_timeout(tmp_path, capsys):
     assert rc == 1 and len(rows) == 2
     assert "timed out" in rows[0]["reason"]
     assert rows[1]["reason"].startswith("not run: P=2 bf16 timed out")
+
+
+# -- --codec echo4 (the one-launch kernel with echo4's tile math) ----------------------------
+@pytest.mark.parametrize("p", ["2", "4"])
+def test_echo4_checks_pass_on_its_model_against_the_xla_transports_echo4(tmp_path, capsys,
+                                                                        p):
+    """The model encodes f32 as it is (echo4 has no bf16 operand); the gate is the xla
+    transport with echo4 (4-bit: errors of ~0.1, not the FP8 codecs' few percent)."""
+    rc, res, _ = run(tmp_path, capsys, "--codec", "echo4", "--dtypes", "bf16", "f32", p=p)
+    assert rc == 0 and res["codec"] == "echo4" and len(res["rows"]) == 4
+    for r in res["rows"]:
+        assert r["ok"] and r["same_on_every_device"] and r["nan_blocks_ok"]
+        assert 0.05 < r["rel_err"] <= r["xla_rel_err"] < 0.3
+    assert res["method_check"] == []           # the method's check is taco's, B = 256
+
+
+@pytest.mark.parametrize("wrong", ["slot", "stale"])
+def test_echo4_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong):
+    rc, res, out = run(tmp_path, capsys, "--codec", "echo4", "--wrong-exchange", wrong)
+    assert rc == 1 and not any(r["ok"] for r in res["rows"])
+    assert out.strip().splitlines()[-1].startswith("bench.fused: FAILED P=2")
+
+
+def test_echo4_runs_as_a_loopback_one_shot_only(tmp_path):
+    with pytest.raises(SystemExit, match="do not select the one-launch kernel for echo4"):
+        bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--out",
+                          str(tmp_path / "no.json")])
+    with pytest.raises(SystemExit, match="FP8 codecs' tile math only, not echo4"):
+        bench_fused.main(["--codec", "echo4", "--kernel", "two_shot", "--impl", "emulated",
+                          "--out", str(tmp_path / "no.json")])
+
+
+def test_echo4_projection_counts_its_wire():
+    """72 bytes per 128 values: 16 MiB of bf16 is 65536 groups, 4.5 MiB of wire."""
+    row = {"p": 2, "mib": 16.0, "bytes": 16 << 20, "dtype": "bf16", "ok": True,
+           "per_device_us": 30.0, "compress_us": 10.0, "decode_sum_us": 15.0}
+    got = bench_fused.project(row, 72, link_gbps=350.0, fixed_us=15.0, block=128)
+    assert got["wire_us_nvlink"] == pytest.approx((16 << 20) // 2 // 128 * 72 / 350e3,
+                                                  abs=0.01)
+    assert bench_fused.annotate({"rows": [row]}, 72, 128)["rows"][0]["wire_us_nvlink"] \
+        == got["wire_us_nvlink"]
