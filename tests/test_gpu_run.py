@@ -97,3 +97,40 @@ def test_fused_next_fits_one_call():
     block = block[:block.index(";;")]
     limits = [int(t) for t in re.findall(r'step fused_\w+ "\$\{\w+:-(\d+)\}" ', block)]
     assert len(limits) == 2 and sum(limits) <= 540
+
+
+def test_fused_echo4_checks_the_tiles_and_the_loopback_then_times_it(tmp_path):
+    env = fake_python(tmp_path, 0)
+    r = subprocess.run(["bash", str(SCRIPT), "fused_echo4"], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
+             if c.startswith("-m ")]
+    assert r.returncode == 0 and len(calls) == 3
+    tiles, checks, timed = calls
+    assert "pytest" in tiles and "tests/test_mosaic_echo4.py -k gpu" in tiles
+    for call in (checks, timed):
+        assert "bench.fused --codec echo4" in call and "--fail-fast" in call
+        assert "--timeout" in call and "--out bench/results/fused_echo4_" in call
+    assert "--p 2 4 8" in checks and "--dtypes bf16 f32" in checks
+    assert "--sizes 1KiB 1MiB+5 16MiB 64MiB" in checks and "--time " not in checks
+    assert "--p 2 " in timed and "--time " in timed and "--sizes 16MiB 64MiB 256MiB" in timed
+
+
+def test_fused_echo4_times_nothing_when_its_checks_fail(tmp_path):
+    env = fake_python(tmp_path, 0)
+    exe = Path(env["PATH"].split(":")[0]) / "python"
+    exe.write_text(exe.read_text() + 'case "$*" in *"--codec echo4 --p 2 4 8"*) exit 1;; '
+                   'esac\n')
+    subprocess.run(["bash", str(SCRIPT), "fused_echo4"], capture_output=True, text=True,
+                   env=env, timeout=60, cwd=tmp_path)
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
+             if c.startswith("-m ")]
+    assert len(calls) == 2 and not any("--time " in c for c in calls)
+
+
+def test_fused_echo4_fits_300_s():
+    text = SCRIPT.read_text()
+    block = text[text.index("    fused_echo4)"):]
+    block = block[:block.index(";;")]
+    limits = [int(t) for t in re.findall(r"step fused_echo4_\w+ (\d+) ", block)]
+    assert len(limits) == 3 and sum(limits) <= 300
