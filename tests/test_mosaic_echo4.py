@@ -11,6 +11,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+
 from taco_jax import codecs
 from taco_jax.kernels import mosaic, mosaic_echo4 as me
 
@@ -42,17 +44,68 @@ def test_a_tile_row_is_two_codec_rows():
     assert me.ROWS * me.row_bytes(ECHO4) % 256 == 0          # whole 256-byte lines per tile
 
 
-def test_register_layouts_hold_what_the_math_assumes():
-    """Per thread: a group's code bytes as 2 row halves × 2 runs of 8 bytes; its scale
-    bytes one vector per row half; values 2 row halves × 2 groups × 2 runs of 16."""
-    codes = me._code_tiled()
-    assert int(np.prod(codes.registers_shape((64, 64)))) == 4
-    assert codes.vector_length == 8
-    scales = mosaic._scale_tiled(8)
-    assert int(np.prod(scales.registers_shape((64, 8)))) == 2
-    for dtype, vec in [(jnp.bfloat16, 8), (jnp.float32, 4)]:
-        values = mosaic._wire_tiled(vec, 256)
-        assert int(np.prod(values.registers_shape((64, 256)))) * vec == 64 * 256 // 128
+def _contiguous(shape):
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _dims_index(layout, idx, dims):
+    """A warp or lane index → its index along each tiled dim (Mosaic's delinearization)."""
+    tiled = layout.tiled_tiling_shape
+    shape = tuple(d.times if isinstance(d, fa.Replicated) else tiled[d] for d in dims)
+    full = [0] * len(tiled)
+    for d, stride, size in zip(dims, _contiguous(shape), shape):
+        if not isinstance(d, fa.Replicated):
+            full[d] = (idx // stride) % size
+    return full
+
+
+def elements(layout, shape):
+    """{thread: [(row, column) of each register's first element, in register order]}, as
+    Mosaic's TiledLayout.thread_idxs computes them, in plain Python."""
+    strides = _contiguous(shape)
+    tile_strides = layout.tiling.tile_strides(strides)
+    inner = tile_strides[-layout.tiled_tiling_rank:]
+    out = {}
+    for t in range(128):
+        offset = sum(a * s for a, s in zip(_dims_index(layout, t // 32, layout.warp_dims)
+                                           + _dims_index(layout, t % 32, layout.lane_dims),
+                                           inner + inner))
+        out[t] = [divmod(offset + sum(i * s for i, s in zip(reg, tile_strides)), strides[0])
+                  for reg in np.ndindex(layout.registers_shape(shape))]
+    return out
+
+
+def _rows(t):
+    """A thread's two rows in the WGMMA layout."""
+    w, lane = divmod(t, 32)
+    return [16 * w + lane // 4, 16 * w + lane // 4 + 8]
+
+
+@pytest.mark.parametrize("vec", [8, 4])
+def test_values_registers_are_runs_of_16_of_each_group(vec):
+    """Value layout register (i, j, e, h): row half i, group j, run e (columns
+    16(2(l%4) + e) of the group), vector h of the run: what encode and decode index."""
+    for t, regs in elements(mosaic._wire_tiled(vec, 256), (64, 256)).items():
+        lane = t % 32
+        assert regs == [(_rows(t)[i], 128 * j + 16 * (2 * (lane % 4) + e) + vec * h)
+                        for i in range(2) for j in range(2) for e in range(2)
+                        for h in range(16 // vec)], t
+
+
+def test_code_registers_are_the_bytes_of_those_runs():
+    """Code layout register (i, e): the 8 bytes of run e of row half i (2 codes a byte),
+    so a run's codes leave as one 8-byte vector; scale bytes: one vector per row half."""
+    for t, regs in elements(me._code_tiled(), (64, 64)).items():
+        lane = t % 32
+        assert regs == [(_rows(t)[i], 16 * (lane % 4) + 8 * e)
+                        for i in range(2) for e in range(2)], t
+    assert me._code_tiled().vector_length == 8
+    for t, regs in elements(mosaic._scale_tiled(8), (64, 8)).items():
+        assert regs == [(_rows(t)[i], 0) for i in range(2)], t
 
 
 @pytest.mark.parametrize("name,match", [("int4-sym", "not echo4"), ("tah4", "not echo4"),
