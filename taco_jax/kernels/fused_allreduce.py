@@ -114,7 +114,8 @@ class FusedConfig:
     # start loading tile i − 1 before encoding tile i, so the loads fly meanwhile.
     order: str = "encode_first"
     # Shared memory per program, so that 2 programs fit per multiprocessor (`per_sm=2`):
-    # input tiles staged (None: 2 for 16-bit input, double-buffered; 1 for f32) and
+    # input tiles staged (None: the tile codec's: 2, double-buffered; 1 for f32 input to
+    # the FP8 codecs, whose bf16 copy of the tile takes the second slot's room) and
     # "tma": 16-bit results staged in shared memory and stored by TMA, "registers":
     # stored from registers (f32 results always are).
     x_slots: int | None = None
