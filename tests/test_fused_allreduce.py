@@ -87,9 +87,13 @@ def lowered_loopback(p, dtype, cfg, n=64 * 256 * 3 + 17):
         lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("ablate", list(fa.ABLATIONS))
-@pytest.mark.parametrize("p,dtype,order", [(2, jnp.bfloat16, "encode_first"),
-                                           (4, jnp.float32, "loads_first")])
+_KNOB_CASES = [(2, jnp.bfloat16, "encode_first"), (4, jnp.float32, "loads_first")]
+
+
+# each knob at one of the two configurations, alternating (every knob and both orders covered
+# at half the lowerings)
+@pytest.mark.parametrize("ablate,p,dtype,order",
+                         [(k, *_KNOB_CASES[i % 2]) for i, k in enumerate(fa.ABLATIONS)])
 def test_every_measurement_knob_lowers(ablate, p, dtype, order):
     cfg = fa.FusedConfig(ablate=ablate, order=order)
     assert lowered_loopback(p, dtype, cfg).count("taco_fused_allreduce") >= 1
@@ -198,8 +202,7 @@ def test_two_shot_lowers_on_meshes_of_one_two_three_axes(shape, names, vma):
     assert text.count("taco_fused_two_shot") >= 1 and text.count("custom_call") == 1
 
 
-@pytest.mark.parametrize("p", [3, 4, 8])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+@pytest.mark.parametrize("p,dtype", [(3, jnp.bfloat16), (4, jnp.float32), (8, jnp.float16)])
 def test_two_shot_loopback_lowers_and_fits_shared_memory(p, dtype):
     x = jax.ShapeDtypeStruct((p, 64 * 256 * 5 + 17), dtype)
     text = jax.jit(lambda v: fa.loopback_two_shot(v, TACO)).trace(x).lower(
