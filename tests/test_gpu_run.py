@@ -90,11 +90,16 @@ def test_fused_next_runs_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
         assert "--sizes 1KiB 1MiB+5 16MiB 64MiB" in two
 
 
+def case_block(label: str) -> str:
+    """The script's case branch that starts at `label`, up to its `;;`."""
+    text = SCRIPT.read_text()
+    block = text[text.index(label):]
+    return block[:block.index(";;")]
+
+
 def test_fused_next_fits_one_call():
     """Its steps' timeouts add up to at most 540 s (one GPU command runs ≤ 600 s)."""
-    text = SCRIPT.read_text()
-    block = text[text.index("fused_ablate|fused_two_shot|fused_next)"):]
-    block = block[:block.index(";;")]
+    block = case_block("fused_ablate|fused_two_shot|fused_next)")
     limits = [int(t) for t in re.findall(r'step fused_\w+ "\$\{\w+:-(\d+)\}" ', block)]
     assert len(limits) == 2 and sum(limits) <= 540
 
@@ -129,8 +134,6 @@ def test_fused_echo4_times_nothing_when_its_checks_fail(tmp_path):
 
 
 def test_fused_echo4_fits_300_s():
-    text = SCRIPT.read_text()
-    block = text[text.index("    fused_echo4)"):]
-    block = block[:block.index(";;")]
+    block = case_block("    fused_echo4)")
     limits = [int(t) for t in re.findall(r"step fused_echo4_\w+ (\d+) ", block)]
     assert len(limits) == 3 and sum(limits) <= 300
