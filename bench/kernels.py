@@ -22,7 +22,9 @@ every codec, block size and dtype the implementation covers, rows with NaN and �
 must decode to NaN. For the 4-bit codecs (`--codecs echo4`) every kernel must match its
 jitted reference bit for bit (`ok` per case). --stages times the Triton compress with parts of its work taken away
 (a Pallas copy with the wire layout, no transform, no α). --tune times Mosaic launch
-configs (blocks per multiprocessor × TMA steps in flight) at 16 and 256 MiB. Writes
+configs (blocks per multiprocessor × TMA steps in flight) at 16 and 256 MiB, and with
+`--codecs echo4` the 4-bit kernels' tile-math variants (`echo4.EchoConfig`: present, pairs,
+pairs+lean, all) under two tilings each at 16 and 256 MiB, side by side in one table. Writes
 bench/results/kernels.json (device, jax, commit and every figure). On CPU the Triton
 kernels run in Pallas' interpreter at small sizes, a smoke test without device times.
 """
@@ -380,33 +382,81 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
     return rows
 
 
-ECHO_TUNE = [common.KernelConfig(blocks_per_program=e // 128, num_warps=w, num_stages=st,
-                                 tiles_per_program=t)
-             for e, w, t, st in [(2048, 4, 1, 2), (8192, 8, 1, 2), (1024, 1, 8, 3),
-                                 (2048, 2, 8, 3), (4096, 4, 4, 3)]]
-# (kernel, sizes in MiB) the tilings are timed at
-ECHO_TUNE_AT = [("compress", (16, 256)), ("decompress", (16, 256)), ("reduce", (256,)),
-                ("decode_sum", (256,))]
+# echo4's tile-math variants (echo4.EchoConfig) and the tilings they are timed under. Per
+# kernel and size: every variant under the default tiling, the present path and all variants
+# under one other tiling; 4 kernels × 2 sizes × 6 = 48 configurations.
+ECHO_VARIANTS = {"present": {}, "pairs": {"pairs": True},
+                 "pairs+lean": {"pairs": True, "lean": True},
+                 "all": {"pairs": True, "lean": True, "scale_words": True}}
+# other tiling per size: (elements per tile, warps, tiles per program, stages)
+ECHO_OTHER_TILING = {16: (1024, 2, 1, 2), 256: (4096, 4, 2, 3)}
+# (kernel, sizes in MiB) the sweep times
+ECHO_TUNE_AT = [(kind, (16, 256)) for kind in ("compress", "decompress", "reduce", "decode_sum")]
+
+
+def _tiling(elements: int, warps: int, tiles: int, stages: int, b: int = 128):
+    return common.KernelConfig(blocks_per_program=max(1, elements // b), num_warps=warps,
+                               num_stages=stages, tiles_per_program=tiles)
+
+
+def echo_tune_cases(interp: bool = INTERP) -> list[tuple]:
+    """(kernel, MiB, tiling label, variant, EchoConfig) of the echo4 sweep (B = 128). On CPU
+    (the interpreter) a smoke test: 0.0625 MiB, the default tiling, present and all."""
+    cases = []
+    for kind, sizes in ECHO_TUNE_AT:
+        for mib in sizes if not interp else (0.0625,):
+            cases += _echo_tune_cell(kind, mib, interp)
+    return cases
+
+
+def _echo_tune_cell(kind, mib, interp) -> list[tuple]:
+    """One kernel and size: every variant under the default tiling, then present and all
+    under ECHO_OTHER_TILING (the interpreter: present and all, default tiling only)."""
+    n_rows = int(mib * MIB) // 2 // 128
+    tilings = [("default", echo4.default_config(128, kind, n_rows), ECHO_VARIANTS)]
+    if not interp:
+        other = ECHO_OTHER_TILING[mib]
+        tilings.append(("{}/{}w/{}t".format(*other[:3]), _tiling(*other),
+                        {k: ECHO_VARIANTS[k] for k in ("present", "all")}))
+    return [(kind, mib, label, name, echo4.with_options(base, **opts))
+            for label, base, variants in tilings for name, opts in variants.items()
+            if not interp or name in ("present", "all")]
 
 
 def echo_tune_rows(roof) -> list[dict]:
-    """echo4's kernels under other tilings (B = 128)."""
+    """echo4's kernels (bf16, B = 128) under each tile-math variant and tiling
+    (`echo_tune_cases`): one row per configuration, and a table of the fraction of the
+    roofline per variant side by side."""
     c = codecs.get("echo4")
     rows = []
-    configs = ECHO_TUNE if not INTERP else ECHO_TUNE[1:3]   # CPU smoke: two of them
-    for (kind, sizes), cfg in itertools.product(ECHO_TUNE_AT, configs):
-        for mib in sizes if not INTERP else (0.0625,):
-            try:
-                r = measure(kind, "triton", c, int(mib * MIB) // 2, roof, cfg)
-                r.pop("device_kernels", None)
-            except Exception as e:   # a config that does not compile or launch is a finding
-                r = {"kernel": kind, "codec": c.name, "mib": mib,
-                     "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            r.update(elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
-                     tiles_per_program=cfg.tiles_per_program, num_stages=cfg.num_stages)
-            rows.append(r)
-            print(r, flush=True)
+    for kind, mib, label, variant, cfg in echo_tune_cases():
+        try:
+            r = measure(kind, "triton", c, int(mib * MIB) // 2, roof, cfg)
+            r.pop("device_kernels", None)
+        except Exception as e:   # a config that does not compile or launch is a finding
+            r = {"kernel": kind, "codec": c.name, "mib": mib,
+                 "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        r.update(tiling=label, variant=variant, pairs=cfg.pairs, lean=cfg.lean,
+                 scale_words=cfg.scale_words,
+                 elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
+                 tiles_per_program=cfg.tiles_per_program, num_stages=cfg.num_stages)
+        rows.append(r)
+        print(r, flush=True)
+    print_echo_tune(rows)
     return rows
+
+
+def print_echo_tune(rows: list[dict]) -> None:
+    """One line per kernel, size and tiling: each variant's fraction of the device-timed
+    roofline (host-timed where there is no device time; "err" where it failed)."""
+    key = lambda r: (r["kernel"], r["mib"], r["tiling"])
+    table = {}
+    for r in rows:
+        frac = r.get("device_fraction", r.get("host_fraction"))
+        table.setdefault(key(r), {})[r["variant"]] = "err" if "error" in r else frac
+    cols = ["kernel", "mib", "tiling", *ECHO_VARIANTS]
+    print_table([{"kernel": k, "mib": m, "tiling": t, **v} for (k, m, t), v in table.items()],
+                cols)
 
 
 def hlo_custom_calls() -> dict:
@@ -483,9 +533,6 @@ def main(argv=None):
         write_json(args.out, result)
     if args.tune and echo:
         result["tune_echo"] = echo_tune_rows(roof)
-        print_table(result["tune_echo"], ["kernel", "mib", "elements_per_tile", "num_warps",
-                                          "tiles_per_program", "num_stages", "device_us",
-                                          "device_fraction"])
         write_json(args.out, result)
     if args.tune and not INTERP and len(echo) < len(cs):
         result["tune"] = tune_rows([16, 256], roof)

@@ -137,6 +137,87 @@ def test_tilings_are_bit_identical():
                           _decode_sum_ref(recv, c, jnp.float32))
 
 
+# -- the tile-math variants (echo4.EchoConfig: pairs, lean, scale_words) --------------------------
+ALL_VARIANTS = dict(pairs=True, lean=True, scale_words=True)
+VARIANT_CASES = [("echo4", 128, "bf16", ALL_VARIANTS), ("echo4", 64, "f16", ALL_VARIANTS),
+                 ("echo4", 32, "f32", ALL_VARIANTS), ("int4-sym", 128, "bf16", ALL_VARIANTS),
+                 ("int4-sym", 64, "f16", ALL_VARIANTS)]
+VARIANT_CASES += [("echo4", 128, "bf16", {k: True}) for k in ALL_VARIANTS]
+
+
+def variant_id(v):
+    return "+".join(v) if isinstance(v, dict) else case_id(v)
+
+
+@pytest.mark.parametrize("name,b,dt,opts", VARIANT_CASES, ids=variant_id)
+def test_variants_match_reference_bytes(name, b, dt, opts):
+    """Each variant alone and all together, every kernel, bit for bit as the references:
+    odd row counts (a partial tile, masks), NaN / ±Inf / zero / one-signed / huge groups;
+    16-bit data as uint32 pairs (pairs), f32 data on the split path."""
+    c, x = case(name, b, dt, echo_rows, n_rows_for(b), seed=6)
+    n, t = x.shape[0], DTYPES[dt]
+    cfg = echo4.with_options(echo4.default_config(b, "compress", n), **opts)
+    assert cfg.pairs == opts.get("pairs", False) and not cfg.interpret
+    wr = _compress_ref(x, c)
+    assert bits_equal(echo4.compress(x, c, cfg, INTERPRET), wr)
+    r = jnp.asarray(np.random.default_rng(7).standard_normal((n, b)).astype(np.float32) * .1)
+    fk, ek = echo4.compress_feedback(x, r, c, cfg, INTERPRET)
+    fr, er = _feedback_ref(x, r, c)
+    assert bits_equal(fk, fr) and bits_equal(ek, er)
+    for out in {jnp.float32, t}:
+        assert bits_equal(echo4.decompress(wr, c, out, cfg, INTERPRET),
+                          _decompress_ref(wr, c, out)), out
+    peers = [_compress_ref(jnp.asarray(echo_rows(n, b, "f32", seed=20 + k)), c)
+             for k in range(3)]
+    peers[1] = jnp.full_like(peers[1], 0xFF)           # me's slot: never read
+    recv = jnp.stack(peers)
+    own = jnp.asarray(np.random.default_rng(8).standard_normal((n + 3, b))
+                      .astype(np.float32)).astype(t)
+    assert bits_equal(echo4.reduce(recv, own, 1, c, cfg, INTERPRET, own_row0=3),
+                      _reduce_ref(recv, own, jnp.int32(1), c, 3))
+    recv = jnp.stack([peers[0], peers[2], wr])
+    for out in {jnp.float32, t}:
+        assert bits_equal(echo4.decode_sum(recv, c, out, cfg, INTERPRET),
+                          _decode_sum_ref(recv, c, out)), out
+
+
+def test_variants_under_a_looped_tiling():
+    """All variants with a loop over tiles per program (one warp, masked last tiles)."""
+    from taco_jax.kernels import tiling
+    c = codecs.get("echo4")
+    x = jnp.asarray(echo_rows(301, 128, "bf16", seed=4)).astype(jnp.bfloat16)
+    cfg = echo4.with_options(tiling.KernelConfig(blocks_per_program=8, num_warps=1,
+                                                 num_stages=3, tiles_per_program=8),
+                             **ALL_VARIANTS)
+    wr = _compress_ref(x, c)
+    recv = jnp.stack([wr, wr[::-1]])
+    assert bits_equal(echo4.compress(x, c, cfg, INTERPRET), wr)
+    assert bits_equal(echo4.decompress(wr, c, jnp.bfloat16, cfg, INTERPRET),
+                      _decompress_ref(wr, c, jnp.bfloat16))
+    assert bits_equal(echo4.reduce(recv, x, 0, c, cfg, INTERPRET),
+                      _reduce_ref(recv, x, jnp.int32(0), c))
+    assert bits_equal(echo4.decode_sum(recv, c, jnp.bfloat16, cfg, INTERPRET),
+                      _decode_sum_ref(recv, c, jnp.bfloat16))
+
+
+def test_pairs_are_a_bitcast():
+    """to_pairs / from_pairs / to_words: element 2i in the low half, little-endian words;
+    what the kernels' pair math assumes."""
+    x = jnp.asarray(np.arange(8, dtype=np.float32).reshape(2, 4)).astype(jnp.bfloat16)
+    u = np.asarray(echo4.to_pairs(x))
+    bits = np.asarray(x).view(np.uint16).astype(np.uint32)
+    np.testing.assert_array_equal(u, bits[:, 0::2] | (bits[:, 1::2] << 16))
+    assert bits_equal(echo4.from_pairs(jnp.asarray(u), jnp.bfloat16), x)
+    w = np.arange(16, dtype=np.uint8).reshape(2, 8)
+    np.testing.assert_array_equal(np.asarray(echo4.to_words(jnp.asarray(w))),
+                                  w.view("<u4"))
+    cfg = echo4.with_options(echo4.default_config(128, "compress"), pairs=True)
+    assert echo4.with_options(cfg, lean=True) == echo4.EchoConfig(
+        **{**vars(cfg), "lean": True})
+    assert echo4.default_config(128, "compress") != echo4.with_options(
+        echo4.default_config(128, "compress"))       # another static config, another jit
+
+
 # -- error feedback fused into compress ---------------------------------------------------------
 @pytest.mark.parametrize("name,b,dt", [("echo4", 128, "bf16"), ("int4-sym", 32, "f32")],
                          ids=case_id)
@@ -373,20 +454,20 @@ def test_wrappers_validate():
 
 
 # -- Triton lowering for an H200, on CPU (conftest's h200 fixture) ----------------------------------
-def lower(kernel, c, dt):
+def lower(kernel, c, dt, cfg=None):
     n, b, sds = 100, c.block_size, jax.ShapeDtypeStruct
     wire = sds((n, c.row_bytes), jnp.uint8)
     fns = {
-        "compress": (lambda x, s: echo4.compress(x, c, skip_start=s, skip_rows=8),
+        "compress": (lambda x, s: echo4.compress(x, c, cfg, skip_start=s, skip_rows=8),
                      sds((n, b), dt), sds((), jnp.int32)),
-        "compress_feedback": (lambda x, r: echo4.compress_feedback(x, r, c),
+        "compress_feedback": (lambda x, r: echo4.compress_feedback(x, r, c, cfg),
                               sds((n, b), dt), sds((n, b), jnp.float32)),
-        "decompress": (lambda w: echo4.decompress(w, c, dt), wire),
-        "reduce": (lambda r, x, me: echo4.reduce(r, x, me, c, own_row0=me),
+        "decompress": (lambda w: echo4.decompress(w, c, dt, cfg), wire),
+        "reduce": (lambda r, x, me: echo4.reduce(r, x, me, c, cfg, own_row0=me),
                    sds((2, n, c.row_bytes), jnp.uint8), sds((2 * n, b), dt),
                    sds((), jnp.int32)),
-        "decode_sum": (lambda r: echo4.decode_sum(r, c, dt), sds((2, n, c.row_bytes),
-                                                                 jnp.uint8)),
+        "decode_sum": (lambda r: echo4.decode_sum(r, c, dt, cfg), sds((2, n, c.row_bytes),
+                                                                      jnp.uint8)),
     }
     f, *args = fns[kernel]
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -403,6 +484,25 @@ def test_lowers_to_one_triton_call(h200, kernel, name, b, dt):
     assert f'name = "echo4_{kernel}"' in text
     if kernel in ("compress", "compress_feedback", "reduce"):   # the encode's PTX
         assert "mul.rn.f32" in text and "rcp.approx.f32" in text
+
+
+@pytest.mark.parametrize("name,b,dt", [("echo4", 128, jnp.bfloat16), ("echo4", 64, jnp.float16),
+                                       ("int4-sym", 32, jnp.float32)],
+                         ids=lambda v: getattr(v, "__name__", case_id(v)))
+@pytest.mark.parametrize("kernel", ["compress", "compress_feedback", "decompress", "reduce",
+                                    "decode_sum"])
+def test_variants_lower_to_one_triton_call(h200, kernel, name, b, dt):
+    """pairs + lean + scale_words lower for an H200: one Triton call, no split or join of
+    16-bit data (16-bit outputs leave through cvt.rn.*x2.f32 pairs), the encode's PTX."""
+    cfg = echo4.with_options(echo4.default_config(b, kernel if kernel in (
+        "decompress", "reduce", "decode_sum") else "compress"), **ALL_VARIANTS)
+    text = lower(kernel, codecs.get(name, block_size=b), dt, cfg)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert f'name = "echo4_{kernel}"' in text
+    if kernel in ("compress", "compress_feedback", "reduce"):
+        assert "mul.rn.f32" in text and "rcp.approx.f32" in text
+    if kernel in ("decompress", "decode_sum"):
+        assert ("x2.f32" in text) == (dt != jnp.float32)
 
 
 def test_default_tilings_by_size():

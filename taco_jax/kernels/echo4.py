@@ -22,15 +22,22 @@ A group with NaN or ±Inf is found by Σ x·0 (0 for finite x, NaN otherwise, an
 overflow); it gets codes 0, scale NaN and zero point 0, as the reference, and decodes to
 NaN. tah4 (a Hadamard rotation before the grid) has no kernel: its reference rotates in
 f32, which the tensor-core dots of the TACO kernels would not reproduce byte for byte.
+
+`EchoConfig` selects variants of the tile math that write the same bytes with fewer
+instructions: 16-bit data as uint32 pairs instead of the even/odd split and join, a leaner
+encode and decode, scales read as words. They are off by default until timed against the
+present path (`python -m bench.kernels --codecs echo4 --tune`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.codecs import echo as _echo
 from taco_jax.codecs.base import check_float
@@ -74,6 +81,70 @@ def default_config(block_size: int, kernel: str, n_rows: int | None = None
                                num_stages=3, tiles_per_program=8)
 
 
+@dataclasses.dataclass(frozen=True)
+class EchoConfig(tiling.KernelConfig):
+    """A tiling plus the tile-math variants of these kernels (all off: the measured
+    default). Every variant writes the same bytes; they differ in instructions.
+
+    * pairs: bf16 and f16 data cross the kernel boundary as uint32 pairs (element 2i in
+      the low half, 2i+1 in the high half; a free bitcast in XLA), so a tile needs no
+      even/odd split or join: even = f32 bits u << 16, odd = u & 0xFFFF0000 (bf16; f16
+      through its 16-bit halves), and decoded pairs go out as one conversion of both
+      halves (PTX cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, the rounding of astype). Inputs
+      x of compress / compress_feedback and the reduce's own rows; outputs of decompress
+      and decode_sum. f32 data keeps the split and join.
+    * lean: fewer instructions per element in the encode and decode (`encode_tile`,
+      `decode_codes`): the NaN/Inf test from the row sum of the products x·(1/s), which
+      the codes need anyway, instead of Σ x·0; codes of such a group zeroed by the clip's
+      upper bound (0 there, 15 elsewhere) instead of a select per byte; decode's q − z as
+      the float 2^23 + q less 2^23 + z, one subtraction.
+    * scale_words: the decoders read s (and z) as f32 words from a uint32 view of the wire
+      (again a free bitcast) rather than assembling them from four bytes with a row
+      reduction each; the encoders write each scale byte as its own (tm, 1) column.
+    """
+    pairs: bool = False
+    lean: bool = False
+    scale_words: bool = False
+
+
+def with_options(cfg: tiling.KernelConfig, **options) -> EchoConfig:
+    """cfg as an EchoConfig with the given variants (pairs, lean, scale_words) set."""
+    if isinstance(cfg, EchoConfig):
+        return dataclasses.replace(cfg, **options)
+    base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tiling.KernelConfig)}
+    return EchoConfig(**base, **options)
+
+
+def _opt(cfg, name: str) -> bool:
+    return bool(getattr(cfg, name, False))
+
+
+PAIR_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _pair_dtype(cfg, dtype):
+    """The 16-bit dtype whose elements travel as uint32 pairs under cfg, or None."""
+    dtype = jnp.dtype(dtype)
+    return dtype if _opt(cfg, "pairs") and dtype in PAIR_DTYPES else None
+
+
+def to_pairs(x):
+    """(n, B) bf16 / f16 → (n, B/2) uint32: element 2i in the low half (a bitcast)."""
+    n, b = x.shape
+    return lax.bitcast_convert_type(x.reshape(n, b // 2, 2), jnp.uint32)
+
+
+def from_pairs(u, dtype):
+    """`to_pairs`' inverse: (n, B/2) uint32 → (n, B) dtype."""
+    n, h = u.shape
+    return lax.bitcast_convert_type(u, dtype).reshape(n, 2 * h)
+
+
+def to_words(w):
+    """(..., row_bytes) uint8 wire → (..., row_bytes/4) uint32 (a bitcast; little-endian)."""
+    return lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
+
+
 # -- tile math ((tm, B/2) halves: even and odd elements) ------------------------------------
 def _halves(v):
     """(tm, B) → even, odd: (tm, B/2) each, the low and high nibbles' elements."""
@@ -85,6 +156,30 @@ def _interleave(even, odd):
     """even, odd (tm, B/2) → (tm, B)."""
     tm, h = even.shape
     return lax.stack([even, odd], axis=2).reshape(tm, 2 * h)
+
+
+def _unpair(u, dtype):
+    """(tm, B/2) uint32 pairs of `dtype` (bf16 / f16) → even, odd (tm, B/2) f32, exactly."""
+    if dtype == jnp.bfloat16:
+        return (lax.bitcast_convert_type(lax.shift_left(u, np.uint32(16)), jnp.float32),
+                lax.bitcast_convert_type(u & np.uint32(0xFFFF0000), jnp.float32))
+    halves = (u & np.uint32(0xFFFF), lax.shift_right_logical(u, np.uint32(16)))
+    return tuple(lax.bitcast_convert_type(h.astype(jnp.uint16), dtype).astype(jnp.float32)
+                 for h in halves)
+
+
+def _pair(even, odd, dtype, cfg):
+    """even, odd (tm, B/2) f32 → (tm, B/2) uint32 pairs of `dtype` (bf16 / f16), each
+    rounded as astype(dtype) rounds: on the GPU one cvt.rn.{bf16,f16}x2.f32 per pair (its
+    first operand goes to the high half)."""
+    if cfg.interpret:
+        e, o = (lax.bitcast_convert_type(v.astype(dtype), jnp.uint16).astype(jnp.uint32)
+                for v in (even, odd))
+        return e | lax.shift_left(o, np.uint32(16))
+    kind = "bf16x2" if dtype == jnp.bfloat16 else "f16x2"
+    return plgpu.elementwise_inline_asm(
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", args=[odd, even], constraints="=r,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(even.shape, jnp.uint32)])[0]
 
 
 def _rint(y):
@@ -116,9 +211,14 @@ def _recip(s, cfg):
     return tiling.ptx("rcp.approx.f32", s)
 
 
+def _float_bits(q):
+    """int32 0 ≤ q < 2^23 → the f32 2^23 + q."""
+    return lax.bitcast_convert_type(q | _FLOAT_BITS, jnp.float32)
+
+
 def _to_float(q):
     """int32 0 ≤ q < 2^23 → f32, exactly."""
-    return lax.bitcast_convert_type(q | _FLOAT_BITS, jnp.float32) - np.float32(2 ** 23)
+    return _float_bits(q) - np.float32(2 ** 23)
 
 
 def _row_min(even, odd):
@@ -130,10 +230,17 @@ def _row_max(even, odd):
 
 
 def encode_tile(xe, xo, codec, cfg):
-    """even, odd (tm, B/2) f32 → (code bytes (tm, B/2) uint8, scale bytes (tm, 4·n) uint8,
-    codes (qe, qo) int32, s, z (tm, 1) f32 as sent). `asym_params` / `sym_params`,
-    `quantize4` and `pack_nibbles` of the codec."""
-    bad = jnp.logical_not(jnp.sum(xe * 0.0 + xo * 0.0, axis=1, keepdims=True) == 0)
+    """even, odd (tm, B/2) f32 → (code bytes (tm, B/2) uint8, scale bytes (tm, 4·n) uint8
+    (None under scale_words: the caller stores `scale_byte_columns`), codes (qe, qo)
+    int32, s, z (tm, 1) f32 as sent). `asym_params` / `sym_params`, `quantize4` and
+    `pack_nibbles` of the codec.
+
+    Under cfg.lean the group is non-finite exactly where Σ x·(1/s) is: a finite group has
+    |x·(1/s)| ≤ 15 (+ rounding) element by element; an Inf makes s Inf (min / max keep it,
+    even Triton's NaN-ignoring ones), so 1/s = 0 and Inf·0 = NaN; a NaN stays NaN."""
+    lean = _opt(cfg, "lean")
+    if not lean:
+        bad = jnp.logical_not(jnp.sum(xe * 0.0 + xo * 0.0, axis=1, keepdims=True) == 0)
     if codec.symmetric:
         m = _row_max(jnp.abs(xe), jnp.abs(xo))
         s = jnp.maximum(m * np.float32(1 / _echo.SYM_QMAX), _echo.SCALE_MIN)
@@ -146,9 +253,17 @@ def encode_tile(xe, xo, codec, cfg):
     inv = _recip(s, cfg)
     if not codec.symmetric:
         zi = jnp.clip(_rint(_mul_rn(-lo, inv, cfg)), 0, LEVELS)
-    qe = jnp.clip(_rint(_mul_rn(xe, inv, cfg)) + zi, 0, LEVELS)
-    qo = jnp.clip(_rint(_mul_rn(xo, inv, cfg)) + zi, 0, LEVELS)
-    code_bytes = jnp.where(bad, 0, qe | lax.shift_left(qo, 4)).astype(jnp.uint8)
+    ye, yo = _mul_rn(xe, inv, cfg), _mul_rn(xo, inv, cfg)
+    if lean:
+        bad = jnp.logical_not(jnp.abs(jnp.sum(ye + yo, axis=1, keepdims=True)) < np.inf)
+        top = jnp.where(bad, 0, LEVELS)           # the group's codes clip to 0
+        qe = jnp.clip(_rint(ye) + zi, 0, top)
+        qo = jnp.clip(_rint(yo) + zi, 0, top)
+        code_bytes = (qe | lax.shift_left(qo, 4)).astype(jnp.uint8)
+    else:
+        qe = jnp.clip(_rint(ye) + zi, 0, LEVELS)
+        qo = jnp.clip(_rint(yo) + zi, 0, LEVELS)
+        code_bytes = jnp.where(bad, 0, qe | lax.shift_left(qo, 4)).astype(jnp.uint8)
     s = jnp.where(bad, jnp.float32(np.nan), s)                 # the group decodes NaN
     if codec.symmetric:
         z = jnp.full_like(s, SYM_ZERO)
@@ -156,24 +271,71 @@ def encode_tile(xe, xo, codec, cfg):
     else:
         z = jnp.where(bad, 0.0, _to_float(zi))
         scales = [s, z]
-    return code_bytes, quant.pack_scales(scales), (qe, qo), s, z
+    scale_bytes = None if _opt(cfg, "scale_words") else quant.pack_scales(scales)
+    return code_bytes, scale_bytes, (qe, qo), s, z
 
 
-def decode_codes(qe, qo, s, z):
-    """`dequantize4`: (q − z)·s of the even and odd codes."""
+def scale_byte_columns(s, z, codec):
+    """The 4·n scale bytes of a row as (tm, 1) uint8 columns, little-endian (s, then z)."""
+    out = []
+    for v in [s] if codec.symmetric else [s, z]:
+        bits = lax.bitcast_convert_type(v, jnp.uint32)
+        out += [(lax.shift_right_logical(bits, np.uint32(8 * k)) & np.uint32(0xFF)
+                 ).astype(jnp.uint8) for k in range(4)]
+    return out
+
+
+def decode_codes(qe, qo, s, z, cfg=None):
+    """`dequantize4`: (q − z)·s of the even and odd codes. Under cfg.lean q − z is the
+    float 2^23 + q less 2^23 + z: both exact for the integer z in [0, 15] that compress
+    writes, so the difference is the same exact q − z, in one subtraction."""
+    if _opt(cfg, "lean"):
+        zb = z + np.float32(2 ** 23)
+        return ((_float_bits(qe) - zb) * s, (_float_bits(qo) - zb) * s)
     return (_to_float(qe) - z) * s, (_to_float(qo) - z) * s
 
 
-def decode_tile(code_bytes, scale_bytes, codec):
-    """(tm, B/2) uint8 codes + (tm, 4·n) uint8 scales → even, odd (tm, B/2) f32."""
+def decode_tile(code_bytes, scale_bytes, codec, cfg=None):
+    """(tm, B/2) uint8 codes + the row's scales → even, odd (tm, B/2) f32. scale_bytes:
+    (tm, 4·n) uint8, or under scale_words the list of (tm, 1) f32 scales."""
     c = code_bytes.astype(jnp.int32)
-    scales = quant.unpack_scales(scale_bytes, codec.n_scales)
+    scales = (scale_bytes if _opt(cfg, "scale_words")
+              else quant.unpack_scales(scale_bytes, codec.n_scales))
     z = jnp.float32(SYM_ZERO) if codec.symmetric else scales[1]
-    return decode_codes(c & 0xF, lax.shift_right_logical(c, 4), scales[0], z)
+    return decode_codes(c & 0xF, lax.shift_right_logical(c, 4), scales[0], z, cfg)
 
 
 # -- kernels -----------------------------------------------------------------------------------
-def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback):
+def _load_halves(ref, t, tm, b, rows, pairs, row0=0):
+    """Even and odd f32 elements of a (tm, B) tile of float data, or of its (tm, B/2)
+    uint32 pairs of `pairs` (bf16 / f16; None: the data's own dtype, split)."""
+    if pairs is None:
+        return _halves(tiling.load_rows(ref, t, tm, 0, b, rows, row0=row0)
+                       .astype(jnp.float32))
+    return _unpair(tiling.load_rows(ref, t, tm, 0, b // 2, rows, row0=row0), pairs)
+
+
+def _store_decoded(o_ref, t, ve, vo, tm, rows, pairs, cfg):
+    """Decoded even, odd (tm, B/2) f32 → o_ref's rows: uint32 pairs of `pairs`, or the
+    interleaved tile in o_ref's dtype."""
+    if pairs is None:
+        tiling.store_rows(o_ref, t, _interleave(ve, vo).astype(o_ref.dtype), tm, 0, rows)
+    else:
+        tiling.store_rows(o_ref, t, _pair(ve, vo, pairs, cfg), tm, 0, rows)
+
+
+def _store_encoded(o_ref, t, enc, tm, half, rows, codec):
+    """encode_tile's code and scale bytes → the wire rows."""
+    code_bytes, scale_bytes, _, s, z = enc
+    tiling.store_rows(o_ref, t, code_bytes, tm, 0, rows)
+    if scale_bytes is not None:
+        tiling.store_rows(o_ref, t, scale_bytes, tm, half, rows)
+        return
+    for k, col in enumerate(scale_byte_columns(s, z, codec)):
+        tiling.store_rows(o_ref, t, col, tm, half + k, rows)
+
+
+def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback, pairs=None):
     if feedback:
         x_ref, r_ref, skip_ref, o_ref, e_ref = refs
     else:
@@ -183,69 +345,88 @@ def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback):
     skip0 = skip_ref[0]
 
     def work(t):
-        x = tiling.load_rows(x_ref, t, tm, 0, b, rows).astype(jnp.float32)
-        if feedback:          # the site's input less this device's share of the last error
-            x = x - tiling.load_rows(r_ref, t, tm, 0, b, rows)
-        xe, xo = _halves(x)
-        code_bytes, scale_bytes, (qe, qo), s, z = encode_tile(xe, xo, codec, cfg)
-        tiling.store_rows(o_ref, t, code_bytes, tm, 0, rows)
-        tiling.store_rows(o_ref, t, scale_bytes, tm, b // 2, rows)
+        if pairs is None:
+            x = tiling.load_rows(x_ref, t, tm, 0, b, rows).astype(jnp.float32)
+            if feedback:      # the site's input less this device's share of the last error
+                x = x - tiling.load_rows(r_ref, t, tm, 0, b, rows)
+            xe, xo = _halves(x)
+        else:
+            xe, xo = _load_halves(x_ref, t, tm, b, rows, pairs)
+            if feedback:
+                re, ro = _halves(tiling.load_rows(r_ref, t, tm, 0, b, rows))
+                xe, xo = xe - re, xo - ro
+        enc = encode_tile(xe, xo, codec, cfg)
+        _store_encoded(o_ref, t, enc, tm, b // 2, rows, codec)
         if feedback:          # new residual: decode(encode(x − r)) − (x − r)
-            de, do = decode_codes(qe, qo, s, z)
+            _, _, (qe, qo), s, z = enc
+            de, do = decode_codes(qe, qo, s, z, cfg)
             tiling.store_rows(e_ref, t, _interleave(de - xe, do - xo), tm, 0, rows)
 
     tiling.for_each_tile_outside(cfg, n_rows, work, skip0, skip_rows)
 
 
-def decompress_kernel(w_ref, o_ref, *, codec, cfg, n_rows):
+def _decode_rows(r_ref, r32_ref, t, tm, half, rows, codec, cfg, lead=()):
+    """Decode wire rows (of peer lead, where given): even, odd (tm, B/2) f32. r32_ref: the
+    wire as uint32 words (scale_words), else None."""
+    code_bytes = tiling.load_rows(r_ref, t, tm, 0, half, rows, lead=lead)
+    if r32_ref is None:
+        scales = tiling.load_rows(r_ref, t, tm, half, 4 * codec.n_scales, rows, lead=lead)
+    else:
+        scales = [lax.bitcast_convert_type(
+            tiling.load_rows(r32_ref, t, tm, half // 4 + k, 1, rows, lead=lead), jnp.float32)
+            for k in range(codec.n_scales)]
+    return decode_tile(code_bytes, scales, codec, cfg)
+
+
+def _split_refs(refs, cfg):
+    """(wire ref, its uint32 view or None, the other refs) of a decoding kernel."""
+    if _opt(cfg, "scale_words"):
+        return refs[0], refs[1], refs[2:]
+    return refs[0], None, refs[1:]
+
+
+def decompress_kernel(*refs, codec, cfg, n_rows, pairs=None):
+    w_ref, w32_ref, (o_ref,) = _split_refs(refs, cfg)
     tm, half = cfg.blocks_per_program, codec.block_size // 2
     rows = tiling.mask_rows(cfg, n_rows)
 
     def tile(t):
-        code_bytes = tiling.load_rows(w_ref, t, tm, 0, half, rows)
-        scale_bytes = tiling.load_rows(w_ref, t, tm, half, 4 * codec.n_scales, rows)
-        ve, vo = decode_tile(code_bytes, scale_bytes, codec)
-        tiling.store_rows(o_ref, t, _interleave(ve, vo).astype(o_ref.dtype), tm, 0, rows)
+        ve, vo = _decode_rows(w_ref, w32_ref, t, tm, half, rows, codec, cfg)
+        _store_decoded(o_ref, t, ve, vo, tm, rows, pairs, cfg)
     tiling.for_each_tile(cfg, n_rows, tile)
 
 
-def _decode_peer(r_ref, p, t, tm, half, ns, rows, codec):
-    code_bytes = tiling.load_rows(r_ref, t, tm, 0, half, rows, lead=(p,))
-    scale_bytes = tiling.load_rows(r_ref, t, tm, half, 4 * ns, rows, lead=(p,))
-    return decode_tile(code_bytes, scale_bytes, codec)
-
-
-def reduce_kernel(r_ref, x_ref, idx_ref, o_ref, *, codec, cfg, n_rows, n_peers):
-    tm, b, ns = cfg.blocks_per_program, codec.block_size, codec.n_scales
+def reduce_kernel(*refs, codec, cfg, n_rows, n_peers, pairs=None):
+    r_ref, r32_ref, (x_ref, idx_ref, o_ref) = _split_refs(refs, cfg)
+    tm, b = cfg.blocks_per_program, codec.block_size
     me, own_row0 = idx_ref[0], idx_ref[1]
     rows = tiling.mask_rows(cfg, n_rows)
 
     def tile(t):
-        own = tiling.load_rows(x_ref, t, tm, 0, b, rows, row0=own_row0)
-        acc = _halves(own.astype(jnp.float32))
+        acc = _load_halves(x_ref, t, tm, b, rows, pairs, row0=own_row0)
         for p in range(n_peers):   # P is small (the TP degree): unrolled, in device order
             def add(a, p=p):
-                de, do = _decode_peer(r_ref, p, t, tm, b // 2, ns, rows, codec)
+                de, do = _decode_rows(r_ref, r32_ref, t, tm, b // 2, rows, codec, cfg,
+                                      lead=(p,))
                 return a[0] + de, a[1] + do
             # The own copy is skipped (never read: the sender may not have written it);
             # the exact input stands in for it.
             acc = lax.cond(me == p, lambda a: a, add, acc)
-        code_bytes, scale_bytes, *_ = encode_tile(*acc, codec, cfg)
-        tiling.store_rows(o_ref, t, code_bytes, tm, 0, rows)
-        tiling.store_rows(o_ref, t, scale_bytes, tm, b // 2, rows)
+        _store_encoded(o_ref, t, encode_tile(*acc, codec, cfg), tm, b // 2, rows, codec)
     tiling.for_each_tile(cfg, n_rows, tile)
 
 
-def decode_sum_kernel(r_ref, o_ref, *, codec, cfg, n_rows, n_parts):
-    tm, half, ns = cfg.blocks_per_program, codec.block_size // 2, codec.n_scales
+def decode_sum_kernel(*refs, codec, cfg, n_rows, n_parts, pairs=None):
+    r_ref, r32_ref, (o_ref,) = _split_refs(refs, cfg)
+    tm, half = cfg.blocks_per_program, codec.block_size // 2
     rows = tiling.mask_rows(cfg, n_rows)
 
     def tile(t):
         acc = None
         for p in range(n_parts):      # P is small: unrolled, in device order
-            de, do = _decode_peer(r_ref, p, t, tm, half, ns, rows, codec)
+            de, do = _decode_rows(r_ref, r32_ref, t, tm, half, rows, codec, cfg, lead=(p,))
             acc = (de, do) if acc is None else (acc[0] + de, acc[1] + do)
-        tiling.store_rows(o_ref, t, _interleave(*acc).astype(o_ref.dtype), tm, 0, rows)
+        _store_decoded(o_ref, t, *acc, tm, rows, pairs, cfg)
     tiling.for_each_tile(cfg, n_rows, tile)
 
 
@@ -299,16 +480,18 @@ def _compress(x, r, codec, cfg, skip_start, skip_rows):
         raise ValueError(f"echo4 compress kernel: {skip_rows=} must be ≥ 0")
     n_rows = x.shape[0]
     feedback = r is not None
+    pairs = _pair_dtype(cfg, x.dtype)
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
-                               skip_rows=skip_rows, feedback=feedback)
+                               skip_rows=skip_rows, feedback=feedback, pairs=pairs)
     skip = jnp.asarray(skip_start, jnp.int32).reshape(1)
     wire = tiling.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
+    xin = x if pairs is None else to_pairs(x)
     if not feedback:
-        return tiling.launch(kernel, wire, n_rows, cfg, cfg.interpret, "echo4_compress", x,
+        return tiling.launch(kernel, wire, n_rows, cfg, cfg.interpret, "echo4_compress", xin,
                              skip)
     err = tiling.out_struct(x.shape, jnp.float32, x)
     return tiling.launch(kernel, (wire, err), n_rows, cfg, cfg.interpret,
-                         "echo4_compress_feedback", x, r, skip)
+                         "echo4_compress_feedback", xin, r, skip)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
@@ -320,9 +503,24 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
                          f"rows of {codec.row_bytes} bytes for {codec.name}")
     n_rows = w.shape[0]
     cfg = _config(cfg, codec, "decompress", interpret, n_rows)
-    kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
-    out = tiling.out_struct((n_rows, codec.block_size), out_dtype, w)
-    return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_decompress", w)
+    pairs = _pair_dtype(cfg, out_dtype)
+    kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
+                               pairs=pairs)
+    out = _decoded_struct(n_rows, codec, out_dtype, pairs, w)
+    y = tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_decompress",
+                      *_wire_args(w, cfg))
+    return y if pairs is None else from_pairs(y, pairs)
+
+
+def _decoded_struct(n_rows, codec, out_dtype, pairs, like):
+    if pairs is None:
+        return tiling.out_struct((n_rows, codec.block_size), out_dtype, like)
+    return tiling.out_struct((n_rows, codec.block_size // 2), jnp.uint32, like)
+
+
+def _wire_args(w, cfg):
+    """The wire, and under scale_words its uint32 view too."""
+    return (w, to_words(w)) if _opt(cfg, "scale_words") else (w,)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg", "interpret"))
@@ -339,11 +537,13 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
                          f"{codec.block_size})")
     n_peers, n_rows, row = recv.shape
     cfg = _config(cfg, codec, "reduce", interpret, n_rows)
+    pairs = _pair_dtype(cfg, own.dtype)
     idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
     kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
-                               n_peers=n_peers)
+                               n_peers=n_peers, pairs=pairs)
     out = tiling.out_struct((n_rows, row), jnp.uint8, own)
-    return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_reduce", recv, own, idx)
+    return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_reduce",
+                         *_wire_args(recv, cfg), own if pairs is None else to_pairs(own), idx)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
@@ -356,10 +556,13 @@ def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
                          f"(rows of {codec.row_bytes} bytes)")
     n_parts, n_rows, _ = recv.shape
     cfg = _config(cfg, codec, "decode_sum", interpret, n_rows)
+    pairs = _pair_dtype(cfg, out_dtype)
     kernel = functools.partial(decode_sum_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
-                               n_parts=n_parts)
-    out = tiling.out_struct((n_rows, codec.block_size), out_dtype, recv)
-    return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_decode_sum", recv)
+                               n_parts=n_parts, pairs=pairs)
+    out = _decoded_struct(n_rows, codec, out_dtype, pairs, recv)
+    y = tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_decode_sum",
+                      *_wire_args(recv, cfg))
+    return y if pairs is None else from_pairs(y, pairs)
 
 
 # -- references --------------------------------------------------------------------------------
