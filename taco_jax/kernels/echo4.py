@@ -86,7 +86,7 @@ class EchoConfig(tiling.KernelConfig):
     """A tiling plus the tile-math variants of these kernels (all off: the measured
     default). Every variant writes the same bytes; they differ in instructions.
 
-    * pairs: bf16 and f16 data cross the kernel boundary as uint32 pairs (element 2i in
+    * pairs: bf16 and f16 data cross the kernel boundary as 32-bit pairs (element 2i in
       the low half, 2i+1 in the high half; a free bitcast in XLA), so a tile needs no
       even/odd split or join: even = f32 bits u << 16, odd = u & 0xFFFF0000 (bf16; f16
       through its 16-bit halves), and decoded pairs go out as one conversion of both
@@ -135,7 +135,7 @@ def to_pairs(x):
 
 
 def from_pairs(u, dtype):
-    """`to_pairs`' inverse: (n, B/2) uint32 → (n, B) dtype."""
+    """`to_pairs`' inverse: (n, B/2) uint32 or int32 → (n, B) dtype."""
     n, h = u.shape
     return lax.bitcast_convert_type(u, dtype).reshape(n, 2 * h)
 
@@ -169,17 +169,18 @@ def _unpair(u, dtype):
 
 
 def _pair(even, odd, dtype, cfg):
-    """even, odd (tm, B/2) f32 → (tm, B/2) uint32 pairs of `dtype` (bf16 / f16), each
-    rounded as astype(dtype) rounds: on the GPU one cvt.rn.{bf16,f16}x2.f32 per pair (its
-    first operand goes to the high half)."""
+    """even, odd (tm, B/2) f32 → (tm, B/2) int32 pairs of `dtype` (bf16 / f16; int32, not
+    uint32: Triton's inline asm yields signless integers), each rounded as astype(dtype)
+    rounds: on the GPU one cvt.rn.{bf16,f16}x2.f32 per pair (its first operand goes to the
+    high half)."""
     if cfg.interpret:
         e, o = (lax.bitcast_convert_type(v.astype(dtype), jnp.uint16).astype(jnp.uint32)
                 for v in (even, odd))
-        return e | lax.shift_left(o, np.uint32(16))
+        return lax.bitcast_convert_type(e | lax.shift_left(o, np.uint32(16)), jnp.int32)
     kind = "bf16x2" if dtype == jnp.bfloat16 else "f16x2"
     return plgpu.elementwise_inline_asm(
         f"cvt.rn.{kind}.f32 $0, $1, $2;", args=[odd, even], constraints="=r,f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(even.shape, jnp.uint32)])[0]
+        result_shape_dtypes=[jax.ShapeDtypeStruct(even.shape, jnp.int32)])[0]
 
 
 def _rint(y):
@@ -316,7 +317,7 @@ def _load_halves(ref, t, tm, b, rows, pairs, row0=0):
 
 
 def _store_decoded(o_ref, t, ve, vo, tm, rows, pairs, cfg):
-    """Decoded even, odd (tm, B/2) f32 → o_ref's rows: uint32 pairs of `pairs`, or the
+    """Decoded even, odd (tm, B/2) f32 → o_ref's rows: int32 pairs of `pairs`, or the
     interleaved tile in o_ref's dtype."""
     if pairs is None:
         tiling.store_rows(o_ref, t, _interleave(ve, vo).astype(o_ref.dtype), tm, 0, rows)
@@ -515,7 +516,7 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
 def _decoded_struct(n_rows, codec, out_dtype, pairs, like):
     if pairs is None:
         return tiling.out_struct((n_rows, codec.block_size), out_dtype, like)
-    return tiling.out_struct((n_rows, codec.block_size // 2), jnp.uint32, like)
+    return tiling.out_struct((n_rows, codec.block_size // 2), jnp.int32, like)
 
 
 def _wire_args(w, cfg):
