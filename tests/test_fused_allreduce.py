@@ -175,7 +175,7 @@ def test_reference_is_the_one_shot(dtype):
                                rtol=1e-2, atol=1e-2)
 
 
-# -- the two-shot kernel (P ≥ 3; built and lowered, not yet run, so no collective picks it) --
+# -- the two-shot kernel (P ≥ 3; its GPU checks do not all pass, so no collective picks it) --
 def lowered_two_shot(shape, names, axis, vma, dtype=jnp.bfloat16):
     """HLO text of fa.two_shot_allreduce over `axis` of a mesh `names` → shape, lowered for
     CUDA; the other axes shard the input too."""
@@ -257,7 +257,7 @@ def test_two_shot_reference_keeps_non_finite_blocks_nan():
     assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
 
 
-# -- echo4 through the tile codec (built and lowered, not yet run, so not selected) ----------
+# -- echo4 through the tile codec --------------------------------------------------------------
 ECHO4 = codecs.get("echo4")
 
 
@@ -304,9 +304,19 @@ def test_echo4_and_taco_lower_to_different_kernels():
     assert fa.tile_codec(ECHO4).row_bytes == 144 and fa.tile_codec(TACO).row_bytes == 264
 
 
-def test_echo4_is_not_selected_by_the_collectives(gpu_here):
-    """Until its loopback checks pass on a GPU, echo4 at P = 2 takes the three-launch
+def test_echo4_is_selected_by_the_collectives(gpu_here):
+    """echo4's loopback checks have passed on a GPU: at P = 2 it takes the one-launch
+    kernel, like taco."""
+    assert fused.one_launch_reason(ECHO4, 2, jnp.bfloat16) is None
+    assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is None
+    text = lowered_psum((2,), ("tp",), "tp", False, codec="echo4")
+    assert "taco_fused_allreduce" in text and "taco_fused_exchange" not in text
+
+
+def test_a_tile_codec_unchecked_on_gpu_is_not_selected(gpu_here, monkeypatch):
+    """A codec whose tile math is built but not checked on a GPU takes the three-launch
     schedule (compress, exchange, decode_sum), never the one-launch kernel."""
+    monkeypatch.setattr(fa.Echo4Tiles, "checked_on_gpu", False)
     why = fused.one_launch_reason(ECHO4, 2, jnp.bfloat16)
     assert why is not None and "not yet checked on a GPU" in why
     assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is None

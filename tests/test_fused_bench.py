@@ -223,7 +223,9 @@ def test_echo4_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong):
     assert out.strip().splitlines()[-1].startswith("bench.fused: FAILED P=2")
 
 
-def test_echo4_runs_as_a_loopback_one_shot_only(tmp_path):
+def test_echo4_one_shot_only_and_unchecked_codecs_not_on_a_mesh(tmp_path, monkeypatch):
+    from taco_jax.kernels import fused_allreduce
+    monkeypatch.setattr(fused_allreduce.Echo4Tiles, "checked_on_gpu", False)
     with pytest.raises(SystemExit, match="do not select the one-launch kernel for echo4"):
         bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--out",
                           str(tmp_path / "no.json")])

@@ -12,14 +12,16 @@ Schedules, by axis size P:
     encodes its tiles, stores them into its own and the peer's receive buffers, signals per
     tile, and decodes both contributions in device order as they arrive: one quantization
     per element, bit-identical results on both devices.
-    The kernel has echo4's tile math too (`kernels.mosaic_echo4`), not selected until its
-    loopback checks pass on a GPU (`python -m bench.fused --codec echo4`).
+    The codecs: taco's FP8 family and echo4 (`kernels.mosaic_echo4`'s 4-bit tile math);
+    both passed their loopback checks on a GPU (`python -m bench.fused [--codec echo4]`).
   * P ≥ 3, and codecs the one-launch kernel does not cover: the schedules of `two_shot`
     with `exchange` (an all-gather or all-to-all by remote stores) carrying the bytes
     between the compress and decode kernels. The two-shot quantizes each element at most
     twice, as the xla transport does; codec "none" is the exact one-shot. A two-shot in
     one kernel exists (`kernels.fused_allreduce.two_shot_allreduce`) but is not selected
-    until its loopback checks pass on a GPU (`python -m bench.fused --kernel two_shot`).
+    until its loopback checks pass on a GPU (`python -m bench.fused --kernel two_shot`: on
+    an H200 P = 3 and 4 pass but for one call of P = 4, f32, 16 MiB whose error exceeded
+    the reference's by 17%; P = 8 has not run).
 
 XLA zeroes a kernel's semaphores and runs a cross-device barrier before it (the kernels
 never set `skip_device_barrier`), so no store reaches a peer whose previous call is still
@@ -79,8 +81,8 @@ def mesh_unavailable_reason(mesh) -> str | None:
 # -- one launch ---------------------------------------------------------------------------
 def one_launch_reason(codec, p: int, dtype) -> str | None:
     """Why `one_launch` does not cover this all-reduce (None: it does). A codec whose tile
-    math the kernel has but whose loopback checks have not passed on a GPU (echo4:
-    `fused_allreduce.Echo4Tiles`) is not selected."""
+    math the kernel has but whose loopback checks have not passed on a GPU
+    (`checked_on_gpu` of its tile codec) is not selected."""
     if p != 2:
         return f"P={p} (the one-launch schedule is the one-shot of P = 2)"
     why = fused_allreduce.unsupported(codec, p, dtype)
