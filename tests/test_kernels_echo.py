@@ -137,8 +137,8 @@ def test_tilings_are_bit_identical():
                           _decode_sum_ref(recv, c, jnp.float32))
 
 
-# -- the tile-math variants (echo4.EchoConfig: pairs, lean, scale_words) --------------------------
-ALL_VARIANTS = dict(pairs=True, lean=True, scale_words=True)
+# -- the tile-math variants (echo4.EchoConfig: pairs, lean, scale_words, scale_columns) ------------
+ALL_VARIANTS = dict(pairs=True, lean=True, scale_words=True, scale_columns=True)
 VARIANT_CASES = [("echo4", 128, "bf16", ALL_VARIANTS), ("echo4", 64, "f16", ALL_VARIANTS),
                  ("echo4", 32, "f32", ALL_VARIANTS), ("int4-sym", 128, "bf16", ALL_VARIANTS),
                  ("int4-sym", 64, "f16", ALL_VARIANTS)]
@@ -492,7 +492,7 @@ def test_lowers_to_one_triton_call(h200, kernel, name, b, dt):
 @pytest.mark.parametrize("kernel", ["compress", "compress_feedback", "decompress", "reduce",
                                     "decode_sum"])
 def test_variants_lower_to_one_triton_call(h200, kernel, name, b, dt):
-    """pairs + lean + scale_words lower for an H200: one Triton call, no split or join of
+    """All variants lower for an H200: one Triton call, no split or join of
     16-bit data (16-bit outputs leave through cvt.rn.*x2.f32 pairs), the encode's PTX."""
     cfg = echo4.with_options(echo4.default_config(b, kernel if kernel in (
         "decompress", "reduce", "decode_sum") else "compress"), **ALL_VARIANTS)

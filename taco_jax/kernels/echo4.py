@@ -25,8 +25,9 @@ f32, which the tensor-core dots of the TACO kernels would not reproduce byte for
 
 `EchoConfig` selects variants of the tile math that write the same bytes with fewer
 instructions: 16-bit data as uint32 pairs instead of the even/odd split and join, a leaner
-encode and decode, scales read as words. They are off by default until timed against the
-present path (`python -m bench.kernels --codecs echo4 --tune`).
+encode and decode, scales read as words or written as byte columns. They are off by
+default until timed against the present path (`python -m bench.kernels --codecs echo4
+--tune`).
 """
 from __future__ import annotations
 
@@ -98,17 +99,21 @@ class EchoConfig(tiling.KernelConfig):
       the codes need anyway, instead of Σ x·0; codes of such a group zeroed by the clip's
       upper bound (0 there, 15 elsewhere) instead of a select per byte; decode's q − z as
       the float 2^23 + q less 2^23 + z, one subtraction.
-    * scale_words: the decoders read s (and z) as f32 words from a uint32 view of the wire
-      (again a free bitcast) rather than assembling them from four bytes with a row
-      reduction each; the encoders write each scale byte as its own (tm, 1) column.
+    * scale_words: the decoders (decompress, reduce, decode_sum) read s (and z) as f32
+      words from a uint32 view of the wire (again a free bitcast) rather than assembling
+      them from four bytes with a row reduction each.
+    * scale_columns: the encoders (compress, compress_feedback, reduce) write each scale
+      byte as its own (tm, 1) column instead of one (tm, 4·n) tile of bytes.
     """
     pairs: bool = False
     lean: bool = False
     scale_words: bool = False
+    scale_columns: bool = False
 
 
 def with_options(cfg: tiling.KernelConfig, **options) -> EchoConfig:
-    """cfg as an EchoConfig with the given variants (pairs, lean, scale_words) set."""
+    """cfg as an EchoConfig with the given variants (pairs, lean, scale_words,
+    scale_columns) set."""
     if isinstance(cfg, EchoConfig):
         return dataclasses.replace(cfg, **options)
     base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tiling.KernelConfig)}
@@ -232,7 +237,7 @@ def _row_max(even, odd):
 
 def encode_tile(xe, xo, codec, cfg):
     """even, odd (tm, B/2) f32 → (code bytes (tm, B/2) uint8, scale bytes (tm, 4·n) uint8
-    (None under scale_words: the caller stores `scale_byte_columns`), codes (qe, qo)
+    (None under scale_columns: the caller stores `scale_byte_columns`), codes (qe, qo)
     int32, s, z (tm, 1) f32 as sent). `asym_params` / `sym_params`, `quantize4` and
     `pack_nibbles` of the codec.
 
@@ -272,7 +277,7 @@ def encode_tile(xe, xo, codec, cfg):
     else:
         z = jnp.where(bad, 0.0, _to_float(zi))
         scales = [s, z]
-    scale_bytes = None if _opt(cfg, "scale_words") else quant.pack_scales(scales)
+    scale_bytes = None if _opt(cfg, "scale_columns") else quant.pack_scales(scales)
     return code_bytes, scale_bytes, (qe, qo), s, z
 
 
