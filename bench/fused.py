@@ -127,18 +127,25 @@ def on_mesh(p: int, codec):
     return lambda xs: f(jax.device_put(xs, NamedSharding(mesh, P("tp"))))
 
 
-def fused_config(pairs):
-    """["order=loads_first", "programs=32"] → kernels.fused_allreduce.FusedConfig."""
+def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_shot"):
+    """["order=loads_first", "programs=32"] → kernels.fused_allreduce.FusedConfig: those
+    fields over the kernel's own default for this call (`fused_allreduce.default_config`;
+    the two-shot's: FusedConfig()); none → None (the kernel's default, as the collectives
+    call it)."""
     from taco_jax.kernels import fused_allreduce
+    fields = {f.name: f.type for f in dataclasses.fields(fused_allreduce.FusedConfig)}
     kw = {}
     for item in pairs or ():
         key, _, value = item.partition("=")
-        fields = {f.name: f.type for f in dataclasses.fields(fused_allreduce.FusedConfig)}
         if key not in fields:
             raise SystemExit(f"bench.fused: --config {item!r}: not a FusedConfig field "
                              f"({', '.join(fields)})")
         kw[key] = value if "str" in str(fields[key]) else int(value)
-    return fused_allreduce.FusedConfig(**kw)
+    if not kw:
+        return None
+    base = (fused_allreduce.default_config(codec, p, dtype)
+            if codec is not None and kernel == "one_shot" else fused_allreduce.FusedConfig())
+    return dataclasses.replace(base, **kw)
 
 
 def emulated_two_shot(xs, codec, wrong: str | None = None):
@@ -164,10 +171,11 @@ def implementation(name: str, codec, wrong: str | None, p: int, config=None,
     """The all-reduce under test: (P, n) → (P, n), row d what device d computed."""
     if name == "kernel":
         from taco_jax.kernels import fused_allreduce
-        cfg = fused_config(config)
+        fused_config(config)                       # a bad --config fails here, not traced
         fn = {"one_shot": fused_allreduce.loopback_allreduce,
               "two_shot": fused_allreduce.loopback_two_shot}[kernel]
-        return jax.jit(lambda xs: fn(xs, codec, cfg))
+        return jax.jit(lambda xs: fn(xs, codec, fused_config(config, codec, p, xs.dtype,
+                                                             kernel)))
     if name == "mesh":
         return on_mesh(p, codec)
     model = {"one_shot": emulated_loopback, "two_shot": emulated_two_shot}[kernel]
@@ -271,7 +279,7 @@ def run_config(a) -> dict:
            "variant": getattr(a, "variant", None) or "default",
            "kernel": label + "_two_shot" if two else label}
     # a measurement knob makes the results wrong on purpose: such a variant is timed only
-    checked = fused_config(a.config).ablate == "none"
+    checked = getattr(fused_config(a.config), "ablate", "none") == "none"   # knobs: any base
     row["checked"] = checked
     if not checked:
         row.update(ok=True, reason=None, calls=0)
@@ -431,8 +439,9 @@ def annotate(payload: dict, row_bytes: int, block: int = 256) -> dict:
 
 
 # -- attribution of the kernel's time (--ablate) ------------------------------------------------
-# Variants timed side by side: FusedConfig fields of each, and what its difference to the
-# default (variant − default, per device) estimates. "ablate=…" variants are measurement
+# Variants timed side by side: FusedConfig fields of each (over the kernel's default:
+# `fused_allreduce.default_config`), and what its difference to the default (variant −
+# default, per device) estimates. "ablate=…" variants are measurement
 # knobs (wrong results, timed only); the others are checked as usual. The most telling
 # first, so a run cut short keeps them; a variant that hangs (2 per SM, if its programs are
 # not all resident) costs only its own time limit.
@@ -444,9 +453,12 @@ VARIANTS = {
     "no_decode": (["ablate=no_decode"], "− the decode (loads kept)"),
     "no_encode": (["ablate=no_encode"], "− the encode and its staging"),
     "loads_first": (["order=loads_first"], "loads of tile i − 1 before encoding tile i"),
+    "one_per_sm": (["x_slots=2", "out_store=tma", "per_sm=1"],
+                   "double-buffered input, results by TMA, 1 program per SM"),
     "slim_2_per_sm": (["x_slots=1", "out_store=registers", "per_sm=2"],
                       "half the shared memory, 2 programs per SM"),
-    "slim": (["x_slots=1", "out_store=registers"], "half the shared memory, 1 per SM"),
+    "slim": (["x_slots=1", "out_store=registers", "per_sm=1"],
+             "half the shared memory, 1 per SM"),
     "encode_twice": (["ablate=encode_twice"], "+ one encode and its staging"),
     "decode_twice": (["ablate=decode_twice"], "+ one decode of the P tiles"),
 }

@@ -136,6 +136,26 @@ def test_two_programs_per_multiprocessor_fit_when_slim(p):
         lowered_loopback(p, jnp.float32, slim)
 
 
+def test_default_launch_shape_is_two_slim_programs_per_sm_where_they_fit():
+    """The measured default: 2 programs per multiprocessor with half the shared memory for
+    the FP8 codecs' 16-bit input; one per multiprocessor for f32 input (its staging does
+    not fit twice) and for echo4 (the shape its GPU checks passed with)."""
+    for p in (2, 4, 8):
+        for dt in (jnp.bfloat16, jnp.float16):
+            assert fa.default_config(TACO, p, dt) == fa.SLIM_2_PER_SM
+        assert fa.default_config(TACO, p, jnp.float32) == fa.FusedConfig()
+        assert fa.default_config(codecs.get("echo4"), p, jnp.bfloat16) == fa.FusedConfig()
+
+
+def test_calls_without_a_config_launch_the_default(monkeypatch):
+    seen = []
+    launch = fa._launch
+    monkeypatch.setattr(fa, "_launch", lambda *a, **k: seen.append(a[4]) or launch(*a, **k))
+    for dt in (jnp.bfloat16, jnp.float32):
+        lowered_loopback(2, dt, None)
+    assert seen == [fa.SLIM_2_PER_SM, fa.FusedConfig()]
+
+
 @pytest.mark.parametrize("p,dtype,codec,match", [
     (1, jnp.bfloat16, "taco", "P=1"), (9, jnp.bfloat16, "taco", "P=9"),
     (2, jnp.int32, "taco", "int32"), (2, jnp.bfloat16, "taco-int8", "taco-int8")])

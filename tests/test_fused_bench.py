@@ -110,6 +110,21 @@ def test_config_pairs_name_fused_config_fields():
     assert cfg.order == "loads_first" and cfg.programs == 8 and cfg.parts == 2
     with pytest.raises(SystemExit, match="'steps=2': not a FusedConfig field"):
         bench_fused.fused_config(["steps=2"])
+    assert bench_fused.fused_config([]) is None            # the kernel's own default
+
+
+def test_config_pairs_apply_over_the_kernels_default():
+    """Knobs and fields given on the command line change the launch shape the collectives
+    would use, not another one; the two-shot's base is FusedConfig()."""
+    import jax.numpy as jnp
+    from taco_jax import codecs
+    from taco_jax.kernels import fused_allreduce as fa
+    taco = codecs.get("taco")
+    knob = bench_fused.fused_config(["ablate=no_decode"], taco, 2, jnp.bfloat16)
+    assert knob == fa.dataclasses.replace(fa.SLIM_2_PER_SM, ablate="no_decode")
+    assert bench_fused.fused_config(["ablate=no_decode"], taco, 2, jnp.float32).per_sm == 1
+    two = bench_fused.fused_config(["programs=8"], taco, 4, jnp.bfloat16, "two_shot")
+    assert two == fa.FusedConfig(programs=8)
 
 
 def test_ablation_table_takes_differences_to_the_default():
@@ -138,10 +153,10 @@ def test_ablation_table_takes_differences_to_the_default():
 def test_every_variant_names_fused_config_fields():
     from taco_jax.kernels import fused_allreduce
     for name, (pairs, _) in bench_fused.VARIANTS.items():
-        cfg = bench_fused.fused_config(pairs)
+        cfg = bench_fused.fused_config(pairs) or fused_allreduce.FusedConfig()
         assert (cfg.ablate != "none") == name.startswith(("no_", "encode_", "decode_"))
-    knobs = {bench_fused.fused_config(pairs).ablate for pairs, _ in
-             bench_fused.VARIANTS.values()}
+    knobs = {(bench_fused.fused_config(pairs) or fused_allreduce.FusedConfig()).ablate
+             for pairs, _ in bench_fused.VARIANTS.values()}
     assert knobs == set(fused_allreduce.ABLATIONS)          # every knob is timed
 
 
