@@ -415,7 +415,7 @@ def _echo_tune_cell(kind, mib, interp) -> list[tuple]:
     """One kernel and size: every variant under the default tiling, then present and all
     under ECHO_OTHER_TILING (the interpreter: present and all, default tiling only)."""
     n_rows = int(mib * MIB) // 2 // 128
-    tilings = [("default", echo4.default_config(128, kind, n_rows), ECHO_VARIANTS)]
+    tilings = [("default", echo4.default_tiling(128, kind, n_rows), ECHO_VARIANTS)]
     if not interp:
         other = ECHO_OTHER_TILING[mib]
         tilings.append(("{}/{}w/{}t".format(*other[:3]), _tiling(*other),

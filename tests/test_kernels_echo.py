@@ -156,7 +156,7 @@ def test_variants_match_reference_bytes(name, b, dt, opts):
     16-bit data as uint32 pairs (pairs), f32 data on the split path."""
     c, x = case(name, b, dt, echo_rows, n_rows_for(b), seed=6)
     n, t = x.shape[0], DTYPES[dt]
-    cfg = echo4.with_options(echo4.default_config(b, "compress", n), **opts)
+    cfg = echo4.with_options(echo4.default_tiling(b, "compress", n), **opts)
     assert cfg.pairs == opts.get("pairs", False) and not cfg.interpret
     wr = _compress_ref(x, c)
     assert bits_equal(echo4.compress(x, c, cfg, INTERPRET), wr)
@@ -211,11 +211,11 @@ def test_pairs_are_a_bitcast():
     w = np.arange(16, dtype=np.uint8).reshape(2, 8)
     np.testing.assert_array_equal(np.asarray(echo4.to_words(jnp.asarray(w))),
                                   w.view("<u4"))
-    cfg = echo4.with_options(echo4.default_config(128, "compress"), pairs=True)
+    cfg = echo4.with_options(echo4.default_tiling(128, "compress"), pairs=True)
     assert echo4.with_options(cfg, lean=True) == echo4.EchoConfig(
         **{**vars(cfg), "lean": True})
-    assert echo4.default_config(128, "compress") != echo4.with_options(
-        echo4.default_config(128, "compress"))       # another static config, another jit
+    assert echo4.default_tiling(128, "compress") != echo4.with_options(
+        echo4.default_tiling(128, "compress"))       # another static config, another jit
 
 
 # -- error feedback fused into compress ---------------------------------------------------------
@@ -446,6 +446,7 @@ def test_wrappers_validate():
          "own.shape"),
         (lambda: echo4.decode_sum(w, c, interpret=True), ValueError, "recv.shape"),
         (lambda: echo4.default_config(128, "transpose"), ValueError, "transpose"),
+        (lambda: echo4.default_tiling(128, "transpose"), ValueError, "transpose"),
     ]
     for i, (f, err, match) in enumerate(cases):
         with pytest.raises(err, match=match):
@@ -494,7 +495,7 @@ def test_lowers_to_one_triton_call(h200, kernel, name, b, dt):
 def test_variants_lower_to_one_triton_call(h200, kernel, name, b, dt):
     """All variants lower for an H200: one Triton call, no split or join of
     16-bit data (16-bit outputs leave through cvt.rn.*x2.f32 pairs), the encode's PTX."""
-    cfg = echo4.with_options(echo4.default_config(b, kernel if kernel in (
+    cfg = echo4.with_options(echo4.default_tiling(b, kernel if kernel in (
         "decompress", "reduce", "decode_sum") else "compress"), **ALL_VARIANTS)
     text = lower(kernel, codecs.get(name, block_size=b), dt, cfg)
     assert text.count("__gpu$xla.gpu.triton") == 1
@@ -518,6 +519,20 @@ def test_default_tilings_by_size():
         cfg = echo4.default_config(128, k, big)
         assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (8, 1, 8)
     assert echo4.default_config(512, "compress", big).blocks_per_program == 2
+
+
+def test_default_configs_carry_the_measured_variants():
+    """Each kernel runs with the tile-math variants measured fastest for it (the kernels
+    called without a config in this file run them, against the references)."""
+    for k, opts in echo4.MEASURED_VARIANTS.items():
+        cfg = echo4.default_config(128, k, 1024)
+        assert isinstance(cfg, echo4.EchoConfig)
+        assert {o: getattr(cfg, o) for o in opts} == opts
+        assert echo4.with_options(cfg, pairs=False, lean=False, scale_words=False,
+                                  scale_columns=False) == echo4.with_options(
+            echo4.default_tiling(128, k, 1024))
+    assert echo4.default_config(128, "compress").pairs
+    assert not echo4.default_config(128, "compress").scale_columns     # costs compress
 
 
 @pytest.mark.parametrize("op", ["psum", "psum_with_feedback"])

@@ -25,9 +25,9 @@ f32, which the tensor-core dots of the TACO kernels would not reproduce byte for
 
 `EchoConfig` selects variants of the tile math that write the same bytes with fewer
 instructions: 16-bit data as uint32 pairs instead of the even/odd split and join, a leaner
-encode and decode, scales read as words or written as byte columns. They are off by
-default until timed against the present path (`python -m bench.kernels --codecs echo4
---tune`).
+encode and decode, scales read as words or written as byte columns. `default_config` runs
+each kernel with the ones measured fastest for it (`MEASURED_VARIANTS`; the sweep:
+`python -m bench.kernels --codecs echo4 --tune`).
 """
 from __future__ import annotations
 
@@ -57,10 +57,11 @@ def covers(codec) -> bool:
     return isinstance(codec, _echo.Echo) and not codec.hadamard
 
 
-def default_config(block_size: int, kernel: str, n_rows: int | None = None
+def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
                    ) -> tiling.KernelConfig:
     """The tiling of each kernel, from device time on one H200 (B = 128, bf16,
-    bench/results/kernels_echo4_tune.json; fraction of the roofline):
+    bench/results/kernels_echo4_tune.json; fraction of the roofline, tile math without
+    the EchoConfig variants):
 
     * up to MID_ELEMENTS elements (n_rows groups; or n_rows None): one tile of 2048
       elements per program, 4 warps (compress 0.45 at 16 MiB against 0.36 for looped
@@ -71,7 +72,7 @@ def default_config(block_size: int, kernel: str, n_rows: int | None = None
       8 warps (0.892 vs 0.847).
     """
     if kernel not in ("compress", "decompress", "reduce", "decode_sum"):
-        raise ValueError(f"echo4 default_config: unknown kernel {kernel!r}")
+        raise ValueError(f"echo4 default_tiling: unknown kernel {kernel!r}")
     if n_rows is None or n_rows * block_size <= MID_ELEMENTS:
         return tiling.KernelConfig(blocks_per_program=max(4, 2048 // block_size),
                                    num_warps=4, num_stages=2)
@@ -82,10 +83,36 @@ def default_config(block_size: int, kernel: str, n_rows: int | None = None
                                num_stages=3, tiles_per_program=8)
 
 
+# The tile-math variants each kernel runs with (EchoConfig), from device time on one H200
+# (bf16, B = 128, the default tilings; bench/results/kernels_echo4_variants.json; fraction
+# of the roofline at 16 / 256 MiB, without → with):
+#   compress    pairs, lean                        0.42 / 0.67 → 0.54 / 0.84 (scale_columns
+#                                                  costs it: 0.44 / 0.81 with)
+#   decompress  pairs, lean, scale_words           0.66 / 0.89 → 0.74 / 0.93
+#   reduce      pairs, lean, scale_words, columns  0.54 / 0.69 → 0.58 / 0.86
+#   decode_sum  pairs, lean, scale_words           0.51 / 0.69 → 0.68 / 0.88
+# compress_feedback runs compress's (memory-bound at 0.93 before; not timed with them).
+MEASURED_VARIANTS = {
+    "compress": {"pairs": True, "lean": True},
+    "decompress": {"pairs": True, "lean": True, "scale_words": True},
+    "reduce": {"pairs": True, "lean": True, "scale_words": True, "scale_columns": True},
+    "decode_sum": {"pairs": True, "lean": True, "scale_words": True},
+}
+
+
+def default_config(block_size: int, kernel: str, n_rows: int | None = None
+                   ) -> "EchoConfig":
+    """Each kernel's launch configuration: its tiling (`default_tiling`) and the tile-math
+    variants measured fastest for it (`MEASURED_VARIANTS`)."""
+    return with_options(default_tiling(block_size, kernel, n_rows),
+                        **MEASURED_VARIANTS[kernel])
+
+
 @dataclasses.dataclass(frozen=True)
 class EchoConfig(tiling.KernelConfig):
-    """A tiling plus the tile-math variants of these kernels (all off: the measured
-    default). Every variant writes the same bytes; they differ in instructions.
+    """A tiling plus the tile-math variants of these kernels (all off: the plain tile
+    math; `default_config` turns on the ones measured fastest per kernel). Every variant
+    writes the same bytes; they differ in instructions.
 
     * pairs: bf16 and f16 data cross the kernel boundary as 32-bit pairs (element 2i in
       the low half, 2i+1 in the high half; a free bitcast in XLA), so a tile needs no
