@@ -35,7 +35,7 @@
 #   fused_next     fused_ablate then fused_two_shot, within 540 s: one GPU call (a step cut
 #                  by its limit runs alone in a second call, FUSED_ABLATE_S=540 or
 #                  FUSED_TWO_SHOT_S=540)
-#   fused_echo4    echo4 over the one-launch kernel (built and lowered, not yet selected):
+#   fused_echo4    echo4 over the one-launch kernel (selected at P = 2 since these passed):
 #                  the byte checks of its Mosaic tile kernels (pytest -k gpu), the loopback
 #                  checks (P = 2, 4, 8; bf16, f32; 1 KiB, 1 MiB + 5 B, 16, 64 MiB; stops at
 #                  the first hang or crash) and, if they pass, P = 2 timed at 16/64/256 MiB
