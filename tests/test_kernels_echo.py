@@ -113,6 +113,22 @@ def test_skipped_rows_are_left_and_the_rest_equal():
     np.testing.assert_array_equal(part[keep], full[keep])
 
 
+def assert_kernels_write_reference_bytes(x, c, cfg, r=None, out=jnp.float32):
+    """Every kernel under cfg, bit for bit as its reference, on x (and the residual r)."""
+    wr = _compress_ref(x, c)
+    recv = jnp.stack([wr, wr[::-1]])
+    assert bits_equal(echo4.compress(x, c, cfg, INTERPRET), wr)
+    if r is not None:
+        assert bits_equal(echo4.compress_feedback(x, r, c, cfg, INTERPRET)[1],
+                          _feedback_ref(x, r, c)[1])
+    assert bits_equal(echo4.decompress(wr, c, jnp.bfloat16, cfg, INTERPRET),
+                      _decompress_ref(wr, c, jnp.bfloat16))
+    assert bits_equal(echo4.reduce(recv, x, 0, c, cfg, INTERPRET),
+                      _reduce_ref(recv, x, jnp.int32(0), c))
+    assert bits_equal(echo4.decode_sum(recv, c, out, cfg, INTERPRET),
+                      _decode_sum_ref(recv, c, out))
+
+
 def test_tilings_are_bit_identical():
     """Other tilings (a loop over tiles per program, one warp; large tiles) write the same
     bytes: the tile math is per row."""
@@ -121,20 +137,10 @@ def test_tilings_are_bit_identical():
     n = 301
     x = jnp.asarray(echo_rows(n, 128, "bf16", seed=4)).astype(jnp.bfloat16)
     r = jnp.asarray(np.random.default_rng(5).standard_normal((n, 128)).astype(np.float32))
-    wr = _compress_ref(x, c)
-    recv = jnp.stack([wr, wr[::-1]])
     for cfg in [tiling.KernelConfig(blocks_per_program=8, num_warps=1, num_stages=3,
                                     tiles_per_program=8),
                 tiling.KernelConfig(blocks_per_program=64, num_warps=8)]:
-        assert bits_equal(echo4.compress(x, c, cfg, INTERPRET), wr)
-        assert bits_equal(echo4.compress_feedback(x, r, c, cfg, INTERPRET)[1],
-                          _feedback_ref(x, r, c)[1])
-        assert bits_equal(echo4.decompress(wr, c, jnp.bfloat16, cfg, INTERPRET),
-                          _decompress_ref(wr, c, jnp.bfloat16))
-        assert bits_equal(echo4.reduce(recv, x, 0, c, cfg, INTERPRET),
-                          _reduce_ref(recv, x, jnp.int32(0), c))
-        assert bits_equal(echo4.decode_sum(recv, c, jnp.float32, cfg, INTERPRET),
-                          _decode_sum_ref(recv, c, jnp.float32))
+        assert_kernels_write_reference_bytes(x, c, cfg, r)
 
 
 # -- the tile-math variants (echo4.EchoConfig: pairs, lean, scale_words, scale_columns) ------------
@@ -189,15 +195,7 @@ def test_variants_under_a_looped_tiling():
     cfg = echo4.with_options(tiling.KernelConfig(blocks_per_program=8, num_warps=1,
                                                  num_stages=3, tiles_per_program=8),
                              **ALL_VARIANTS)
-    wr = _compress_ref(x, c)
-    recv = jnp.stack([wr, wr[::-1]])
-    assert bits_equal(echo4.compress(x, c, cfg, INTERPRET), wr)
-    assert bits_equal(echo4.decompress(wr, c, jnp.bfloat16, cfg, INTERPRET),
-                      _decompress_ref(wr, c, jnp.bfloat16))
-    assert bits_equal(echo4.reduce(recv, x, 0, c, cfg, INTERPRET),
-                      _reduce_ref(recv, x, jnp.int32(0), c))
-    assert bits_equal(echo4.decode_sum(recv, c, jnp.bfloat16, cfg, INTERPRET),
-                      _decode_sum_ref(recv, c, jnp.bfloat16))
+    assert_kernels_write_reference_bytes(x, c, cfg, out=jnp.bfloat16)
 
 
 def test_pairs_are_a_bitcast():
