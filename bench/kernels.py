@@ -23,8 +23,9 @@ must decode to NaN. For the 4-bit codecs (`--codecs echo4`) every kernel must ma
 jitted reference bit for bit (`ok` per case). --stages times the Triton compress with parts of its work taken away
 (a Pallas copy with the wire layout, no transform, no α). --tune times Mosaic launch
 configs (blocks per multiprocessor × TMA steps in flight) at 16 and 256 MiB, and with
-`--codecs echo4` the 4-bit kernels' tile-math variants (`echo4.EchoConfig`: present, pairs,
-pairs+lean, words, all) under two tilings each at 16 and 256 MiB, side by side in one table. Writes
+`--codecs echo4` the 4-bit kernels at 16 and 256 MiB: the plain tile math, the variants each
+kernel runs (`echo4.MEASURED_VARIANTS`) and all of them under the default tiling, then the
+variants it runs under five other tilings, side by side in one table. Writes
 bench/results/kernels.json (device, jax, commit and every figure). On CPU the Triton
 kernels run in Pallas' interpreter at small sizes, a smoke test without device times.
 """
@@ -383,15 +384,18 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
 
 
 # echo4's tile-math variants (echo4.EchoConfig) and the tilings they are timed under. Per
-# kernel and size: every variant under the default tiling, the present path and "words"
-# under one other tiling; 4 kernels × 2 sizes × 7 = 56 configurations (~90 s on an H200).
-ECHO_VARIANTS = {"present": {}, "pairs": {"pairs": True},
-                 "pairs+lean": {"pairs": True, "lean": True},
-                 "words": {"pairs": True, "lean": True, "scale_words": True},
+# kernel and size: under the default tiling the plain tile math, the variants the kernel runs
+# (echo4.MEASURED_VARIANTS, "used") and all of them; then "used" under ECHO_TILINGS.
+# 4 kernels × 2 sizes × 8 = 64 configurations (~110 s on an H200). The variants alone were
+# compared in bench/results/kernels_echo4_variants.json.
+ECHO_VARIANTS = {"present": {}, "used": None,
                  "all": {"pairs": True, "lean": True, "scale_words": True,
                          "scale_columns": True}}
-# other tiling per size: (elements per tile, warps, tiles per program, stages)
-ECHO_OTHER_TILING = {16: (1024, 2, 1, 2), 256: (4096, 4, 2, 3)}
+# other tilings per size: (elements per tile, warps, tiles per program, stages)
+ECHO_TILINGS = {16: [(1024, 1, 4, 3), (1024, 2, 1, 2), (4096, 4, 1, 2), (1024, 1, 8, 3),
+                     (512, 1, 4, 3)],
+                256: [(2048, 2, 4, 3), (4096, 4, 2, 3), (8192, 8, 1, 2), (1024, 1, 16, 3),
+                      (2048, 4, 2, 3)]}
 # (kernel, sizes in MiB) the sweep times
 ECHO_TUNE_AT = [(kind, (16, 256)) for kind in ("compress", "decompress", "reduce", "decode_sum")]
 
@@ -412,17 +416,19 @@ def echo_tune_cases(interp: bool = INTERP) -> list[tuple]:
 
 
 def _echo_tune_cell(kind, mib, interp) -> list[tuple]:
-    """One kernel and size: every variant under the default tiling, then present and all
-    under ECHO_OTHER_TILING (the interpreter: present and all, default tiling only)."""
+    """One kernel and size: each of ECHO_VARIANTS under the default tiling, then the
+    variants the kernel runs under each of ECHO_TILINGS (the interpreter: present and all,
+    default tiling only)."""
     n_rows = int(mib * MIB) // 2 // 128
-    tilings = [("default", echo4.default_tiling(128, kind, n_rows), ECHO_VARIANTS)]
+    used = echo4.MEASURED_VARIANTS[kind]
+    cases = [(kind, mib, "default", name,
+              echo4.with_options(echo4.default_tiling(128, kind, n_rows),
+                                 **(used if opts is None else opts)))
+             for name, opts in ECHO_VARIANTS.items() if not interp or name in ("present", "all")]
     if not interp:
-        other = ECHO_OTHER_TILING[mib]
-        tilings.append(("{}/{}w/{}t".format(*other[:3]), _tiling(*other),
-                        {k: ECHO_VARIANTS[k] for k in ("present", "words")}))
-    return [(kind, mib, label, name, echo4.with_options(base, **opts))
-            for label, base, variants in tilings for name, opts in variants.items()
-            if not interp or name in ("present", "all")]
+        cases += [(kind, mib, "{}/{}w/{}t".format(*t[:3]), "used",
+                   echo4.with_options(_tiling(*t), **used)) for t in ECHO_TILINGS[mib]]
+    return cases
 
 
 def echo_tune_rows(roof) -> list[dict]:
