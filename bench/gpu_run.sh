@@ -6,8 +6,9 @@
 # Each step runs under its own timeout and logs to $OUT/<step>.log; whatever finished is
 # packed into $OUT/results.tgz (bench/results/, docs/*.png) at the end, so a step that
 # times out costs only itself. Steps:
-#   kernels        python -m bench.kernels --check: every kernel against its reference on
-#                  the device, and each implementation vs the memory roofline
+#   kernels        python -m bench.kernels --codecs taco echo4 --check: every kernel against
+#                  its reference on the device, and each implementation vs the memory
+#                  roofline (taco and echo4 rows in bench/results/kernels.json)
 #   collectives    python -m bench.collectives --check: lax.psum vs taco per transport and
 #                  size on the link as found (2+ GPUs)
 #   links          the same on the PCIe path (NCCL_P2P_DISABLE=1) and the network path (two
@@ -80,7 +81,7 @@ no_fused() {
 
 for s in "$@"; do
   case $s in
-    kernels) step kernels 420 python -m bench.kernels --check ;;
+    kernels) step kernels 540 python -m bench.kernels --codecs taco echo4 --check ;;
     collectives) step collectives 420 python -m bench.collectives --check \
                    --transports xla "${FUSED[@]}" ${FUSED[0]:+fused-none} lax-kernels ;;
     links) step links_pcie 300 python -m bench.collectives --link pcie \
