@@ -20,7 +20,8 @@ block (from 8 blocks up), and checks every call:
     same input.
 
 Any failure, timeout or crash: the program exits non-zero with a one-line reason (the
-first), after writing what it measured. With --time, per configuration: the loopback's
+first), after writing what it measured; a row failed on its error lists the kernel tiles
+whose error exceeds the gate's most (`worst_tiles`: tile, two-shot segment, tile within it). With --time, per configuration: the loopback's
 device time, per virtual device, beside the Triton compress + decode_sum device time of
 one device at that size ("separate"), and at P = 2 a projection for two GPUs (labelled
 as one): fixed + max(per-device compute, wire bytes / link bandwidth), divided by the
@@ -257,7 +258,29 @@ def check_call(fn, ref, xs, bad, block, model=None, slack: float = 1.0):
     elif not rel <= slack * gate:        # also catches NaN
         why = (f"rel_err {rel:.4g} > {gate_name} {gate:.4g}"
                + (f" × {slack}" if slack != 1.0 else ""))
+        gold = model(xs) if model is not None else y_xla[0]
+        figures["worst_tiles"] = worst_tiles(y[0], gold, exact, finite, xs.shape[0])
     return figures, why
+
+
+TILE = 64 * 256          # values per kernel tile (kernels.fused_allreduce: ROWS × BLOCK)
+
+
+def worst_tiles(y, gold, exact, finite, p: int, k: int = 8) -> list[dict]:
+    """Where a result's error comes from, for a failed check: the k kernel tiles whose
+    error against the exact sum exceeds the gate's (`gold`: the reference or the xla
+    transport) the most, each with its segment and tile within it for the two-shot's P
+    segments of whole tiles (a wrong slot, owner or program shows as a pattern)."""
+    d = np.asarray(jnp.where(finite, y.astype(jnp.float32) - exact, 0.0))
+    g = np.asarray(jnp.where(finite, gold.astype(jnp.float32) - exact, 0.0))
+    n_tiles = -(-d.size // TILE)
+    pad = n_tiles * TILE - d.size
+    e = np.sqrt(np.nansum(np.pad(d, (0, pad)).reshape(n_tiles, TILE) ** 2, axis=1))
+    eg = np.sqrt(np.sum(np.pad(g, (0, pad)).reshape(n_tiles, TILE) ** 2, axis=1))
+    seg_tiles = -(-n_tiles // p)
+    order = np.argsort(-(e - eg))[:k]
+    return [{"tile": int(t), "segment": int(t // seg_tiles), "in_segment": int(t % seg_tiles),
+             "err": float(e[t]), "gate_err": float(eg[t])} for t in order if e[t] > eg[t]]
 
 
 def run_config(a) -> dict:
@@ -459,6 +482,18 @@ VARIANTS = {
                       "half the shared memory, 2 programs per SM"),
     "slim": (["x_slots=1", "out_store=registers", "per_sm=1"],
              "half the shared memory, 1 per SM"),
+    "gmem_2_per_sm": (["wire_from=gmem", "x_slots=1", "out_store=registers", "per_sm=2"],
+                      "slim_2_per_sm with the wire tiles loaded from global memory"),
+    "gmem_3_per_sm": (["wire_from=gmem", "x_slots=1", "out_store=registers", "per_sm=3"],
+                      "wire tiles from global memory (68 KiB), 3 programs per SM"),
+    "gmem_4_per_sm": (["wire_from=gmem", "w_slots=1", "x_slots=1", "out_store=registers",
+                       "per_sm=4"],
+                      "+ one wire staging slot (52 KiB), 4 programs per SM"),
+    "gmem_w1_3_per_sm": (["wire_from=gmem", "w_slots=1", "x_slots=1",
+                          "out_store=registers", "per_sm=3"],
+                         "gmem_4_per_sm's layout at 3 per SM: one staging slot's cost"),
+    "gmem_x2_2_per_sm": (["wire_from=gmem", "x_slots=2", "out_store=registers", "per_sm=2"],
+                         "wire tiles from global memory, double-buffered input, 2 per SM"),
     "encode_twice": (["ablate=encode_twice"], "+ one encode and its staging"),
     "decode_twice": (["ablate=decode_twice"], "+ one decode of the P tiles"),
 }

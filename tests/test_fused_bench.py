@@ -49,6 +49,24 @@ def test_stale_slot_fails_on_the_error(tmp_path, capsys):
                            str(out)])
     assert rc == 1
     assert "rel_err" in capsys.readouterr().out.strip().splitlines()[-1]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["worst_tiles"] and row["worst_tiles"][0]["err"] > row["worst_tiles"][0][
+        "gate_err"]
+
+
+def test_worst_tiles_name_the_wrong_tile_and_its_segment():
+    """A failed check says where the error is: tile 5 of 8 at P = 4 (segments of 2 tiles)
+    is segment 2, its tile 1."""
+    import jax.numpy as jnp
+    import numpy as np
+    rng = np.random.default_rng(0)
+    exact = jnp.asarray(rng.standard_normal(8 * bench_fused.TILE - 100).astype(np.float32))
+    gold = exact + 0.01 * jnp.asarray(rng.standard_normal(exact.shape).astype(np.float32))
+    y = gold.at[5 * bench_fused.TILE + 7].add(3.0)
+    finite = jnp.ones(exact.shape, bool)
+    got = bench_fused.worst_tiles(y, gold, exact, finite, p=4)
+    assert [(t["tile"], t["segment"], t["in_segment"]) for t in got] == [(5, 2, 1)]
+    assert bench_fused.worst_tiles(gold, gold, exact, finite, p=4) == []
 
 
 def test_the_kernel_refuses_to_run_off_the_gpu(tmp_path):
