@@ -22,18 +22,27 @@ collectives. The owner reduce is extrapolated from the measured P = 2 reduce of 
 link rate (P = 2: the tensor's bytes, one-shot or two-shot alike), its summation taken as
 hidden under the wire (NCCL reduces in-kernel, far below HBM rate at these links).
 
-Kernel device times (one H200, bf16 in): taco from bench/results/kernels.json (Triton
-compress, reduce, decompress) and, for decode_sum, fused_loopback.json (the Triton
-decode_sum timed beside the loopback; no row at 1 GiB, so no taco one-shot there); echo4
-from kernels_echo4_check.json (commit 507c72a, the current kernels: 16, 256 MiB), else
-kernels_echo4.json (9446b06: at 64 MiB the current tiling; at 1 GiB the older tiling, which
-was 6-16 % slower at 256 MiB). "taco fused kernel": the one-launch taco kernel as it
-runs today (fused_loopback.json per-device time, 1.4-1.8 × its separate kernels), through
-`bench.fused.project` unchanged. Links: 350 GB/s (2×H200 NVLink, per direction, the
-parameter of bench.fused), 250 GB/s (what lax.psum and NCCL reached there), the rate
-fitted per size to the xla transport's measured 2-GPU times (method_check: 96-269 GB/s; a
-pessimistic bound, since it absorbs that transport's fixed costs), and 50 GB/s (PCIe 5.0
-x16, or 400 Gb/s between hosts). fixed_us = 15 µs at every P (checked at P = 2 only).
+Kernel device times (one H200, bf16 in), each size's "source" in the JSON: taco from
+bench/results/kernels.json (Triton compress, reduce, decompress) and, for decode_sum,
+fused_loopback.json (the Triton decode_sum timed beside the loopback; no row at 1 GiB, so no
+taco one-shot there). echo4 at 16 and 256 MiB: kernels_echo4_variants.json ("tune_echo",
+tiling "default"), per kernel the row with the tile-math variants it runs now
+(`taco_jax.kernels.echo4.MEASURED_VARIANTS`; a row recorded before scale_columns was apart
+from scale_words had the column writes with the words, which only the encoders' bytes
+layout sees, so the decoders' rows are matched without it). At 64 MiB and 1 GiB no variant
+was timed: kernels_echo4.json, the plain tile math, slower than the kernels that run now
+("tile_math" in the JSON; at 64 MiB the tiling run now, at 1 GiB the tiling before the
+large-input tilings, 6-16 % slower at 256 MiB).
+
+Fused kernels (P = 2, one launch, through `bench.fused.project` unchanged): each codec's
+one-launch kernel as it runs today, from its per-device loopback time on one H200: taco's
+default launch shape (fused_ablation_residency.json, variant "slim_2_per_sm"), echo4's
+(fused_echo4_loopback.json, its default shape). Links: 350 GB/s (2×H200 NVLink, per
+direction, the parameter of bench.fused), 250 GB/s (what lax.psum and NCCL reached there),
+the rate fitted per size to the xla transport's measured 2-GPU times (method_check:
+96-269 GB/s; a pessimistic bound, since it absorbs that transport's fixed costs), and
+50 GB/s (PCIe 5.0 x16, or 400 Gb/s between hosts). fixed_us = 15 µs at every P (checked
+at P = 2 only).
 """
 from __future__ import annotations
 
@@ -52,11 +61,20 @@ PS = (2, 4, 8)
 SLOW_GBPS = 50.0
 ITEMSIZE = 2                                          # bf16
 INPUTS = {"taco_kernels": "kernels.json", "taco_loopback": "fused_loopback.json",
-          "echo4_kernels_current": "kernels_echo4_check.json",
-          "echo4_kernels": "kernels_echo4.json", "lax_psum": "collectives.json"}
+          "taco_fused": "fused_ablation_residency.json",
+          "echo4_kernels_variants": "kernels_echo4_variants.json",
+          "echo4_kernels_plain": "kernels_echo4.json",
+          "echo4_fused": "fused_echo4_loopback.json", "lax_psum": "collectives.json"}
 CODECS = ("taco", "echo4")
 ONE_SHOT_KERNELS = ("compress", "decode_sum")
 TWO_SHOT_KERNELS = ("compress", "reduce", "decompress")
+ECHO4_KERNELS = ("compress", "decompress", "reduce", "decode_sum")
+VARIANT_FLAGS = ("pairs", "lean", "scale_words", "scale_columns")
+DECODERS = ("decompress", "decode_sum")               # read scales, never write them
+# Each codec's fused kernel as it runs today: (input, the variant of its default shape).
+FUSED_INPUTS = {"taco": ("taco_fused", "slim_2_per_sm"), "echo4": ("echo4_fused", "default")}
+TILE_MATH_NOW = "the variants each kernel runs now (MEASURED_VARIANTS)"
+TILE_MATH_PLAIN = "plain (no tile-math variants): slower than the kernels that run now"
 
 
 def links(fitted: dict[float, float]) -> dict[str, object]:
@@ -66,47 +84,141 @@ def links(fitted: dict[float, float]) -> dict[str, object]:
 
 
 # -- inputs ---------------------------------------------------------------------------------
+def _fail(name: str, results: str, why: str):
+    raise SystemExit(f"bench.projection: input {name} "
+                     f"({os.path.join(results, INPUTS[name])}) {why}")
+
+
 def _load(name: str, results: str) -> dict:
     path = os.path.join(results, INPUTS[name])
     try:
         with open(path) as f:
-            return json.load(f)
+            doc = json.load(f)
     except (OSError, ValueError) as e:
         raise SystemExit(f"bench.projection: input {name} ({path}) unreadable: {e}")
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        _fail(name, results, "has no list of rows")
+    return doc
 
 
-def kernel_times(results: str = RESULTS) -> tuple[dict, dict]:
-    """({codec: {mib: {kernel: µs, "source": file@commit}}}, {input: its device facts})."""
+def _rows(docs: dict, name: str, results: str, key: str = "rows") -> list[dict]:
+    rows = docs[name].get(key)
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        _fail(name, results, f"has no list of {key!r} rows")
+    return rows
+
+
+def _number(r: dict, field: str, name: str, results: str) -> float:
+    v = r.get(field)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+        _fail(name, results, f"row {r.get('kernel', '')} {r.get('mib')} MiB: {field}={v!r} "
+                             f"is not a positive time")
+    return v
+
+
+def _flags(r: dict) -> dict:
+    """A tune row's tile-math flags; a row without scale_columns was recorded when
+    scale_words brought the column writes with it."""
+    out = {f: bool(r.get(f)) for f in VARIANT_FLAGS[:3]}
+    out["scale_columns"] = bool(r.get("scale_columns", r.get("scale_words")))
+    return out
+
+
+def _label(r: dict) -> str:
+    f = _flags(r)
+    flags = "+".join(k for k in VARIANT_FLAGS if f[k]) or "none"
+    label = flags if r.get("variant") in (None, flags) else f"{r['variant']}: {flags}"
+    if "scale_columns" not in r and f["scale_words"]:
+        label += " (scale_columns came with scale_words then)"
+    return label
+
+
+def echo4_variant_times(docs: dict, results: str, measured: dict) -> dict:
+    """{mib: {kernel: µs, "variants": {kernel: label}}} from the tune rows of the default
+    tiling whose flags are the ones each kernel runs (`measured`: MEASURED_VARIANTS); the
+    decoders' rows matched without scale_columns (a decoder does not write scales)."""
+    name = "echo4_kernels_variants"
+    tune = [r for r in _rows(docs, name, results, "tune_echo")
+            if r.get("impl") == "triton" and r.get("codec") == "echo4"
+            and r.get("tiling") == "default"]
+    out: dict = {}
+    for mib in sorted({r.get("mib") for r in tune}):
+        t = out.setdefault(mib, {"variants": {}})
+        for kernel in ECHO4_KERNELS:
+            want = {f: bool(measured[kernel].get(f)) for f in VARIANT_FLAGS}
+            skip = ("scale_columns",) if kernel in DECODERS else ()
+            hits = [r for r in tune if r["mib"] == mib and r.get("kernel") == kernel
+                    and all(_flags(r)[f] == want[f] for f in VARIANT_FLAGS if f not in skip)]
+            if len(hits) != 1:
+                _fail(name, results, f"has {len(hits)} tune_echo rows of {kernel} at {mib} MiB "
+                                     f"(tiling default) with the variants it runs, {want}"
+                                     + (" (scale_columns not compared: a decoder)" if skip
+                                        else ""))
+            t[kernel] = _number(hits[0], "device_us", name, results)
+            t["variants"][kernel] = _label(hits[0])
+    return out
+
+
+def kernel_times(results: str = RESULTS, measured: dict | None = None) -> tuple[dict, dict]:
+    """({codec: {mib: {kernel: µs, "source": file@commit, ...}}}, {input: its device facts}).
+    measured: echo4's tile-math variants per kernel (default MEASURED_VARIANTS)."""
+    if measured is None:
+        from taco_jax.kernels.echo4 import MEASURED_VARIANTS as measured
     docs = {k: _load(k, results) for k in INPUTS}
     facts = {k: {"file": INPUTS[k], **{f: d.get(f) for f in
                                        ("device", "n_devices", "jax", "commit")}}
              for k, d in docs.items()}
     src = lambda k: f"{INPUTS[k]}@{str(docs[k].get('commit'))[:7]}"      # noqa: E731
     times: dict = {c: {} for c in CODECS}
-    for r in docs["taco_kernels"]["rows"]:
+    for r in _rows(docs, "taco_kernels", results):
         if r.get("impl") == "triton" and r.get("codec") == "taco" and "device_us" in r:
             times["taco"].setdefault(r["mib"], {"source": src("taco_kernels")})[
-                r["kernel"]] = r["device_us"]
-    for r in docs["taco_loopback"]["rows"]:
+                r["kernel"]] = _number(r, "device_us", "taco_kernels", results)
+    for r in _rows(docs, "taco_loopback", results):
         if r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("decode_sum_us"):
             t = times["taco"].setdefault(r["mib"], {"source": src("taco_kernels")})
-            t["decode_sum"] = r["decode_sum_us"]
+            t["decode_sum"] = _number(r, "decode_sum_us", "taco_loopback", results)
             t["source"] += f"; decode_sum {src('taco_loopback')}"
-    for key in ("echo4_kernels", "echo4_kernels_current"):         # the current ones win
-        for r in docs[key]["rows"]:
-            if r.get("impl") == "triton" and r.get("codec") == "echo4" and "device_us" in r:
-                t = times["echo4"].setdefault(r["mib"], {})
-                if t.get("source", src(key)) != src(key):
-                    t.clear()
-                t.update({"source": src(key), r["kernel"]: r["device_us"]})
+    for mib, v in echo4_variant_times(docs, results, measured).items():
+        times["echo4"][mib] = {**{k: v[k] for k in ECHO4_KERNELS},
+                               "source": f"{src('echo4_kernels_variants')} tune_echo, tiling "
+                               "default: " + "; ".join(f"{k} {lab}" for k, lab
+                                                       in v["variants"].items()),
+                               "tile_math": TILE_MATH_NOW}
+    variant_mibs = set(times["echo4"])
+    for r in _rows(docs, "echo4_kernels_plain", results):
+        if (r.get("impl") == "triton" and r.get("codec") == "echo4"
+                and r.get("kernel") in ECHO4_KERNELS and r.get("mib") not in variant_mibs):
+            times["echo4"].setdefault(r["mib"], {"source": src("echo4_kernels_plain"),
+                                                 "tile_math": TILE_MATH_PLAIN})[
+                r["kernel"]] = _number(r, "device_us", "echo4_kernels_plain", results)
     return times, facts
 
 
-def loopback_rows(results: str = RESULTS) -> list[dict]:
-    """The taco one-launch kernel's measured P = 2 bf16 rows (per-device device time)."""
-    return [r for r in _load("taco_loopback", results)["rows"]
-            if r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("ok")
-            and r.get("per_device_us") is not None]
+def fused_kernels(results: str = RESULTS) -> dict:
+    """{codec: {"rows": its one-launch kernel's P = 2 bf16 loopback rows (per-device device
+    time) at its default launch shape, "source": file@commit variant}} (FUSED_INPUTS)."""
+    out = {}
+    for codec, (name, variant) in FUSED_INPUTS.items():
+        doc = _load(name, results)
+        rows = [r for r in _rows({name: doc}, name, results)
+                if r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("ok")
+                and r.get("checked", True) and r.get("variant", "default") == variant
+                and r.get("per_device_us") is not None]
+        mibs = [r.get("mib") for r in rows]
+        if not rows or len(set(mibs)) != len(mibs):
+            _fail(name, results, f"has {len(rows)} checked P = 2 bf16 rows of variant "
+                                 f"{variant!r} (one per size needed): sizes {mibs}")
+        for r in rows:
+            _number(r, "per_device_us", name, results)
+            if not all(k in r for k in ("bytes", "compress_us", "decode_sum_us")):
+                _fail(name, results, f"row at {r.get('mib')} MiB lacks bytes, compress_us "
+                                     f"or decode_sum_us")
+        out[codec] = {"rows": rows, "source": f"{INPUTS[name]}@{str(doc.get('commit'))[:7]} "
+                                              f"variant {variant}"
+                      + (f" ({rows[0]['config']})" if rows[0].get("config") not in
+                         (None, "default") else "")}
+    return out
 
 
 # -- the arithmetic ---------------------------------------------------------------------------
@@ -172,9 +284,10 @@ def bf16_allreduce(mib: float, p: int, gbps: float, fixed_us: float) -> dict:
 
 
 def project_rows(times: dict, codecs: dict, link_rates: dict, sizes=SIZES_MIB, ps=PS,
-                 fixed_us: float = fused.FIXED_US, loopback: list[dict] = (),
+                 fixed_us: float = fused.FIXED_US, fused_kernels: dict | None = None,
                  lax_psum=fused.lax_psum_us) -> list[dict]:
-    """One row per (P, size, link): bf16, taco and echo4 projected µs and their ratios."""
+    """One row per (P, size, link): bf16, taco and echo4 projected µs and their ratios;
+    at P = 2 also each codec's fused kernel (`fused_kernels`, as `fused_kernels()` reads)."""
     rows = []
     for p in ps:
         for mib in sizes:
@@ -191,6 +304,8 @@ def project_rows(times: dict, codecs: dict, link_rates: dict, sizes=SIZES_MIB, p
                                  two_shot(codec, t, mib, p, gbps, fixed_us))
                     if row[name] is not None:
                         row[name]["kernels"] = t.get("source")
+                        if "tile_math" in t:
+                            row[name]["tile_math"] = t["tile_math"]
                     else:
                         need = ONE_SHOT_KERNELS if p == 2 else TWO_SHOT_KERNELS
                         row[f"{name}_missing"] = (f"no device time of {name} " + ", ".join(
@@ -198,27 +313,27 @@ def project_rows(times: dict, codecs: dict, link_rates: dict, sizes=SIZES_MIB, p
                 if p == 2 and link.startswith("nvlink"):
                     row["lax_psum_2gpu_measured_us"] = lax_psum(mib)
                 if p == 2:
-                    row.update(fused_kernel_rows(row, times, codecs, loopback, gbps, fixed_us))
+                    row.update(fused_kernel_rows(mib, codecs, fused_kernels or {}, gbps,
+                                                 fixed_us))
                 rows.append(_ratios(row, list(codecs)))
     return rows
 
 
-def fused_kernel_rows(row, times, codecs, loopback, gbps, fixed_us) -> dict:
-    """P = 2: taco's one-launch kernel as it runs today (its loopback per-device time,
-    through bench.fused.project unchanged), and echo4 if fusing cost it what it costs taco
-    now: compute × (taco kernel / taco compress + decode_sum) at that size."""
-    fk = [r for r in loopback if r["mib"] == row["mib"]]
-    taco = times.get("taco", {}).get(row["mib"], {})
-    if not fk or "taco" not in codecs or "decode_sum" not in taco:
-        return {}
-    out = {"taco_fused_kernel_one_launch_us":
-           fused.project(fk[0], codecs["taco"].row_bytes, gbps, fixed_us)["projected_us_nvlink"]}
-    e = row.get("echo4")
-    if e:
-        overhead = fk[0]["per_device_us"] / (taco["compress"] + taco["decode_sum"])
-        out["echo4_at_taco_fusion_overhead"] = {
-            "overhead": round(overhead, 3), "compute_us": round(e["compute_us"] * overhead, 2),
-            "one_launch_us": round(fixed_us + max(e["compute_us"] * overhead, e["wire_us"]), 2)}
+def fused_kernel_rows(mib, codecs, kernels: dict, gbps: float, fixed_us: float) -> dict:
+    """P = 2: each codec's one-launch kernel as it runs today, its loopback per-device time
+    through bench.fused.project unchanged: {"<codec>_fused_kernel": {...}}."""
+    out = {}
+    for name, codec in codecs.items():
+        fk = [r for r in kernels.get(name, {}).get("rows", ()) if r["mib"] == mib]
+        if not fk:
+            continue
+        pj = fused.project(fk[0], codec.row_bytes, gbps, fixed_us, block=codec.block_size)
+        compute, wire_us = fk[0]["per_device_us"], pj["wire_us_nvlink"]  # "nvlink": at gbps
+        out[f"{name}_fused_kernel"] = {
+            "per_device_us": compute, "wire_us": wire_us,
+            "one_launch_us": pj["projected_us_nvlink"],
+            "bound": "compute" if compute > wire_us else "wire",
+            "source": kernels[name]["source"]}
     return out
 
 
@@ -230,6 +345,14 @@ def _ratios(row: dict, names: list[str]) -> dict:
     if row.get("echo4") and row.get("taco"):
         row["echo4_vs_taco"] = round(row["echo4"]["one_launch_us"]
                                      / row["taco"]["one_launch_us"], 3)
+    for n in names:
+        if row.get(f"{n}_fused_kernel"):
+            row[f"{n}_fused_kernel_vs_bf16"] = round(
+                row[f"{n}_fused_kernel"]["one_launch_us"] / b, 3)
+    if row.get("echo4_fused_kernel") and row.get("taco_fused_kernel"):
+        row["echo4_vs_taco_fused_kernel"] = round(
+            row["echo4_fused_kernel"]["one_launch_us"]
+            / row["taco_fused_kernel"]["one_launch_us"], 3)
     return row
 
 
@@ -243,10 +366,12 @@ def flat(row: dict) -> dict:
         out[n] = r["one_launch_us"] if r else "-"
         out[f"{n} c/w"] = f"{r['compute_us']:.0f}/{r['wire_us']:.0f}" if r else "-"
         out[f"{n} sep"] = r["separate_us"] if r else "-"
-    out["taco kernel"] = row.get("taco_fused_kernel_one_launch_us", "")
-    out["echo4 @taco ovh"] = row.get("echo4_at_taco_fusion_overhead", {}).get("one_launch_us", "")
+    for n in CODECS:
+        out[f"{n} kernel"] = row.get(f"{n}_fused_kernel", {}).get("one_launch_us", "")
     for k in ("echo4_vs_bf16", "taco_vs_bf16", "echo4_vs_taco"):
         out[k] = row.get(k, "-")
+    for n in CODECS:
+        out[f"{n} kernel/bf16"] = row.get(f"{n}_fused_kernel_vs_bf16", "")
     return out
 
 
@@ -257,6 +382,7 @@ def main(argv=None) -> int:
     from taco_jax import codecs as codec_registry
     codecs = {c: codec_registry.get(c) for c in CODECS}
     times, facts = kernel_times()
+    kernels = fused_kernels()
     devices = {f["device"] for f in facts.values()}
     versions = {f["jax"] for f in facts.values()}
     if len(devices) != 1 or len(versions) != 1:
@@ -266,10 +392,11 @@ def main(argv=None) -> int:
     checks = fused.method_check(taco.row_bytes)        # reads the committed results
     fitted = {c["mib"]: c["fitted_link_gbps"] for c in checks if c.get("fitted_link_gbps")}
     rates = links(fitted)
-    rows = project_rows(times, codecs, rates, loopback=loopback_rows())
+    rows = project_rows(times, codecs, rates, fused_kernels=kernels)
     print_table([flat(r) for r in rows], list(flat(rows[0])))
     print("PROJECTED, not measured (one H200's kernel device times + a link rate); "
-          "µs = one launch; c/w = compute / wire µs; sep = separate launches")
+          "µs = one launch; c/w = compute / wire µs; sep = separate launches; kernel = the "
+          "codec's one-launch fused kernel as it runs today (P = 2)")
     payload = {"projected": True, "device": devices.pop(),
                "jax": versions.pop(),
                "commit": env_facts()["commit"], "inputs": facts,
@@ -282,6 +409,10 @@ def main(argv=None) -> int:
                "method": __doc__.split("\n\n", 2)[2].strip(),
                "kernel_times_us": {c: {f"{m:g}": t for m, t in sorted(v.items())}
                                    for c, v in times.items()},
+               "fused_kernel_per_device_us": {
+                   c: {"source": k["source"],
+                       **{f"{r['mib']:g}": r["per_device_us"] for r in k["rows"]}}
+                   for c, k in kernels.items()},
                "method_check": checks, "rows": rows}
     write_json(a.out, payload)
     return 0

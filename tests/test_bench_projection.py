@@ -1,5 +1,7 @@
 """bench.projection on CPU: the projection's arithmetic on hand-made kernel times, its
-P = 2 two-shot equal to bench.fused.method_check's, and the program on the committed JSON."""
+P = 2 two-shot equal to bench.fused.method_check's, the program on the committed JSON, and
+its inputs read from a small results dir of hand-made files (each missing or corrupt one
+named)."""
 from __future__ import annotations
 
 import json
@@ -77,8 +79,20 @@ def test_program_on_the_committed_results(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["projected"] is True and res["device"] == "NVIDIA H200"
     assert all(f["commit"] and f["jax"] for f in res["inputs"].values())
-    assert res["inputs"]["echo4_kernels_current"]["commit"].startswith("507c72a")
+    assert res["inputs"]["echo4_kernels_variants"]["commit"].startswith("5875a84")
     assert len(res["rows"]) == len(proj.PS) * len(proj.SIZES_MIB) * 4
+    echo4 = res["kernel_times_us"]["echo4"]
+    for mib in ("16", "256"):                  # the variants the kernels run now
+        assert echo4[mib]["source"].startswith("kernels_echo4_variants.json@5875a84")
+        assert echo4[mib]["tile_math"] == proj.TILE_MATH_NOW
+    for mib in ("64", "1024"):                 # no variant timed there: the plain tile math
+        assert echo4[mib]["source"] == "kernels_echo4.json@9446b06"
+        assert echo4[mib]["tile_math"] == proj.TILE_MATH_PLAIN
+    assert (echo4["16"]["compress"], echo4["256"]["decode_sum"]) == (9.41, 113.65)
+    fk = res["fused_kernel_per_device_us"]
+    assert (fk["taco"]["16"], fk["taco"]["64"], fk["taco"]["256"]) == (31.05, 110.42, 413.49)
+    assert "slim_2_per_sm" in fk["taco"]["source"]
+    assert fk["echo4"]["source"].startswith("fused_echo4_loopback.json")
     for r in res["rows"]:
         e = r["echo4"]
         assert e is not None                   # echo4 has every kernel at every size
@@ -88,10 +102,128 @@ def test_program_on_the_committed_results(tmp_path, capsys):
         assert e["one_launch_us"] >= 15 + wire / r["link_gbps"] / 1e3 - 0.01
         assert e["one_launch_us"] <= e["separate_us"]
         assert r["echo4_vs_bf16"] >= 72 / 256  # never below the byte ratio
+        fused_here = r["p"] == 2 and r["mib"] != 1024
+        for c in ("taco", "echo4"):
+            assert (f"{c}_fused_kernel" in r) == fused_here
+        if fused_here:
+            f = r["echo4_fused_kernel"]
+            assert f["one_launch_us"] == pytest.approx(
+                15 + max(fk["echo4"][f"{r['mib']:g}"], wire / r["link_gbps"] / 1e3), abs=0.01)
     gaps = [r for r in res["rows"] if r["taco"] is None]
     assert gaps and all(r["p"] == 2 and r["mib"] == 1024 for r in gaps)
 
 
-def test_missing_input_names_the_file(tmp_path):
-    with pytest.raises(SystemExit, match="kernels.json"):
-        proj.kernel_times(str(tmp_path))
+# -- the inputs: a small results dir of hand-made files ------------------------------------
+def facts(**kw):
+    return {"device": "NVIDIA H200", "n_devices": 1, "jax": "0.11.2", "commit": "f" * 40, **kw}
+
+
+def tune_row(kernel, mib, us, variant, tiling="default", **flags):
+    return {"impl": "triton", "codec": "echo4", "kernel": kernel, "mib": mib,
+            "device_us": us, "tiling": tiling, "variant": variant,
+            **{f: flags.get(f, False) for f in ("pairs", "lean", "scale_words")}}
+
+
+def loop_row(mib, us, variant=None, **kw):
+    return {"p": 2, "mib": mib, "bytes": mib * proj.MIB, "dtype": "bf16", "ok": True,
+            "checked": True, "per_device_us": us, "compress_us": 1.0, "decode_sum_us": 2.0,
+            **({"variant": variant} if variant else {}), **kw}
+
+
+ALL = {"pairs": True, "lean": True, "scale_words": True}
+FAKE = {
+    "kernels.json": {**facts(), "rows": [
+        {"impl": "triton", "codec": "taco", "kernel": k, "mib": 16, "device_us": 5.0}
+        for k in ("compress", "reduce", "decompress")]},
+    "fused_loopback.json": {**facts(), "rows": [{**loop_row(16, 40.0), "decode_sum_us": 7.0}]},
+    "fused_ablation_residency.json": {**facts(), "rows": [
+        loop_row(16, 50.0, "default"), loop_row(16, 30.0, "slim_2_per_sm"),
+        loop_row(16, 20.0, "encode_twice", checked=False)]},
+    "fused_echo4_loopback.json": {**facts(), "rows": [loop_row(16, 25.0, "default")]},
+    "kernels_echo4_variants.json": {**facts(), "rows": [], "tune_echo": [
+        r for k in proj.ECHO4_KERNELS for r in (
+            tune_row(k, 16, 100.0, "present"),
+            tune_row(k, 16, 10.0, "pairs+lean", pairs=True, lean=True),
+            tune_row(k, 16, 20.0, "all", **ALL),
+            tune_row(k, 16, 1.0, "all", tiling="1024/2w/1t", **ALL))]},
+    "kernels_echo4.json": {**facts(), "rows": [
+        {"impl": "triton", "codec": "echo4", "kernel": k, "mib": m, "device_us": 50.0}
+        for k in proj.ECHO4_KERNELS + ("compress_feedback",) for m in (16, 64)]},
+    "collectives.json": {**facts(n_devices=2), "rows": []},
+}
+MEASURED = {"compress": {"pairs": True, "lean": True},
+            "decompress": {"pairs": True, "lean": True, "scale_words": True},
+            "reduce": {"pairs": True, "lean": True, "scale_words": True,
+                       "scale_columns": True},
+            "decode_sum": {"pairs": True, "lean": True, "scale_words": True}}
+
+
+def fake_results(tmp_path, **override):
+    assert set(FAKE) == set(proj.INPUTS.values())
+    for name, doc in {**FAKE, **override}.items():
+        (tmp_path / name).write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(tmp_path)
+
+
+def test_inputs_from_a_small_results_dir(tmp_path):
+    d = fake_results(tmp_path)
+    times, fx = proj.kernel_times(d, MEASURED)
+    e16, e64 = times["echo4"][16], times["echo4"][64]
+    # the default tiling's rows with each kernel's variants; the decoders' "all" rows
+    assert {k: e16[k] for k in proj.ECHO4_KERNELS} == {
+        "compress": 10.0, "decompress": 20.0, "reduce": 20.0, "decode_sum": 20.0}
+    assert e16["tile_math"] == proj.TILE_MATH_NOW and "tune_echo" in e16["source"]
+    assert e64 == {**{k: 50.0 for k in proj.ECHO4_KERNELS},
+                   "source": "kernels_echo4.json@fffffff", "tile_math": proj.TILE_MATH_PLAIN}
+    assert times["taco"][16]["decode_sum"] == 7.0 and set(fx) == set(proj.INPUTS)
+    fk = proj.fused_kernels(d)
+    assert [r["per_device_us"] for r in fk["taco"]["rows"]] == [30.0]
+    assert [r["per_device_us"] for r in fk["echo4"]["rows"]] == [25.0]
+    assert "slim_2_per_sm" in fk["taco"]["source"]
+    row = proj.project_rows(times, {"echo4": ECHO4, "taco": codecs.get("taco")},
+                            {"l": 100.0}, sizes=(16,), ps=(2,), fixed_us=15.0,
+                            fused_kernels=fk, lax_psum=lambda mib: None)[0]
+    assert row["echo4_fused_kernel"]["one_launch_us"] == pytest.approx(15 + W16 / 1e5,
+                                                                       abs=0.01)
+    assert row["taco_fused_kernel"]["one_launch_us"] == pytest.approx(
+        15 + N16 // 256 * codecs.get("taco").row_bytes / 1e5, abs=0.01)
+    assert row["echo4_fused_kernel_vs_bf16"] == round(
+        row["echo4_fused_kernel"]["one_launch_us"] / row["bf16"]["us"], 3)
+
+
+def test_variants_follow_what_the_kernels_run(tmp_path):
+    """A kernel that ran without variants would take the plain row."""
+    d = fake_results(tmp_path)
+    times, _ = proj.kernel_times(d, {**MEASURED, "compress": {}})
+    assert times["echo4"][16]["compress"] == 100.0
+
+
+@pytest.mark.parametrize("name", sorted(FAKE))
+def test_missing_input_names_the_file(tmp_path, name):
+    d = fake_results(tmp_path)
+    (tmp_path / name).unlink()
+    with pytest.raises(SystemExit, match=name.replace(".", r"\.")):
+        proj.kernel_times(d, MEASURED)
+        proj.fused_kernels(d)
+
+
+@pytest.mark.parametrize("name, doc", [
+    ("kernels_echo4_variants.json", "{"),                               # not JSON
+    ("kernels_echo4_variants.json", {**facts(), "rows": []}),           # no tune_echo
+    ("kernels_echo4_variants.json",                                     # a kernel missing
+     {**FAKE["kernels_echo4_variants.json"], "tune_echo": [
+         r for r in FAKE["kernels_echo4_variants.json"]["tune_echo"]
+         if r["kernel"] != "decode_sum"]}),
+    ("kernels_echo4.json", {**facts(), "rows": [
+        {"impl": "triton", "codec": "echo4", "kernel": "compress", "mib": 64,
+         "device_us": "fast"}]}),                                       # not a time
+    ("fused_ablation_residency.json", {**facts(), "rows": [loop_row(16, 50.0, "default")]}),
+    ("fused_echo4_loopback.json", [1, 2]),                              # no rows
+    ("fused_echo4_loopback.json", {**facts(), "rows": [
+        loop_row(16, 25.0), loop_row(16, 26.0)]}),                      # two at one size
+])
+def test_corrupt_input_names_the_file(tmp_path, name, doc):
+    d = fake_results(tmp_path, **{name: doc})
+    with pytest.raises(SystemExit, match=name.replace(".", r"\.")):
+        proj.kernel_times(d, MEASURED)
+        proj.fused_kernels(d)
