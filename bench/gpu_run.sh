@@ -31,8 +31,9 @@
 #                  half the shared memory at 1 and 2 programs per SM (checked), with the
 #                  table of differences to the default (~250 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
-#                  checks, P = 3, 4, 8, bf16 and f32, 1 KiB to 64 MiB; stops at the first
-#                  hang or crash (~280 s)
+#                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
+#                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
+#                  (~280 s)
 #   fused_next     fused_ablate then fused_two_shot, within 540 s: one GPU call (a step cut
 #                  by its limit runs alone in a second call, FUSED_ABLATE_S=540 or
 #                  FUSED_TWO_SHOT_S=540)
@@ -118,8 +119,8 @@ for s in "$@"; do
       fi
       if [[ $s != fused_ablate ]]; then
         step fused_two_shot "${FUSED_TWO_SHOT_S:-280}" python -m bench.fused \
-          --kernel two_shot --p 3 4 8 --dtypes bf16 f32 --sizes 1KiB 1MiB+5 16MiB 64MiB \
-          --calls 2 --isolate group --timeout 20 --fail-fast \
+          --kernel two_shot --p 8 4 3 --dtypes f32 bf16 --sizes 16MiB 1KiB 1MiB+5 64MiB \
+          --calls 3 --isolate group --timeout 20 --fail-fast \
           --out bench/results/fused_two_shot_checks.json
       fi ;;
     fused_echo4)
