@@ -87,7 +87,7 @@ def test_fused_next_runs_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
     if "--kernel two_shot" in want:
         two = calls[want.index("--kernel two_shot")]
         assert "--p 8 4 3" in two and "--dtypes f32 bf16" in two and "--fail-fast" in two
-        assert "--sizes 1KiB 1MiB+5 16MiB 64MiB" in two
+        assert "--sizes 16MiB 1KiB 1MiB+5 64MiB" in two
 
 
 def case_block(label: str) -> str:
