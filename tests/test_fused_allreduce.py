@@ -6,6 +6,8 @@ and lowered for a CUDA target: inside `taco_jax.psum(transport="fused")` on 1-, 
 one-GPU loopback for P = 2, 4, 8. Its numerics run on a Hopper GPU (`python -m
 bench.fused`); the reference it is checked against is tested here.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -177,9 +179,129 @@ def test_config_refuses_more_programs_than_fit():
     with pytest.raises(ValueError, match="order='last'"):
         fa.FusedConfig(order="last")
     for field, bad in [("ablate", "no_wire"), ("x_slots", 3), ("out_store", "dma"),
-                       ("per_sm", 4)]:
+                       ("per_sm", 5), ("per_sm", 0), ("wire_from", "l2"), ("w_slots", 0),
+                       ("w_slots", 3)]:
         with pytest.raises(ValueError, match=f"{field}="):
             fa.FusedConfig(**{field: bad})
+
+
+# -- leaner programs: wire tiles read from global memory, one staging slot, 3–4 per SM ----------
+SLIM = dict(x_slots=1, out_store="registers")
+GMEM_3 = fa.FusedConfig(wire_from="gmem", per_sm=3, **SLIM)
+GMEM_4 = fa.FusedConfig(wire_from="gmem", w_slots=1, per_sm=4, **SLIM)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("cfg,dtype", [
+    (GMEM_3, jnp.bfloat16), (GMEM_4, jnp.bfloat16),
+    (fa.FusedConfig(wire_from="gmem", w_slots=1), jnp.float32),     # f32: one per SM
+    (fa.FusedConfig(wire_from="gmem", order="loads_first", per_sm=3, **SLIM), jnp.float16)])
+def test_lean_programs_lower_in_loopback(p, cfg, dtype):
+    assert lowered_loopback(p, dtype, cfg).count("taco_fused_allreduce") >= 1
+
+
+@pytest.mark.parametrize("cfg", [fa.FusedConfig(wire_from="gmem"),
+                                 fa.FusedConfig(w_slots=1, order="loads_first"),
+                                 fa.FusedConfig(wire_from="gmem", ablate="decode_twice"),
+                                 fa.FusedConfig(wire_from="gmem", ablate="no_decode")])
+def test_lean_options_lower_alone_and_with_knobs(cfg):
+    assert lowered_loopback(4, jnp.bfloat16, cfg).count("taco_fused_allreduce") >= 1
+
+
+def test_lean_options_change_the_kernel():
+    """wire_from and w_slots each lower to a kernel of their own (neither a silent no-op)."""
+    texts = [lowered_loopback(2, jnp.bfloat16, fa.FusedConfig(**kw)) for kw in
+             [{}, {"wire_from": "gmem"}, {"w_slots": 1}, {"wire_from": "gmem", "w_slots": 1}]]
+    assert len(set(texts)) == len(texts)
+
+
+@pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((1, 2), ("data", "tp")),
+                                         ((2, 1, 2), ("data", "pipe", "tp"))])
+@pytest.mark.parametrize("cfg", [GMEM_3, GMEM_4])
+def test_lean_programs_lower_on_meshes_of_one_two_three_axes(shape, names, cfg):
+    """The Remote form (peers' TMA stores into this device's receive buffer, read back by
+    plain loads after the semaphore wait) under shard_map, peers addressed by axis name."""
+    n = int(np.prod(shape))
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
+    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
+                      mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
+    x = jax.ShapeDtypeStruct((n, 3, 5000), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(names)))
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
+
+
+def _most_per_sm(p, codec, dtype, cfg):
+    fit = 0
+    for n in (1, 2, 3, 4):
+        try:
+            fa._check_resident(p, codec, dtype, dtype, dataclasses.replace(cfg, per_sm=n))
+        except ValueError:
+            break
+        fit = n
+    return fit
+
+
+_LAYOUTS = {"default": {}, "slim": SLIM, "gmem": {"wire_from": "gmem", **SLIM},
+            "gmem_w1": {"wire_from": "gmem", "w_slots": 1, **SLIM}}
+
+
+@pytest.mark.parametrize("codec,dtype,layout,kib,most", [
+    # taco, 16-bit: x tile 32 KiB, staging/receive slots 16.5 → 17 KiB each, 2 operands
+    ("taco", jnp.bfloat16, "default", 165, 1), ("taco", jnp.bfloat16, "slim", 101, 2),
+    ("taco", jnp.bfloat16, "gmem", 68, 3), ("taco", jnp.bfloat16, "gmem_w1", 52, 4),
+    ("taco", jnp.float16, "gmem_w1", 52, 4),
+    # f32 input: a 64 KiB input slot and its 32 KiB bf16 copy never fit twice
+    ("taco", jnp.float32, "slim", 165, 1), ("taco", jnp.float32, "gmem_w1", 116, 1),
+    # echo4: 9 KiB wire tiles, no operands
+    ("echo4", jnp.bfloat16, "slim", 69, 3), ("echo4", jnp.bfloat16, "gmem", 51, 4),
+    ("echo4", jnp.float32, "gmem", 83, 2), ("echo4", jnp.float32, "gmem_w1", 74, 3)])
+def test_programs_per_sm_that_fit(codec, dtype, layout, kib, most):
+    codec = codecs.get(codec)
+    cfg = fa.FusedConfig(**_LAYOUTS[layout])
+    for p in (2, 8):                                  # the semaphores are not shared memory
+        assert fa.smem_bytes(p, codec, dtype, cfg=cfg) == kib * 1024
+        assert _most_per_sm(p, codec, dtype, cfg) == most
+
+
+def test_refusals_name_the_layout_and_what_it_needs():
+    with pytest.raises(ValueError, match=r"per_sm=4.*wire_from='gmem'.*w_slots=2\): 4 "
+                                         r"programs need 276 KiB .*P=2, bfloat16"):
+        lowered_loopback(2, jnp.bfloat16, dataclasses.replace(GMEM_3, per_sm=4))
+    with pytest.raises(ValueError, match=r"per_sm=2.*w_slots=1.*float32"):
+        lowered_loopback(2, jnp.float32, dataclasses.replace(GMEM_4, per_sm=2))
+    assert GMEM_3.grid(10_000, 2) == 3 * fa.mosaic.sm_count() // 2
+    assert GMEM_4.grid(10_000, 1) == 4 * fa.mosaic.sm_count()
+
+
+@pytest.mark.parametrize("codec,dtype,cfg", [
+    ("taco", jnp.bfloat16, fa.FusedConfig()), ("taco", jnp.bfloat16, GMEM_3),
+    ("taco", jnp.bfloat16, GMEM_4), ("taco", jnp.float32, fa.FusedConfig(wire_from="gmem")),
+    ("echo4", jnp.bfloat16, GMEM_4)])
+def test_smem_bytes_is_what_the_lowering_allocates(monkeypatch, codec, dtype, cfg):
+    """The shared memory Pallas allocates for the kernel's scratch (each buffer aligned to
+    1 KiB) is smem_bytes less its 1 KiB for the barriers: the residency check counts what
+    the kernel takes, no more, no less."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    seen = []
+    lower = mgpu_core._lower_as_gpu_kernel
+
+    def spy(*a, **k):
+        seen.append(k["smem_scratch_shape"][0].shape[0])
+        return lower(*a, **k)
+    monkeypatch.setattr(mgpu_core, "_lower_as_gpu_kernel", spy)
+    codec = codecs.get(codec)
+    x = jax.ShapeDtypeStruct((2, 64 * 256 * 3 + 17), dtype)
+    jax.jit(lambda v: fa.loopback_allreduce(v, codec, cfg)).trace(x).lower(
+        lowering_platforms=("cuda",))
+    assert seen and seen[-1] + 1024 == fa.smem_bytes(2, codec, dtype, cfg=cfg)
+
+
+def test_two_shot_refuses_the_one_shots_wire_options():
+    for kw in ({"wire_from": "gmem"}, {"w_slots": 1}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}="):
+            fa.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+                                 fa.FusedConfig(**kw))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
