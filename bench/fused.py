@@ -151,18 +151,18 @@ def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_s
 
 def emulated_two_shot(xs, codec, wrong: str | None = None):
     """The two-shot kernel's result on every device, from its jnp reference
-    (`kernels.fused_allreduce.two_shot_reference`). wrong="slot": the last device decodes
+    (`kernels.fused_two_shot.two_shot_reference`). wrong="slot": the last device decodes
     sums built with device 0's data in place of its own (a store to the wrong place);
     "stale": every device's sums hold other values of the same scale in place of the last
     device's data (a store that never landed)."""
-    from taco_jax.kernels import fused_allreduce
+    from taco_jax.kernels import fused_two_shot
     p = xs.shape[0]
-    y = fused_allreduce.two_shot_reference(xs, codec)
+    y = fused_two_shot.two_shot_reference(xs, codec)
     out = [y] * p
     if wrong == "slot":
-        out[p - 1] = fused_allreduce.two_shot_reference(xs.at[p - 1].set(xs[0]), codec)
+        out[p - 1] = fused_two_shot.two_shot_reference(xs.at[p - 1].set(xs[0]), codec)
     if wrong == "stale":
-        out = [fused_allreduce.two_shot_reference(xs.at[p - 1].set(xs[p - 1][::-1]),
+        out = [fused_two_shot.two_shot_reference(xs.at[p - 1].set(xs[p - 1][::-1]),
                                                   codec)] * p
     return jnp.stack(out)
 
@@ -171,10 +171,10 @@ def implementation(name: str, codec, wrong: str | None, p: int, config=None,
                    kernel: str = "one_shot"):
     """The all-reduce under test: (P, n) → (P, n), row d what device d computed."""
     if name == "kernel":
-        from taco_jax.kernels import fused_allreduce
+        from taco_jax.kernels import fused_allreduce, fused_two_shot
         fused_config(config)                       # a bad --config fails here, not traced
         fn = {"one_shot": fused_allreduce.loopback_allreduce,
-              "two_shot": fused_allreduce.loopback_two_shot}[kernel]
+              "two_shot": fused_two_shot.loopback_two_shot}[kernel]
         return jax.jit(lambda xs: fn(xs, codec, fused_config(config, codec, p, xs.dtype,
                                                              kernel)))
     if name == "mesh":
@@ -220,7 +220,7 @@ def _rel_err(y, exact, finite):
 
 
 # The two-shot kernel's error is gated on its jnp reference's (the same segments, owners
-# and sum order: `kernels.fused_allreduce.two_shot_reference`) on the same input, within
+# and sum order: `kernels.fused_two_shot.two_shot_reference`) on the same input, within
 # this factor (the encoders differ in rounding); the xla transport's is reported beside it
 # (its segments are whole blocks, not whole tiles, so on small inputs its owners differ).
 TWO_SHOT_SLACK = 1.05
@@ -294,8 +294,8 @@ def run_config(a) -> dict:
     ref = xla_transport(p, codec)
     model = None
     if two:
-        from taco_jax.kernels import fused_allreduce
-        model = jax.jit(lambda xs: fused_allreduce.two_shot_reference(xs, codec))
+        from taco_jax.kernels import fused_two_shot
+        model = jax.jit(lambda xs: fused_two_shot.two_shot_reference(xs, codec))
     label = {"kernel": "one_launch", "mesh": "one_launch on GPUs"}.get(a.impl, "emulated")
     row = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": a.one_dtype,
            "config": " ".join(a.config or ()) or "default",

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import taco_jax
 from taco_jax import codecs
 from taco_jax.collectives import fused, two_shot
-from taco_jax.kernels import fused_allreduce as fa
+from taco_jax.kernels import fused_allreduce as fa, fused_two_shot as fts
 
 from meshes import per_device
 
@@ -300,7 +300,7 @@ def test_smem_bytes_is_what_the_lowering_allocates(monkeypatch, codec, dtype, cf
 def test_two_shot_refuses_the_one_shots_wire_options():
     for kw in ({"wire_from": "gmem"}, {"w_slots": 1}):
         with pytest.raises(ValueError, match=f"{next(iter(kw))}="):
-            fa.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+            fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
                                  fa.FusedConfig(**kw))
 
 
@@ -319,7 +319,7 @@ def test_reference_is_the_one_shot(dtype):
 
 # -- the two-shot kernel (P ≥ 3; its GPU checks do not all pass, so no collective picks it) --
 def lowered_two_shot(shape, names, axis, vma, dtype=jnp.bfloat16):
-    """HLO text of fa.two_shot_allreduce over `axis` of a mesh `names` → shape, lowered for
+    """HLO text of fts.two_shot_allreduce over `axis` of a mesh `names` → shape, lowered for
     CUDA; the other axes shard the input too."""
     n = int(np.prod(shape))
     mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
@@ -329,7 +329,7 @@ def lowered_two_shot(shape, names, axis, vma, dtype=jnp.bfloat16):
         mat = getattr(jax.typeof(v), "manual_axis_type", None)
         if mat is not None and vma:
             mat = mat.update(varying=frozenset(mat.varying) - {axis})
-        return fa.two_shot_allreduce(v[0], axis, p, TACO, out_mat=mat)[None]
+        return fts.two_shot_allreduce(v[0], axis, p, TACO, out_mat=mat)[None]
     out_spec = P(tuple(a for a in names if a != axis)) if vma else spec
     f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=vma)
     x = jax.ShapeDtypeStruct((n, 3, 5000), dtype, sharding=NamedSharding(mesh, spec))
@@ -347,7 +347,7 @@ def test_two_shot_lowers_on_meshes_of_one_two_three_axes(shape, names, vma):
 @pytest.mark.parametrize("p,dtype", [(3, jnp.bfloat16), (4, jnp.float32), (8, jnp.float16)])
 def test_two_shot_loopback_lowers_and_fits_shared_memory(p, dtype):
     x = jax.ShapeDtypeStruct((p, 64 * 256 * 5 + 17), dtype)
-    text = jax.jit(lambda v: fa.loopback_two_shot(v, TACO)).trace(x).lower(
+    text = jax.jit(lambda v: fts.loopback_two_shot(v, TACO)).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("taco_fused_two_shot") >= 1
 
@@ -360,10 +360,10 @@ def test_two_shot_is_not_selected_by_the_collectives(gpu_here):
 
 def test_two_shot_refuses_what_it_does_not_cover():
     with pytest.raises(ValueError, match="P=9"):
-        fa.loopback_two_shot(jnp.ones((9, 512), jnp.bfloat16), TACO)
+        fts.loopback_two_shot(jnp.ones((9, 512), jnp.bfloat16), TACO)
     with pytest.raises(ValueError, match="int32"):
-        fa.loopback_two_shot(jnp.ones((3, 512), jnp.int32), TACO)
-    assert fa.loopback_two_shot(jnp.ones((3, 0), jnp.bfloat16), TACO).shape == (3, 0)
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.int32), TACO)
+    assert fts.loopback_two_shot(jnp.ones((3, 0), jnp.bfloat16), TACO).shape == (3, 0)
 
 
 def _rel(y, exact):
@@ -381,7 +381,7 @@ def test_two_shot_reference_is_the_two_shot_schedule_within_its_error(p, dtype):
     k1, k2 = jax.random.split(jax.random.key(0))
     x = (jax.random.normal(k1, (p, n)) * jnp.exp(jax.random.normal(k2, (p, 1)))).astype(dtype)
     exact = np.sum(np.asarray(x, np.float64), axis=0)
-    got = fa.two_shot_reference(x, TACO)
+    got = fts.two_shot_reference(x, TACO)
     want = per_device(lambda v: two_shot.two_shot(v, "tp", TACO, p, False), x)
     assert got.dtype == dtype and got.shape == (n,)
     e_got, e_want = _rel(got, exact), _rel(want[0], exact)
@@ -393,7 +393,7 @@ def test_two_shot_reference_is_the_two_shot_schedule_within_its_error(p, dtype):
 def test_two_shot_reference_keeps_non_finite_blocks_nan():
     x = jax.random.normal(jax.random.key(1), (3, 64 * 256 * 3)).astype(jnp.bfloat16)
     x = x.at[0, 5].set(jnp.nan).at[2, 64 * 256 * 2 + 300].set(jnp.inf)
-    y = np.asarray(fa.two_shot_reference(x, TACO), np.float32)
+    y = np.asarray(fts.two_shot_reference(x, TACO), np.float32)
     blk = np.arange(y.size) // 256
     bad = np.isin(blk, [0, (64 * 256 * 2 + 300) // 256])
     assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
@@ -474,7 +474,7 @@ def test_other_4bit_codecs_are_refused_by_name(codec, match):
 
 def test_two_shot_refuses_echo4():
     with pytest.raises(ValueError, match="echo4: the two-shot kernel"):
-        fa.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), ECHO4)
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), ECHO4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -18,7 +18,7 @@ Schedules, by axis size P:
     with `exchange` (an all-gather or all-to-all by remote stores) carrying the bytes
     between the compress and decode kernels. The two-shot quantizes each element at most
     twice, as the xla transport does; codec "none" is the exact one-shot. A two-shot in
-    one kernel exists (`kernels.fused_allreduce.two_shot_allreduce`) but is not selected
+    one kernel exists (`kernels.fused_two_shot.two_shot_allreduce`) but is not selected
     until its loopback checks pass on a GPU (`python -m bench.fused --kernel two_shot`: on
     an H200 P = 3 and 4 pass but for one call of P = 4, f32, 16 MiB whose error exceeded
     the reference's by 17%; P = 8 has not run).
