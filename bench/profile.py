@@ -8,8 +8,9 @@ the compute / communication / compression breakdown of a TP training step.
 
 Each workload compiles and warms up, then runs `--iters` iterations under
 `jax.profiler.trace` (perfetto JSON). Every kernel on the streams of one GPU (`--device`) is
-classed as `comm` (NCCL, and the fused transport's exchange kernel), `compression` (the
-taco_* Pallas kernels) or `compute` (everything else), and per iteration the program
+classed as `comm` (NCCL, the fused transport's exchange kernel and its one-launch
+all-reduces, which code and carry the bytes in one kernel), `compression` (the taco_* and
+echo4_* Pallas kernels) or `compute` (everything else), and per iteration the program
 reports:
 
   wall_us            span of that GPU's kernels / iters
@@ -45,8 +46,10 @@ from bench.common import env_facts, print_table, write_json
 
 MIB = 1 << 20
 CLASSES = ("compute", "compression", "comm")
-_COMM = re.compile(r"nccl|exchange", re.I)
-_COMPRESSION = re.compile(r"taco_(compress|decompress|reduce|decode_sum)")
+# The one-launch fused all-reduces carry the bytes and code them in one kernel: "comm".
+_COMM = re.compile(r"nccl|exchange|fused_allreduce|fused_two_shot", re.I)
+# taco_* (Triton and *_mosaic) and echo4_* kernels, compress_feedback included
+_COMPRESSION = re.compile(r"(taco|echo4)_(echo4_)?(compress|decompress|reduce|decode_sum)")
 
 
 # -- trace analysis (pure Python; unit-tested on synthetic traces) ------------------------

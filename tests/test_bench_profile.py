@@ -35,6 +35,11 @@ def test_classify():
     assert profile.classify("ncclDevKernel_AllGather_RING_LL") == "comm"
     assert profile.classify("taco_compress") == "compression"
     assert profile.classify("taco_reduce_kernel_0d1d") == "compression"
+    for name in ("echo4_compress", "echo4_compress_feedback", "echo4_decode_sum",
+                 "taco_decompress_mosaic", "taco_echo4_compress_mosaic"):
+        assert profile.classify(name) == "compression", name
+    for name in ("taco_fused_allreduce", "taco_fused_two_shot", "taco_fused_exchange"):
+        assert profile.classify(name) == "comm", name
     assert profile.classify("loop_fusion_3") == "compute"
     assert profile.classify("sm90_xmma_gemm_bf16bf16") == "compute"
 
