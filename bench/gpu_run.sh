@@ -25,17 +25,21 @@
 #   loopback       python -m bench.fused: the same kernel on one GPU for P = 2, 4, 8 virtual
 #                  devices (checks), and at P = 2 its device time and two-GPU projection;
 #                  the loads_first order (FusedConfig.order) checked and timed beside it
-#   fused_ablate   python -m bench.fused --ablate: the one-launch kernel's variants at 16, 64
-#                  and 256 MiB (P = 2 loopback, bf16) timed side by side: measurement knobs
-#                  (a stage left out or done twice; timed, not checked), loads_first and
-#                  half the shared memory at 1 and 2 programs per SM (checked), with the
-#                  table of differences to the default (~250 s)
+#   fused_ablate   python -m bench.fused --ablate: the one-launch kernel's stage knobs at
+#                  16, 64 and 256 MiB (P = 2 loopback, bf16) timed side by side with the
+#                  default (a stage left out or done twice; timed, not checked), with the
+#                  table of differences to the default (~290 s)
+#   fused_gmem     python -m bench.fused --ablate over the launch shapes: the default (two
+#                  slim programs per SM) beside the decode reading its wire tiles from
+#                  global memory (wire_from=gmem) at 2, 3 and 4 programs per SM, one wire
+#                  staging slot, double-buffered input (checked; a shape whose programs
+#                  are not all resident hangs and fails its row) (~250 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
 #                  (~280 s)
-#   fused_next     fused_ablate then fused_two_shot, within 540 s: one GPU call (a step cut
-#                  by its limit runs alone in a second call, FUSED_ABLATE_S=540 or
+#   fused_next     fused_gmem then fused_two_shot, within 540 s: one GPU call (a step cut
+#                  by its limit runs alone in a second call, FUSED_GMEM_S=540 or
 #                  FUSED_TWO_SHOT_S=540)
 #   fused_echo4    echo4 over the one-launch kernel (selected at P = 2 since these passed):
 #                  the byte checks of its Mosaic tile kernels (pytest -k gpu), the loopback
@@ -112,12 +116,18 @@ for s in "$@"; do
                 --time --sizes 1MiB+5 16MiB 64MiB 256MiB --isolate group --calls 2 \
                 --timeout 90 --config order=loads_first \
                 --out bench/results/fused_loopback_loads_first.json ;;
-    fused_ablate|fused_two_shot|fused_next)
+    fused_ablate) step fused_ablate "${FUSED_ABLATE_S:-300}" python -m bench.fused --ablate \
+                    --variants default no_sync no_signal no_peer_stores no_decode no_encode \
+                    decode_twice encode_twice --isolate group --timeout 20 \
+                    --out bench/results/fused_ablation.json ;;
+    fused_gmem|fused_two_shot|fused_next)
       if [[ $s != fused_two_shot ]]; then
-        step fused_ablate "${FUSED_ABLATE_S:-250}" python -m bench.fused --ablate \
-          --isolate group --timeout 20 --out bench/results/fused_ablation.json
+        step fused_gmem "${FUSED_GMEM_S:-260}" python -m bench.fused --ablate \
+          --variants default gmem_2_per_sm gmem_3_per_sm gmem_4_per_sm gmem_w1_3_per_sm \
+          gmem_x2_2_per_sm --isolate group --timeout 20 \
+          --out bench/results/fused_ablation_gmem.json
       fi
-      if [[ $s != fused_ablate ]]; then
+      if [[ $s != fused_gmem ]]; then
         step fused_two_shot "${FUSED_TWO_SHOT_S:-280}" python -m bench.fused \
           --kernel two_shot --p 8 4 3 --dtypes f32 bf16 --sizes 16MiB 1KiB 1MiB+5 64MiB \
           --calls 3 --isolate group --timeout 20 --fail-fast \

@@ -74,6 +74,7 @@ def test_failed_fused_step_leaves_the_fused_transport_out(tmp_path, fused_rc):
 
 @pytest.mark.parametrize("steps,want", [(["fused_next"], ["--ablate", "--kernel two_shot"]),
                                         (["fused_ablate"], ["--ablate"]),
+                                        (["fused_gmem"], ["--ablate"]),
                                         (["fused_two_shot"], ["--kernel two_shot"])])
 def test_fused_next_runs_the_ablation_and_the_two_shot_checks(tmp_path, steps, want):
     env = fake_python(tmp_path, 0)
@@ -99,7 +100,7 @@ def case_block(label: str) -> str:
 
 def test_fused_next_fits_one_call():
     """Its steps' timeouts add up to at most 540 s (one GPU command runs ≤ 600 s)."""
-    block = case_block("fused_ablate|fused_two_shot|fused_next)")
+    block = case_block("fused_gmem|fused_two_shot|fused_next)")
     limits = [int(t) for t in re.findall(r'step fused_\w+ "\$\{\w+:-(\d+)\}" ', block)]
     assert len(limits) == 2 and sum(limits) <= 540
 
@@ -137,3 +138,13 @@ def test_fused_echo4_fits_300_s():
     block = case_block("    fused_echo4)")
     limits = [int(t) for t in re.findall(r"step fused_echo4_\w+ (\d+) ", block)]
     assert len(limits) == 3 and sum(limits) <= 300
+
+
+def test_every_variant_the_batches_name_exists():
+    """A misspelt --variants name would cost a GPU call: each of bench.fused's is one."""
+    from bench import fused as bench_fused
+    text = re.sub(r"\\\n\s*", " ", SCRIPT.read_text())
+    named = [w for cmd in re.findall(r"python -m bench\.fused [^;]*?--out", text)
+             for m in re.findall(r"--variants\s+((?:\w+\s+)+)", cmd) for w in m.split()]
+    assert "gmem_4_per_sm" in named and "decode_twice" in named
+    assert set(named) <= set(bench_fused.VARIANTS), set(named) - set(bench_fused.VARIANTS)
