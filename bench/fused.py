@@ -494,6 +494,8 @@ VARIANTS = {
                          "gmem_4_per_sm's layout at 3 per SM: one staging slot's cost"),
     "gmem_x2_2_per_sm": (["wire_from=gmem", "x_slots=2", "out_store=registers", "per_sm=2"],
                          "wire tiles from global memory, double-buffered input, 2 per SM"),
+    "gmem_tma_2_per_sm": (["wire_from=gmem", "x_slots=1", "out_store=tma", "per_sm=2"],
+                          "wire tiles from global memory, results by TMA (100 KiB), 2 per SM"),
     "encode_twice": (["ablate=encode_twice"], "+ one encode and its staging"),
     "decode_twice": (["ablate=decode_twice"], "+ one decode of the P tiles"),
 }
