@@ -33,7 +33,7 @@
 #                  slim programs per SM) beside the decode reading its wire tiles from
 #                  global memory (wire_from=gmem) at 2, 3 and 4 programs per SM, one wire
 #                  staging slot, double-buffered input, results by TMA (checked; a shape
-#                  whose programs are not all resident hangs and fails its row) (~280 s)
+#                  whose programs are not all resident hangs and fails its row) (~290 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
@@ -122,13 +122,13 @@ for s in "$@"; do
                     --out bench/results/fused_ablation.json ;;
     fused_gmem|fused_two_shot|fused_next)
       if [[ $s != fused_two_shot ]]; then
-        step fused_gmem "${FUSED_GMEM_S:-260}" python -m bench.fused --ablate \
+        step fused_gmem "${FUSED_GMEM_S:-290}" python -m bench.fused --ablate \
           --variants default gmem_2_per_sm gmem_3_per_sm gmem_4_per_sm gmem_w1_3_per_sm \
           gmem_x2_2_per_sm gmem_tma_2_per_sm --isolate group --timeout 20 \
           --out bench/results/fused_ablation_gmem.json
       fi
       if [[ $s != fused_gmem ]]; then
-        step fused_two_shot "${FUSED_TWO_SHOT_S:-280}" python -m bench.fused \
+        step fused_two_shot "${FUSED_TWO_SHOT_S:-250}" python -m bench.fused \
           --kernel two_shot --p 8 4 3 --dtypes f32 bf16 --sizes 16MiB 1KiB 1MiB+5 64MiB \
           --calls 3 --isolate group --timeout 20 --fail-fast \
           --out bench/results/fused_two_shot_checks.json
