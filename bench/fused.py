@@ -496,6 +496,11 @@ VARIANTS = {
                          "wire tiles from global memory, double-buffered input, 2 per SM"),
     "gmem_tma_2_per_sm": (["wire_from=gmem", "x_slots=1", "out_store=tma", "per_sm=2"],
                           "wire tiles from global memory, results by TMA (100 KiB), 2 per SM"),
+    "sum_first": (["decode=sum_first"],
+                  "the P accumulators scaled and summed before one butterfly"),
+    "gmem_sum_first_3_per_sm": (["decode=sum_first", "wire_from=gmem", "x_slots=1",
+                                 "out_store=registers", "per_sm=3"],
+                                "gmem_3_per_sm with the sum before one butterfly"),
     "encode_twice": (["ablate=encode_twice"], "+ one encode and its staging"),
     "decode_twice": (["ablate=decode_twice"], "+ one decode of the P tiles"),
 }

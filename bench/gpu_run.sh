@@ -29,11 +29,12 @@
 #                  16, 64 and 256 MiB (P = 2 loopback, bf16) timed side by side with the
 #                  default (a stage left out or done twice; timed, not checked), with the
 #                  table of differences to the default (~290 s)
-#   fused_gmem     python -m bench.fused --ablate over the launch shapes: the default (two
-#                  slim programs per SM) beside the decode reading its wire tiles from
-#                  global memory (wire_from=gmem) at 2, 3 and 4 programs per SM, one wire
-#                  staging slot, double-buffered input, results by TMA (checked; a shape
-#                  whose programs are not all resident hangs and fails its row) (~290 s)
+#   fused_gmem     python -m bench.fused --ablate over the launch shapes and the decode:
+#                  the default (two slim programs per SM) beside the P tiles summed before
+#                  one butterfly (decode=sum_first), the decode reading its wire tiles from
+#                  global memory (wire_from=gmem) at 2, 3 (and summed first) and 4 programs
+#                  per SM, results by TMA (checked; a shape whose programs are not all
+#                  resident hangs and fails its row) (~290 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
@@ -123,8 +124,8 @@ for s in "$@"; do
     fused_gmem|fused_two_shot|fused_next)
       if [[ $s != fused_two_shot ]]; then
         step fused_gmem "${FUSED_GMEM_S:-290}" python -m bench.fused --ablate \
-          --variants default gmem_2_per_sm gmem_3_per_sm gmem_4_per_sm gmem_w1_3_per_sm \
-          gmem_x2_2_per_sm gmem_tma_2_per_sm --isolate group --timeout 20 \
+          --variants default sum_first gmem_2_per_sm gmem_3_per_sm gmem_sum_first_3_per_sm \
+          gmem_4_per_sm gmem_tma_2_per_sm --isolate group --timeout 20 \
           --out bench/results/fused_ablation_gmem.json
       fi
       if [[ $s != fused_gmem ]]; then

@@ -231,6 +231,45 @@ def test_lean_programs_lower_on_meshes_of_one_two_three_axes(shape, names, cfg):
     assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
 
 
+# -- decode="sum_first": the P accumulators scaled and summed before one butterfly -------------
+SUM_FIRST = fa.FusedConfig(decode="sum_first")
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("cfg,dtype", [
+    (SUM_FIRST, jnp.bfloat16), (SUM_FIRST, jnp.float32),
+    (fa.FusedConfig(decode="sum_first", parts=1), jnp.bfloat16),
+    (dataclasses.replace(fa.SLIM_2_PER_SM, decode="sum_first"), jnp.float16),
+    (dataclasses.replace(GMEM_3, decode="sum_first"), jnp.bfloat16),
+    (fa.FusedConfig(decode="sum_first", ablate="decode_twice"), jnp.bfloat16)])
+def test_sum_first_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
+    """P = 2 (both tiles resident), 4 and 8 (tiles streamed through two slots, or read from
+    global memory): one kernel, not the per-source decode's."""
+    text = lowered_loopback(p, dtype, cfg)
+    assert text.count("taco_fused_allreduce") >= 1
+    assert text != lowered_loopback(p, dtype, dataclasses.replace(cfg, decode="per_source"))
+
+
+def test_sum_first_lowers_on_a_three_axis_mesh():
+    mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
+    names = ("data", "pipe", "tp")
+    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=SUM_FIRST)[None],
+                      mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
+    x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
+
+
+def test_sum_first_is_refused_where_it_has_no_meaning():
+    with pytest.raises(ValueError, match="decode='sideways'"):
+        fa.FusedConfig(decode="sideways")
+    with pytest.raises(ValueError, match="echo4 has no transform"):
+        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
+                              SUM_FIRST)
+    with pytest.raises(ValueError, match="two-shot kernel takes no decode"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO, SUM_FIRST)
+
+
 def _most_per_sm(p, codec, dtype, cfg):
     fit = 0
     for n in (1, 2, 3, 4):

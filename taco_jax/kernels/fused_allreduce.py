@@ -44,6 +44,12 @@ device (1 … 4), and n only where the shared memory of n fits (`smem_bytes`,
 wire tiles also read from global memory (`wire_from="gmem"`), 4 with one wire staging slot
 as well (`w_slots=1`), for the FP8 codecs' 16-bit input.
 
+`FusedConfig.decode="sum_first"` (FP8 codecs): the inverse transform is linear and each
+row's gain a scalar, so Σ_j gain_j·H(q_j) = H(Σ_j gain_j·(q_j's wgmma part)): each tile's
+wgmma accumulator is scaled by its gains and summed, and the butterfly and assembly run
+once per column part instead of once per source (f32 throughout; the sum's rounding order
+differs from the per-source decode's).
+
 `FusedConfig.ablate` is a measurement knob (`ABLATIONS`: a stage of the per-tile work left
 out or done twice; wrong results) for `python -m bench.fused --ablate`, which times the
 variants side by side to attribute the kernel's time.
@@ -66,7 +72,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, vector
 
-from taco_jax import codecs
+from taco_jax import _jax_private, codecs
 from taco_jax.kernels import mosaic, mosaic_echo4
 
 ROWS, BLOCK, LINE = mosaic.ROWS, mosaic.BLOCK, 256
@@ -126,6 +132,12 @@ class FusedConfig:
     # read it; 16 KiB less shared memory per program for the FP8 codecs: 52 KiB with
     # wire_from="gmem", so 4 programs fit per multiprocessor).
     w_slots: int = 2
+    # How the P wire tiles of a column part are decoded and summed (FP8 codecs). "per_source":
+    # each tile through the whole decode (wgmma transform, butterfly, gain), the values summed
+    # in f32. "sum_first": the transform is linear, so each tile's wgmma accumulator is scaled
+    # by its rows' gains and summed, and the butterfly and assembly run once on the sum (the
+    # same math up to f32 rounding order; P − 1 fewer butterflies per tile).
+    decode: str = "per_source"
     # A measurement knob (ABLATIONS), "none" in use.
     ablate: str = "none"
 
@@ -149,6 +161,9 @@ class FusedConfig:
                              f"'gmem'")
         if self.w_slots not in (1, 2):
             raise ValueError(f"FusedConfig.w_slots={self.w_slots} must be 1 or 2")
+        if self.decode not in ("per_source", "sum_first"):
+            raise ValueError(f"FusedConfig.decode={self.decode!r} must be 'per_source' or "
+                             f"'sum_first'")
         if self.ablate not in ABLATIONS:
             raise ValueError(f"FusedConfig.ablate={self.ablate!r} must be one of "
                              f"{', '.join(ABLATIONS)}")
@@ -269,6 +284,9 @@ class TacoTiles:
     row, mosaic.py's tile math (wgmma transform; f32 input is encoded from bf16).
     `checked_on_gpu`: its loopback checks pass on a GPU, so the collectives may select it."""
     codec: object
+    # FusedConfig.decode == "sum_first": decode_add keeps the running sum before the
+    # butterfly (the wgmma accumulators scaled by their gains) and `finish` completes it.
+    sum_first: bool = False
     checked_on_gpu = True
 
     @property
@@ -312,8 +330,14 @@ class TacoTiles:
         q = [lax.bitcast_convert_type(codes[:, 16 * c:16 * (c + 1)], fmt)
              .astype(jnp.float16) for c in range(mosaic.FACTOR)]
         acc = mosaic._transform_part(lambda c: q[c], consts[1], part, parts)
-        return _decode_add_fn(self.codec, vec, parts, total is None)(
-            acc, scales, *(() if total is None else (total,)))
+        rest = () if total is None else (total,)
+        if self.sum_first:
+            return _gain_add_fn(self.codec, parts, total is None)(acc, scales, *rest)
+        return _decode_add_fn(self.codec, vec, parts, total is None)(acc, scales, *rest)
+
+    def finish(self, total, vec: int, parts: int):
+        """decode_add's running sum of a column part → its values (value layout)."""
+        return _finish_fn(vec, parts)(total) if self.sum_first else total
 
     def encoded(self, v):
         """What the kernel encodes of input v (for the references)."""
@@ -363,6 +387,9 @@ class Echo4Tiles:
     def decode_add(self, wire, consts, vec: int, part: int, parts: int, total=None):
         return mosaic_echo4.decode_add(wire, vec, total)
 
+    def finish(self, total, vec: int, parts: int):
+        return total
+
     def encoded(self, v):
         return v
 
@@ -376,6 +403,22 @@ def tile_codec(codec):
 
 
 # -- decode and add, in registers ---------------------------------------------------------------
+def _row_gains(codec, sbytes) -> list:
+    """The decode gain of this thread's two rows (eq. 11, and eq. 13's second scale for
+    "ash"), times the transform's 1/√256: a vector<2> per row half."""
+    f32 = ir.F32Type.get()
+    gains = []
+    for i in range(2):
+        sv = vector.bitcast(ir.VectorType.get((codec.n_scales,), f32),
+                            sbytes.registers.reshape(2)[i])
+        gain = mosaic._elem(sv, 0)                                        # eq. 11
+        if codec.transform == "ash":                                      # eq. 13
+            gain = arith.mulf(gain, mosaic._ptx_f32("rcp.approx.ftz.f32", mosaic._elem(sv, 1)))
+        gains.append(vector.broadcast(ir.VectorType.get((2,), f32),
+                                      arith.mulf(gain, mosaic._f32(1 / np.sqrt(BLOCK)))))
+    return gains
+
+
 @functools.cache
 def _decode_add_fn(codec, vec: int, parts: int, first: bool):
     """One column part of a decoded tile (f32, value layout of `vec`-element vectors), plus
@@ -391,20 +434,47 @@ def _decode_add_fn(codec, vec: int, parts: int, first: bool):
     @plgpu.inline_mgpu(arg_types=args, return_type=out)
     def decode_add(ctx, acc, sbytes, total=None):
         del ctx
-        f32 = ir.F32Type.get()
-        gains = []
-        for i in range(2):
-            sv = vector.bitcast(ir.VectorType.get((codec.n_scales,), f32),
-                                sbytes.registers.reshape(2)[i])
-            gain = mosaic._elem(sv, 0)                                    # eq. 11
-            if codec.transform == "ash":                                  # eq. 13
-                gain = arith.mulf(gain, mosaic._ptx_f32("rcp.approx.ftz.f32",
-                                                        mosaic._elem(sv, 1)))
-            gains.append(vector.broadcast(ir.VectorType.get((2,), f32),
-                                          arith.mulf(gain, mosaic._f32(1 / np.sqrt(BLOCK)))))
-        vals = mosaic._assemble(mosaic._transformed(acc), vec, f32, gains)   # eq. 12
+        vals = mosaic._assemble(mosaic._transformed(acc), vec, ir.F32Type.get(),
+                                _row_gains(codec, sbytes))                # eq. 12
         return vals if total is None else total + vals
     return decode_add
+
+
+@functools.cache
+def _gain_add_fn(codec, parts: int, first: bool):
+    """decode="sum_first": a tile's wgmma accumulator for one column part (WGMMA layout,
+    before the butterfly), each row times its gain, plus the running sum (unless first)."""
+    wgmma = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.float32, wgmma)
+    args = (wgmma, mosaic.scale_layout(codec)) + (() if first else (wgmma,))
+
+    @plgpu.inline_mgpu(arg_types=args, return_type=out)
+    def gain_add(ctx, acc, sbytes, total=None):
+        del ctx
+        gains = _row_gains(codec, sbytes)
+        regs = acc.registers.reshape(-1, 2)                  # [column group, row half]
+        prev = None if total is None else total.registers.reshape(-1, 2)
+        res = np.empty_like(regs)
+        for c, i in np.ndindex(regs.shape):
+            v = arith.mulf(regs[c, i], gains[i])
+            res[c, i] = v if prev is None else arith.addf(prev[c, i], v)
+        return _jax_private.fragmented_array(res.reshape(acc.registers.shape), acc.layout,
+                                             is_signed=None)
+    return gain_add
+
+
+@functools.cache
+def _finish_fn(vec: int, parts: int):
+    """decode="sum_first": the gain-scaled sum of the P accumulators → the butterfly and
+    assembly of `_decode_add_fn`, once (value layout of `vec`-element vectors)."""
+    layout = mosaic._pallas_layout(mosaic._wire_tiled(vec, BLOCK // parts))
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.float32, layout)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out)
+    def finish(ctx, total):
+        del ctx
+        return mosaic._assemble(mosaic._transformed(total), vec, ir.F32Type.get())
+    return finish
 
 
 def _first_loads(load, r_smem, n_src):
@@ -438,6 +508,9 @@ def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="no
     occupant of its slot is in registers. ablate "decode_twice" / "no_decode": each tile
     decoded twice / not at all (zeros returned); the copies and their waits are the same.
     `tiles`: the tile codec, `consts` its operands in shared memory."""
+    if init is not None and getattr(tiles, "sum_first", False):
+        raise ValueError("_sum_tiles: an init in the value layout cannot join a sum kept "
+                         "before the transform (decode='sum_first')")
     row = tiles.row_bytes
     resident = n_src <= r_smem.shape[0]
     seq = [(part, j) for part in range(parts) for j in range(n_src)]
@@ -456,7 +529,7 @@ def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="no
             if not reps:
                 continue
             totals[part] = tiles.decode_add(wire, consts, vec, part, parts, totals[part])
-    return [_zeros(vec, parts) if t is None else t for t in totals]
+    return [_zeros(vec, parts) if t is None else tiles.finish(t, vec, parts) for t in totals]
 
 
 def _sum_tiles_gmem(view, tiles, consts, n_src, vec, parts, ablate="none"):
@@ -472,7 +545,7 @@ def _sum_tiles_gmem(view, tiles, consts, n_src, vec, parts, ablate="none"):
             for _ in range(reps):
                 wire = tiles.load(view(j), part, parts)
                 totals[part] = tiles.decode_add(wire, consts, vec, part, parts, totals[part])
-    return [_zeros(vec, parts) if t is None else t for t in totals]
+    return [_zeros(vec, parts) if t is None else tiles.finish(t, vec, parts) for t in totals]
 
 
 @plgpu.inline_mgpu()
@@ -718,6 +791,11 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     n_tiles = n_rows // ROWS
     lead = blocks.shape[:-2]
     tiles = tile_codec(codec)
+    if cfg.decode == "sum_first":
+        if not isinstance(tiles, TacoTiles):
+            raise ValueError(f"FusedConfig(decode='sum_first'): {codec.name} has no transform "
+                             f"to sum before (the FP8 codecs have)")
+        tiles = dataclasses.replace(tiles, sum_first=True)
     lines = ROWS * tiles.row_bytes // LINE
     in_dtype = blocks.dtype
     _check_resident(p, codec, in_dtype, out_dtype, cfg)
