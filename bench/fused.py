@@ -316,7 +316,7 @@ def run_config(a) -> dict:
         if worst is None or figures["rel_err"] > worst["rel_err"] or why:
             worst = figures
         if why:
-            why = f"call {call + 1}: {why}"
+            why = f"call #{call + 1} of {a.calls}: {why}"
             break
     row.update(worst, calls=a.calls, ok=why is None, reason=why)
     if why is None and a.time:

@@ -378,16 +378,10 @@ def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback, pairs=None):
     skip0 = skip_ref[0]
 
     def work(t):
-        if pairs is None:
-            x = tiling.load_rows(x_ref, t, tm, 0, b, rows).astype(jnp.float32)
-            if feedback:      # the site's input less this device's share of the last error
-                x = x - tiling.load_rows(r_ref, t, tm, 0, b, rows)
-            xe, xo = _halves(x)
-        else:
-            xe, xo = _load_halves(x_ref, t, tm, b, rows, pairs)
-            if feedback:
-                re, ro = _halves(tiling.load_rows(r_ref, t, tm, 0, b, rows))
-                xe, xo = xe - re, xo - ro
+        xe, xo = _load_halves(x_ref, t, tm, b, rows, pairs)
+        if feedback:          # the site's input less this device's share of the last error
+            re, ro = _halves(tiling.load_rows(r_ref, t, tm, 0, b, rows))
+            xe, xo = xe - re, xo - ro
         enc = encode_tile(xe, xo, codec, cfg)
         _store_encoded(o_ref, t, enc, tm, b // 2, rows, codec)
         if feedback:          # new residual: decode(encode(x − r)) − (x − r)
