@@ -386,16 +386,16 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
 # echo4's tile-math variants (echo4.EchoConfig) and the tilings they are timed under. Per
 # kernel and size: under the default tiling the plain tile math, the variants the kernel runs
 # (echo4.MEASURED_VARIANTS, "used") and all of them; then "used" under ECHO_TILINGS.
-# 4 kernels × 2 sizes × 8 = 64 configurations (~110 s on an H200). The variants alone were
+# 4 kernels × (11 + 10) = 84 configurations (~150 s on an H200). The variants alone were
 # compared in bench/results/kernels_echo4_variants.json.
 ECHO_VARIANTS = {"present": {}, "used": None,
                  "all": {"pairs": True, "lean": True, "scale_words": True,
                          "scale_columns": True}}
 # other tilings per size: (elements per tile, warps, tiles per program, stages)
 ECHO_TILINGS = {16: [(1024, 1, 4, 3), (1024, 2, 1, 2), (4096, 4, 1, 2), (1024, 1, 8, 3),
-                     (512, 1, 4, 3)],
+                     (512, 1, 4, 3), (2048, 2, 1, 2), (512, 1, 2, 3), (2048, 4, 2, 3)],
                 256: [(2048, 2, 4, 3), (4096, 4, 2, 3), (8192, 8, 1, 2), (1024, 1, 16, 3),
-                      (2048, 4, 2, 3)]}
+                      (2048, 4, 2, 3), (1024, 1, 8, 4), (2048, 2, 8, 3)]}
 # (kernel, sizes in MiB) the sweep times
 ECHO_TUNE_AT = [(kind, (16, 256)) for kind in ("compress", "decompress", "reduce", "decode_sum")]
 
