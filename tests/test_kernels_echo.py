@@ -505,18 +505,27 @@ def test_variants_lower_to_one_triton_call(h200, kernel, name, b, dt):
 
 
 def test_default_tilings_by_size():
-    """Small inputs: 2048-element tiles, 4 warps; above 64 MiB of bf16 the measured
-    large-input tilings (looped one-warp tiles; decompress 8192-element tiles)."""
-    small, big = 1024, (echo4.MID_ELEMENTS // 128) + 1
+    """Up to 16 MiB of bf16 compress and reduce loop one warp over 512-element tiles; up to
+    64 MiB 2048-element tiles, 4 warps; above the measured large-input tilings (looped
+    one-warp tiles; decode_sum 2 tiles of 2048 elements; decompress 8192-element tiles)."""
+    tiny, mid = 1024, echo4.MID_ELEMENTS // 128
+    small, big = echo4.SMALL_ELEMENTS // 128, mid + 1
+    shape = lambda c: (c.blocks_per_program, c.num_warps, c.tiles_per_program)
     for k in ("compress", "decompress", "reduce", "decode_sum"):
-        cfg = echo4.default_config(128, k, small)
-        assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (16, 4, 1)
-        assert echo4.default_config(128, k) == cfg
+        assert shape(echo4.default_config(128, k, mid)) == (16, 4, 1)
+        assert shape(echo4.default_config(128, k)) == (16, 4, 1)
+    for n in (tiny, small):
+        assert shape(echo4.default_config(128, "compress", n)) == (4, 1, 4)
+        assert shape(echo4.default_config(128, "reduce", n)) == (4, 1, 2)
+        assert shape(echo4.default_config(128, "decompress", n)) == (16, 4, 1)
+        assert shape(echo4.default_config(128, "decode_sum", n)) == (16, 4, 1)
+    assert shape(echo4.default_config(128, "compress", small + 1)) == (16, 4, 1)
     assert echo4.default_config(128, "decompress", big).blocks_per_program == 64
-    for k in ("compress", "reduce", "decode_sum"):
-        cfg = echo4.default_config(128, k, big)
-        assert (cfg.blocks_per_program, cfg.num_warps, cfg.tiles_per_program) == (8, 1, 8)
+    for k in ("compress", "reduce"):
+        assert shape(echo4.default_config(128, k, big)) == (8, 1, 8)
+    assert shape(echo4.default_config(128, "decode_sum", big)) == (16, 4, 2)
     assert echo4.default_config(512, "compress", big).blocks_per_program == 2
+    assert echo4.default_config(512, "compress", tiny).blocks_per_program == 1
 
 
 def test_default_configs_carry_the_measured_variants():

@@ -50,6 +50,7 @@ _ROUND = np.float32(1.5 * 2 ** 23)       # y + _ROUND: round(y) in the low manti
 _ROUND_BITS = 0x4B400000                 # the bits of 1.5·2^23
 _FLOAT_BITS = 0x4B000000                 # the bits of 2^23
 MID_ELEMENTS = tiling.MID_ELEMENTS     # 64 MiB of bf16: above it, the large-input tilings
+SMALL_ELEMENTS = tiling.SMALL_ELEMENTS  # 16 MiB of bf16: up to it, looped one-warp tiles
 
 
 def covers(codec) -> bool:
@@ -59,26 +60,38 @@ def covers(codec) -> bool:
 
 def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
                    ) -> tiling.KernelConfig:
-    """The tiling of each kernel, from device time on one H200 (B = 128, bf16,
-    bench/results/kernels_echo4_tune.json; fraction of the roofline, tile math without
-    the EchoConfig variants):
+    """The tiling of each kernel, from device time on one H200 (B = 128, bf16, with the
+    EchoConfig variants each kernel runs; fraction of the roofline, chosen against the
+    previous tiling, bench/results/kernels_echo4_tilings.json):
 
-    * up to MID_ELEMENTS elements (n_rows groups; or n_rows None): one tile of 2048
-      elements per program, 4 warps (compress 0.45 at 16 MiB against 0.36 for looped
-      one-warp tiles, decompress 0.66 against 0.46);
-    * above: compress, reduce, decode_sum loop one warp over 8 tiles of 1024 elements
-      (Triton pipelines the next tile's loads; at 256 MiB compress 0.665 vs 0.584, reduce
-      0.712 vs 0.601, decode_sum 0.691 vs 0.610); decompress takes tiles of 8192 elements,
-      8 warps (0.892 vs 0.847).
+    * up to SMALL_ELEMENTS (16 MiB of bf16) compress loops one warp over 4 tiles of 512
+      elements (0.586 at 16 MiB against 0.540 for one 2048-element tile of 4 warps), reduce
+      over 2 (0.666 against 0.573);
+    * otherwise up to MID_ELEMENTS elements (n_rows groups; or n_rows None): one tile of
+      2048 elements per program, 4 warps (without the variants: compress 0.45 at 16 MiB
+      against 0.36 for looped one-warp tiles, decompress 0.66 against 0.46,
+      bench/results/kernels_echo4_tune.json);
+    * above: compress and reduce loop one warp over 8 tiles of 1024 elements (Triton
+      pipelines the next tile's loads; at 256 MiB compress 0.84, reduce 0.85);
+      decode_sum takes 2 tiles of 2048 elements with 4 warps (0.922 against 0.874 for the
+      one-warp loop); decompress tiles of 8192 elements, 8 warps (0.935).
     """
     if kernel not in ("compress", "decompress", "reduce", "decode_sum"):
         raise ValueError(f"echo4 default_tiling: unknown kernel {kernel!r}")
-    if n_rows is None or n_rows * block_size <= MID_ELEMENTS:
+    n = None if n_rows is None else n_rows * block_size
+    if n is not None and n <= SMALL_ELEMENTS and kernel in ("compress", "reduce"):
+        return tiling.KernelConfig(blocks_per_program=max(1, 512 // block_size), num_warps=1,
+                                   num_stages=3,
+                                   tiles_per_program=4 if kernel == "compress" else 2)
+    if n is None or n <= MID_ELEMENTS:
         return tiling.KernelConfig(blocks_per_program=max(4, 2048 // block_size),
                                    num_warps=4, num_stages=2)
     if kernel == "decompress":
         return tiling.KernelConfig(blocks_per_program=max(4, 8192 // block_size),
                                    num_warps=8, num_stages=2)
+    if kernel == "decode_sum":
+        return tiling.KernelConfig(blocks_per_program=max(1, 2048 // block_size), num_warps=4,
+                                   num_stages=3, tiles_per_program=2)
     return tiling.KernelConfig(blocks_per_program=max(1, 1024 // block_size), num_warps=1,
                                num_stages=3, tiles_per_program=8)
 
