@@ -2,7 +2,7 @@
 
     python -m bench.kernels [--sizes-mib 16 64 256 1024] [--impls triton mosaic]
                             [--codecs taco echo4] [--check] [--stages] [--tune]
-                            [--out bench/results/kernels.json]
+                            [--no-timings] [--out bench/results/kernels.json]
 
 Each row is one implementation (Pallas-Triton or Pallas Mosaic GPU) × kernel × size, with
 two times per call: `device_us`, the GPU kernels' own durations summed from a profiler
@@ -25,7 +25,8 @@ jitted reference bit for bit (`ok` per case). --stages times the Triton compress
 configs (blocks per multiprocessor × TMA steps in flight) at 16 and 256 MiB, and with
 `--codecs echo4` the 4-bit kernels at 16 and 256 MiB: the plain tile math, the variants each
 kernel runs (`echo4.MEASURED_VARIANTS`) and all of them under the default tiling, then the
-variants it runs under five other tilings, side by side in one table. Writes
+variants it runs under other tilings, side by side in one table. --no-timings leaves the
+timing rows out (the checks alone fit a GPU call that the timings would fill). Writes
 bench/results/kernels.json (device, jax, commit and every figure). On CPU the Triton
 kernels run in Pallas' interpreter at small sizes, a smoke test without device times.
 """
@@ -494,6 +495,8 @@ def main(argv=None):
                     help="check only cases I, I+N, ... (and no timings when N > 1)")
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--no-timings", action="store_true",
+                    help="no timing rows: only --check, --tune or --stages")
     ap.add_argument("--out", default="bench/results/kernels.json")
     args = ap.parse_args(argv)
     shard = tuple(int(v) for v in args.check_shard.split("/"))
@@ -505,6 +508,8 @@ def main(argv=None):
         result["check_done"] = True
         write_json(args.out, result)
         return result
+    if args.no_timings and not (args.check or args.tune or args.stages):
+        ap.error("--no-timings leaves nothing to run without --check, --tune or --stages")
     facts = env_facts()
     result = {**facts, "custom_calls": hlo_custom_calls()}
     print(facts, "custom calls:", result["custom_calls"], flush=True)
@@ -519,7 +524,7 @@ def main(argv=None):
     sizes = args.sizes_mib if not INTERP else [0.0625]
     cs = [codecs.get(name) for name in args.codecs]
     echo = [c for c in cs if echo4.covers(c)]
-    for c, mib in itertools.product(cs, sizes):
+    for c, mib in itertools.product(cs, sizes if not args.no_timings else []):
         for kind, impl in itertools.product(kinds_for(c), args.impls):
             n = int(mib * MIB) // 2                           # bf16 input elements
             if not covers(impl, kind, c, (n // c.block_size, c.block_size), jnp.bfloat16):
@@ -531,8 +536,9 @@ def main(argv=None):
                              "error": f"{type(e).__name__}: {str(e)[:500]}"})
             print({k: v for k, v in rows[-1].items() if k != "device_kernels"}, flush=True)
         write_json(args.out, result)
-    print_table(rows, ["codec", "impl", "kernel", "mib", "device_us", "device_fraction",
-                       "host_us", "host_fraction"])
+    if rows:
+        print_table(rows, ["codec", "impl", "kernel", "mib", "device_us", "device_fraction",
+                           "host_us", "host_fraction"])
     write_json(args.out, result)
     if args.check and echo and "triton" in args.impls:   # the 4-bit checks are quick
         result["check_echo"] = []

@@ -115,6 +115,20 @@ def test_kernels_cpu_smoke_echo4(tmp_path):
     assert res["rows"] == got["rows"]
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_kernels_no_timings_runs_the_checks_alone(tmp_path):
+    """--no-timings --check: the checks and no timing rows (the GPU batch runs them as a
+    step of their own); without anything else to run it is refused."""
+    from bench import kernels
+    out = tmp_path / "k.json"
+    kernels.main(["--out", str(out), "--codecs", "echo4", "--check", "--no-timings"])
+    got = json.loads(out.read_text())
+    assert got["rows"] == [] and got["check_echo"]
+    assert all(c["ok"] for c in got["check_echo"]), got["check_echo"]
+    with pytest.raises(SystemExit):
+        kernels.main(["--out", str(out), "--no-timings"])
+
+
 def test_covers():
     from bench import kernels
     from taco_jax import codecs
