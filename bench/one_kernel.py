@@ -7,7 +7,8 @@
         [--parts 1] [--tma-store] [--roofline]
 
 Kernel names: taco_compress / taco_decompress (Triton), taco_compress_mosaic… /
-taco_decompress_mosaic… (Mosaic GPU). GPU only (no interpreter): a profiler needs the
+taco_decompress_mosaic… (Mosaic GPU); for the 4-bit codecs (`compress echo4`, Triton only)
+echo4_compress / echo4_decompress, with the variants each kernel runs (`echo4.default_config`). GPU only (no interpreter): a profiler needs the
 compiled kernel. --tm/--warps/--tiles/--ieee-rowmath/--row-masks set the Triton
 KernelConfig (default: the library's for that size), --ctas-per-sm/--steps/--parts/
 --tma-store the Mosaic one (default: the library's).
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_jax import codecs
-from taco_jax.kernels import compress, decompress, mosaic, tiling as common
+from taco_jax.kernels import compress, decompress, echo4, mosaic, tiling as common
 
 
 def main(argv=None):
@@ -51,8 +52,13 @@ def main(argv=None):
 
     n = a.mib * (1 << 20) // 2 // c.block_size
 
+    four_bit = echo4.covers(c)
+    if four_bit and a.impl != "triton":
+        ap.error(f"{a.codec}: the 4-bit kernels are Triton only, not --impl {a.impl}")
+
     def triton_cfg(kernel):
-        d = common.KernelConfig.default(c.block_size, kernel, n)
+        d = (echo4.default_config(c.block_size, kernel, n) if four_bit
+             else common.KernelConfig.default(c.block_size, kernel, n))
         return dataclasses.replace(d, blocks_per_program=a.tm or d.blocks_per_program,
                                    num_warps=a.warps or d.num_warps,
                                    fast_rowmath=not a.ieee_rowmath,
@@ -70,10 +76,11 @@ def main(argv=None):
         if a.kernel == "decompress":
             jax.block_until_ready(mosaic.decompress(w, c, jnp.bfloat16, mcfg))
     else:
-        w = jax.block_until_ready(compress.compress(x, c, triton_cfg("compress")))
+        comp, decomp = ((echo4.compress, echo4.decompress) if four_bit
+                        else (compress.compress, decompress.decompress))
+        w = jax.block_until_ready(comp(x, c, triton_cfg("compress")))
         if a.kernel == "decompress":
-            jax.block_until_ready(decompress.decompress(w, c, jnp.bfloat16,
-                                                        triton_cfg("decompress")))
+            jax.block_until_ready(decomp(w, c, jnp.bfloat16, triton_cfg("decompress")))
     print("ok", a)
 
 

@@ -216,3 +216,11 @@ def test_write_json_keeps_gpu_results(tmp_path):
     assert side == str(tmp_path / "r.cpu.json")
     assert json.loads(out.read_text())["x"] == 1 and json.loads(Path(side).read_text())["x"] == 2
     assert write_json(out, {"platform": "gpu", "x": 3}) == str(out)
+
+
+def test_one_kernel_refuses_mosaic_for_the_4bit_codecs():
+    """bench.one_kernel (the Nsight Compute driver) runs echo4's Triton kernels; asked for a
+    Mosaic one it says so by name instead of running TACO's."""
+    from bench import one_kernel
+    with pytest.raises(SystemExit):
+        one_kernel.main(["compress", "echo4", "--impl", "mosaic", "--mib", "1"])
