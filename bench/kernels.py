@@ -386,12 +386,14 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
 
 # echo4's tile-math variants (echo4.EchoConfig) and the tilings they are timed under. Per
 # kernel and size: under the default tiling the plain tile math, the variants the kernel runs
-# (echo4.MEASURED_VARIANTS, "used") and all of them; then "used" under ECHO_TILINGS.
-# 4 kernels × (11 + 10) = 84 configurations (~150 s on an H200). The variants alone were
-# compared in bench/results/kernels_echo4_variants.json.
-ECHO_VARIANTS = {"present": {}, "used": None,
+# (echo4.MEASURED_VARIANTS, "used"), those plus merged_rows for the kernels that encode
+# ("merged": compress, reduce) and all of them; then "used" (and "merged") under
+# ECHO_TILINGS: 118 configurations (~200 s on an H200). The variants alone were compared in
+# bench/results/kernels_echo4_variants.json, the tilings in kernels_echo4_tilings.json.
+ECHO_VARIANTS = {"present": {}, "used": None, "merged": None,
                  "all": {"pairs": True, "lean": True, "scale_words": True,
-                         "scale_columns": True}}
+                         "scale_columns": True, "merged_rows": True}}
+ENCODERS = ("compress", "reduce")
 # other tilings per size: (elements per tile, warps, tiles per program, stages)
 ECHO_TILINGS = {16: [(1024, 1, 4, 3), (1024, 2, 1, 2), (4096, 4, 1, 2), (1024, 1, 8, 3),
                      (512, 1, 4, 3), (2048, 2, 1, 2), (512, 1, 2, 3), (2048, 4, 2, 3)],
@@ -422,13 +424,17 @@ def _echo_tune_cell(kind, mib, interp) -> list[tuple]:
     default tiling only)."""
     n_rows = int(mib * MIB) // 2 // 128
     used = echo4.MEASURED_VARIANTS[kind]
+    named = {"used": used, "merged": {**used, "merged_rows": True}}
+    names = [n for n in ECHO_VARIANTS if n != "merged" or kind in ENCODERS]
     cases = [(kind, mib, "default", name,
               echo4.with_options(echo4.default_tiling(128, kind, n_rows),
-                                 **(used if opts is None else opts)))
-             for name, opts in ECHO_VARIANTS.items() if not interp or name in ("present", "all")]
+                                 **(named[name] if opts is None else opts)))
+             for name, opts in ECHO_VARIANTS.items()
+             if name in names and (not interp or name in ("present", "all"))]
     if not interp:
-        cases += [(kind, mib, "{}/{}w/{}t".format(*t[:3]), "used",
-                   echo4.with_options(_tiling(*t), **used)) for t in ECHO_TILINGS[mib]]
+        cases += [(kind, mib, "{}/{}w/{}t".format(*t[:3]), name,
+                   echo4.with_options(_tiling(*t), **named[name]))
+                  for t in ECHO_TILINGS[mib] for name in ("used", "merged") if name in names]
     return cases
 
 
@@ -447,6 +453,7 @@ def echo_tune_rows(roof) -> list[dict]:
                  "error": f"{type(e).__name__}: {str(e)[:300]}"}
         r.update(tiling=label, variant=variant, pairs=cfg.pairs, lean=cfg.lean,
                  scale_words=cfg.scale_words, scale_columns=cfg.scale_columns,
+                 merged_rows=cfg.merged_rows,
                  elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
                  tiles_per_program=cfg.tiles_per_program, num_stages=cfg.num_stages)
         rows.append(r)

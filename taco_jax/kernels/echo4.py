@@ -25,7 +25,8 @@ f32, which the tensor-core dots of the TACO kernels would not reproduce byte for
 
 `EchoConfig` selects variants of the tile math that write the same bytes with fewer
 instructions: 16-bit data as uint32 pairs instead of the even/odd split and join, a leaner
-encode and decode, scales read as words or written as byte columns. `default_config` runs
+encode and decode, scales read as words or written as byte columns, the encode's row
+reductions merged. `default_config` runs
 each kernel with the ones measured fastest for it (`MEASURED_VARIANTS`; the sweep:
 `python -m bench.kernels --codecs echo4 --tune`).
 """
@@ -144,16 +145,23 @@ class EchoConfig(tiling.KernelConfig):
       them from four bytes with a row reduction each.
     * scale_columns: the encoders (compress, compress_feedback, reduce) write each scale
       byte as its own (tm, 1) column instead of one (tm, 4·n) tile of bytes.
+    * merged_rows: the encoders take a row's min and max over the element-wise min / max
+      of its two halves (one cross-thread reduction each instead of two; min and max are
+      exact in any order), and fold the zero point into the rounding's integer offset
+      (codes bits(y + 1.5·2^23) − (bits(1.5·2^23) − z), one subtraction instead of two).
+      A group with NaN or ±Inf is still found by the NaN test (its codes and scales do not
+      depend on the min / max there).
     """
     pairs: bool = False
     lean: bool = False
     scale_words: bool = False
     scale_columns: bool = False
+    merged_rows: bool = False
 
 
 def with_options(cfg: tiling.KernelConfig, **options) -> EchoConfig:
     """cfg as an EchoConfig with the given variants (pairs, lean, scale_words,
-    scale_columns) set."""
+    scale_columns, merged_rows) set."""
     if isinstance(cfg, EchoConfig):
         return dataclasses.replace(cfg, **options)
     base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tiling.KernelConfig)}
@@ -267,11 +275,15 @@ def _to_float(q):
     return _float_bits(q) - np.float32(2 ** 23)
 
 
-def _row_min(even, odd):
+def _row_min(even, odd, merged=False):
+    if merged:
+        return jnp.min(jnp.minimum(even, odd), axis=1, keepdims=True)
     return jnp.minimum(jnp.min(even, axis=1, keepdims=True), jnp.min(odd, axis=1, keepdims=True))
 
 
-def _row_max(even, odd):
+def _row_max(even, odd, merged=False):
+    if merged:
+        return jnp.max(jnp.maximum(even, odd), axis=1, keepdims=True)
     return jnp.maximum(jnp.max(even, axis=1, keepdims=True), jnp.max(odd, axis=1, keepdims=True))
 
 
@@ -284,31 +296,36 @@ def encode_tile(xe, xo, codec, cfg):
     Under cfg.lean the group is non-finite exactly where Σ x·(1/s) is: a finite group has
     |x·(1/s)| ≤ 15 (+ rounding) element by element; an Inf makes s Inf (min / max keep it,
     even Triton's NaN-ignoring ones), so 1/s = 0 and Inf·0 = NaN; a NaN stays NaN."""
-    lean = _opt(cfg, "lean")
+    lean, merged = _opt(cfg, "lean"), _opt(cfg, "merged_rows")
     if not lean:
         bad = jnp.logical_not(jnp.sum(xe * 0.0 + xo * 0.0, axis=1, keepdims=True) == 0)
     if codec.symmetric:
-        m = _row_max(jnp.abs(xe), jnp.abs(xo))
+        m = _row_max(jnp.abs(xe), jnp.abs(xo), merged)
         s = jnp.maximum(m * np.float32(1 / _echo.SYM_QMAX), _echo.SCALE_MIN)
         zi = SYM_ZERO
     else:
-        lo = jnp.minimum(_row_min(xe, xo), 0.0)
-        hi = jnp.maximum(_row_max(xe, xo), 0.0)
+        lo = jnp.minimum(_row_min(xe, xo, merged), 0.0)
+        hi = jnp.maximum(_row_max(xe, xo, merged), 0.0)
         s = jnp.maximum((hi * np.float32(0.5) - lo * np.float32(0.5))
                         * np.float32(2 / LEVELS), _echo.SCALE_MIN)
     inv = _recip(s, cfg)
     if not codec.symmetric:
         zi = jnp.clip(_rint(_mul_rn(-lo, inv, cfg)), 0, LEVELS)
     ye, yo = _mul_rn(xe, inv, cfg), _mul_rn(xo, inv, cfg)
+    if merged:      # round(y) + z = bits(y + 1.5·2^23) − (bits(1.5·2^23) − z)
+        off = _ROUND_BITS - zi
+        code = lambda y: lax.bitcast_convert_type(y + _ROUND, jnp.int32) - off
+    else:
+        code = lambda y: _rint(y) + zi
     if lean:
         bad = jnp.logical_not(jnp.abs(jnp.sum(ye + yo, axis=1, keepdims=True)) < np.inf)
         top = jnp.where(bad, 0, LEVELS)           # the group's codes clip to 0
-        qe = jnp.clip(_rint(ye) + zi, 0, top)
-        qo = jnp.clip(_rint(yo) + zi, 0, top)
+        qe = jnp.clip(code(ye), 0, top)
+        qo = jnp.clip(code(yo), 0, top)
         code_bytes = (qe | lax.shift_left(qo, 4)).astype(jnp.uint8)
     else:
-        qe = jnp.clip(_rint(ye) + zi, 0, LEVELS)
-        qo = jnp.clip(_rint(yo) + zi, 0, LEVELS)
+        qe = jnp.clip(code(ye), 0, LEVELS)
+        qo = jnp.clip(code(yo), 0, LEVELS)
         code_bytes = jnp.where(bad, 0, qe | lax.shift_left(qo, 4)).astype(jnp.uint8)
     s = jnp.where(bad, jnp.float32(np.nan), s)                 # the group decodes NaN
     if codec.symmetric:
