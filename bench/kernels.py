@@ -247,6 +247,10 @@ _echo_refs = {"compress": jax.jit(echo4.compress_reference, static_argnums=1),
 ECHO_CHECKS = ([("echo4", b, jnp.bfloat16) for b in (32, 64, 128, 256, 512)]
                + [("echo4", 128, jnp.float32), ("echo4", 128, jnp.float16),
                   ("int4-sym", 128, jnp.bfloat16), ("int4-sym", 32, jnp.float32)])
+# the encoder variants not (yet) in the defaults, on top of each kernel's default config:
+# checked on the device before the sweep may make them the default
+ECHO_TRIAL = ("merged_rows", "word_stores")
+ECHO_CHECKS += [("echo4", 128, jnp.bfloat16, ECHO_TRIAL), ("int4-sym", 32, jnp.float32, ECHO_TRIAL)]
 
 
 def _bits_differ(a, b) -> int:
@@ -261,22 +265,32 @@ def check_echo(out_rows, save=None):
     compress_feedback, reduce) and decoded values (decompress, decode_sum, the new
     residual); rows with NaN, ±Inf, zeros and one-signed groups."""
     rng = np.random.default_rng(2)
-    n = 4099 if not INTERP else 99            # the interpreter: a smoke test, two cases
-    for name, b, dtype in ECHO_CHECKS if not INTERP else ECHO_CHECKS[2::6]:
+    n = 4099 if not INTERP else 99            # the interpreter: a smoke test, three cases
+    cases = ECHO_CHECKS if not INTERP else ECHO_CHECKS[2::6] + ECHO_CHECKS[-1:]
+    for name, b, dtype, *extra in cases:
+        variants = extra[0] if extra else ()
         try:
-            row = _check_echo_case(rng, n, name, b, dtype)
+            row = _check_echo_case(rng, n, name, b, dtype, variants)
         except Exception as e:   # a kernel that does not compile fails its case, visibly
             row = {"impl": "triton", "codec": name, "block": b,
-                   "dtype": jnp.dtype(dtype).name, "ok": False,
-                   "error": f"{type(e).__name__}: {str(e)[:500]}"}
+                   "dtype": jnp.dtype(dtype).name, "variants": "+".join(variants),
+                   "ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         out_rows.append(row)
         print(row, flush=True)
         if save:
             save()
 
 
-def _check_echo_case(rng, n, name, b, dtype) -> dict:
+def _check_echo_case(rng, n, name, b, dtype, variants=()) -> dict:
+    """One codec, block size and dtype; `variants`: EchoConfig options turned on over each
+    kernel's default config (none: the kernels as the library calls them)."""
     c = codecs.get(name, block_size=b)
+
+    def cfg(kernel):
+        if not variants:
+            return None
+        return echo4.with_options(echo4.default_config(b, kernel, n),
+                                  **{v: True for v in variants})
     x = np.array(_check_input(rng, n, b, jnp.float32), np.float32)
     x[17] = 0.0
     x[19] = np.abs(x[19])
@@ -284,23 +298,25 @@ def _check_echo_case(rng, n, name, b, dtype) -> dict:
     r = jnp.asarray(rng.standard_normal((n, b)).astype(np.float32) * 0.005)
     wr = _echo_refs["compress"](x, c)
     recv = jnp.stack([wr, _echo_refs["compress"](x[::-1], c)])
-    fk, ek = echo4.compress_feedback(x, r, c, interpret=INTERP)
+    fk, ek = echo4.compress_feedback(x, r, c, cfg("compress"), interpret=INTERP)
     fr, er = _echo_refs["compress_feedback"](x, r, c)
     row = {"impl": "triton", "codec": name, "block": b, "dtype": jnp.dtype(dtype).name,
-           "compress_bytes_differ": _bits_differ(echo4.compress(x, c, interpret=INTERP),
-                                                 wr),
+           "variants": "+".join(variants),
+           "compress_bytes_differ": _bits_differ(
+               echo4.compress(x, c, cfg("compress"), interpret=INTERP), wr),
            "feedback_bytes_differ": _bits_differ(fk, fr),
            "feedback_residual_differ": _bits_differ(ek, er),
            "decompress_differ": _bits_differ(
-               echo4.decompress(wr, c, dtype, interpret=INTERP),
+               echo4.decompress(wr, c, dtype, cfg("decompress"), interpret=INTERP),
                _echo_refs["decompress"](wr, c, dtype)),
            "reduce_bytes_differ": _bits_differ(
-               echo4.reduce(recv, x, jnp.int32(1), c, interpret=INTERP),
+               echo4.reduce(recv, x, jnp.int32(1), c, cfg("reduce"), interpret=INTERP),
                _echo_refs["reduce"](recv, x, jnp.int32(1), c)),
            "decode_sum_differ": _bits_differ(
-               echo4.decode_sum(recv, c, dtype, interpret=INTERP),
+               echo4.decode_sum(recv, c, dtype, cfg("decode_sum"), interpret=INTERP),
                _echo_refs["decode_sum"](recv, c, dtype))}
-    sk = np.asarray(echo4.decode_sum(recv, c, jnp.float32, interpret=INTERP), np.float64)
+    sk = np.asarray(echo4.decode_sum(recv, c, jnp.float32, cfg("decode_sum"),
+                                     interpret=INTERP), np.float64)
     sr = np.asarray(_echo_refs["decode_sum"](recv, c, jnp.float32), np.float64)
     fin = np.isfinite(sr)
     row["decode_sum_f32_max_rel"] = float(np.max(np.abs(sk[fin] - sr[fin])) /
@@ -385,14 +401,16 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
 
 
 # echo4's tile-math variants (echo4.EchoConfig) and the tilings they are timed under. Per
-# kernel and size: under the default tiling the plain tile math, the variants the kernel runs
-# (echo4.MEASURED_VARIANTS, "used"), those plus merged_rows for the kernels that encode
-# ("merged": compress, reduce) and all of them; then "used" (and "merged") under
-# ECHO_TILINGS: 118 configurations (~200 s on an H200). The variants alone were compared in
-# bench/results/kernels_echo4_variants.json, the tilings in kernels_echo4_tilings.json.
-ECHO_VARIANTS = {"present": {}, "used": None, "merged": None,
+# kernel and size, under the default tiling: the plain tile math, the variants the kernel runs
+# (echo4.MEASURED_VARIANTS, "used"), for the kernels that encode (compress, reduce) those
+# plus merged_rows, plus word_stores and plus both, and all variants; then "used" (and for
+# the encoders "merged+words") under each of ECHO_TILINGS: 126 configurations (~220 s on an
+# H200). The variants alone were compared in bench/results/kernels_echo4_variants.json, the
+# tilings in kernels_echo4_tilings.json.
+ECHO_VARIANTS = {"present": {}, "used": (), "merged": ("merged_rows",),
+                 "words": ("word_stores",), "merged+words": ("merged_rows", "word_stores"),
                  "all": {"pairs": True, "lean": True, "scale_words": True,
-                         "scale_columns": True, "merged_rows": True}}
+                         "scale_columns": True, "merged_rows": True, "word_stores": True}}
 ENCODERS = ("compress", "reduce")
 # other tilings per size: (elements per tile, warps, tiles per program, stages)
 ECHO_TILINGS = {16: [(1024, 1, 4, 3), (1024, 2, 1, 2), (4096, 4, 1, 2), (1024, 1, 8, 3),
@@ -424,17 +442,20 @@ def _echo_tune_cell(kind, mib, interp) -> list[tuple]:
     default tiling only)."""
     n_rows = int(mib * MIB) // 2 // 128
     used = echo4.MEASURED_VARIANTS[kind]
-    named = {"used": used, "merged": {**used, "merged_rows": True}}
-    names = [n for n in ECHO_VARIANTS if n != "merged" or kind in ENCODERS]
+
+    def opts(name):     # a tuple: the used variants plus these; a dict: exactly these
+        v = ECHO_VARIANTS[name]
+        return v if isinstance(v, dict) else {**used, **{k: True for k in v}}
+    names = [n for n, v in ECHO_VARIANTS.items()
+             if isinstance(v, dict) or not v or kind in ENCODERS]
     cases = [(kind, mib, "default", name,
-              echo4.with_options(echo4.default_tiling(128, kind, n_rows),
-                                 **(named[name] if opts is None else opts)))
-             for name, opts in ECHO_VARIANTS.items()
-             if name in names and (not interp or name in ("present", "all"))]
+              echo4.with_options(echo4.default_tiling(128, kind, n_rows), **opts(name)))
+             for name in names if not interp or name in ("present", "all")]
     if not interp:
+        again = ["used", "merged+words"] if kind in ENCODERS else ["used"]
         cases += [(kind, mib, "{}/{}w/{}t".format(*t[:3]), name,
-                   echo4.with_options(_tiling(*t), **named[name]))
-                  for t in ECHO_TILINGS[mib] for name in ("used", "merged") if name in names]
+                   echo4.with_options(_tiling(*t), **opts(name)))
+                  for t in ECHO_TILINGS[mib] for name in again]
     return cases
 
 
@@ -453,7 +474,7 @@ def echo_tune_rows(roof) -> list[dict]:
                  "error": f"{type(e).__name__}: {str(e)[:300]}"}
         r.update(tiling=label, variant=variant, pairs=cfg.pairs, lean=cfg.lean,
                  scale_words=cfg.scale_words, scale_columns=cfg.scale_columns,
-                 merged_rows=cfg.merged_rows,
+                 merged_rows=cfg.merged_rows, word_stores=cfg.word_stores,
                  elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
                  tiles_per_program=cfg.tiles_per_program, num_stages=cfg.num_stages)
         rows.append(r)

@@ -143,9 +143,9 @@ def test_tilings_are_bit_identical():
         assert_kernels_write_reference_bytes(x, c, cfg, r)
 
 
-# -- the tile-math variants (echo4.EchoConfig: pairs, lean, scale_words, scale_columns, merged_rows)
+# -- the tile-math variants (echo4.EchoConfig: pairs, lean, scale_words, scale_columns, …) ----
 ALL_VARIANTS = dict(pairs=True, lean=True, scale_words=True, scale_columns=True,
-                    merged_rows=True)
+                    merged_rows=True, word_stores=True)
 VARIANT_CASES = [("echo4", 128, "bf16", ALL_VARIANTS), ("echo4", 64, "f16", ALL_VARIANTS),
                  ("echo4", 32, "f32", ALL_VARIANTS), ("int4-sym", 128, "bf16", ALL_VARIANTS),
                  ("int4-sym", 64, "f16", ALL_VARIANTS)]

@@ -151,17 +151,22 @@ class EchoConfig(tiling.KernelConfig):
       (codes bits(y + 1.5·2^23) − (bits(1.5·2^23) − z), one subtraction instead of two).
       A group with NaN or ±Inf is still found by the NaN test (its codes and scales do not
       depend on the min / max there).
+    * word_stores: the encoders write the wire as 32-bit words (a uint32 output, bitcast
+      to the wire's bytes in XLA for free): each 4 code bytes packed into a word in
+      registers, s (and z) stored as f32 words, instead of byte stores. Blocks of a
+      multiple of 8 elements (every wire row a whole number of words); others keep bytes.
     """
     pairs: bool = False
     lean: bool = False
     scale_words: bool = False
     scale_columns: bool = False
     merged_rows: bool = False
+    word_stores: bool = False
 
 
 def with_options(cfg: tiling.KernelConfig, **options) -> EchoConfig:
     """cfg as an EchoConfig with the given variants (pairs, lean, scale_words,
-    scale_columns, merged_rows) set."""
+    scale_columns, merged_rows, word_stores) set."""
     if isinstance(cfg, EchoConfig):
         return dataclasses.replace(cfg, **options)
     base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tiling.KernelConfig)}
@@ -196,6 +201,28 @@ def from_pairs(u, dtype):
 def to_words(w):
     """(..., row_bytes) uint8 wire → (..., row_bytes/4) uint32 (a bitcast; little-endian)."""
     return lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
+
+
+def from_words(u):
+    """`to_words`' inverse: (..., row_bytes/4) uint32 → (..., row_bytes) uint8."""
+    return lax.bitcast_convert_type(u, jnp.uint8).reshape(*u.shape[:-1], 4 * u.shape[-1])
+
+
+def _word_stores(cfg, codec) -> bool:
+    """Do the encoders write words under cfg (see EchoConfig.word_stores)?"""
+    return _opt(cfg, "word_stores") and codec.block_size % 8 == 0
+
+
+def _wire_out(n_rows, codec, cfg, like):
+    """The encoders' output: wire rows of bytes, or of words under word_stores."""
+    if _word_stores(cfg, codec):
+        return tiling.out_struct((n_rows, codec.row_bytes // 4), jnp.uint32, like)
+    return tiling.out_struct((n_rows, codec.row_bytes), jnp.uint8, like)
+
+
+def _wire_bytes(w, codec, cfg):
+    """An encoder's output as the wire's bytes."""
+    return from_words(w) if _word_stores(cfg, codec) else w
 
 
 # -- tile math ((tm, B/2) halves: even and odd elements) ------------------------------------
@@ -288,8 +315,9 @@ def _row_max(even, odd, merged=False):
 
 
 def encode_tile(xe, xo, codec, cfg):
-    """even, odd (tm, B/2) f32 → (code bytes (tm, B/2) uint8, scale bytes (tm, 4·n) uint8
-    (None under scale_columns: the caller stores `scale_byte_columns`), codes (qe, qo)
+    """even, odd (tm, B/2) f32 → (code bytes (tm, B/2) uint8 — int32 under word_stores —,
+    scale bytes (tm, 4·n) uint8 (None under scale_columns or word_stores: the caller stores
+    `scale_byte_columns` or the words), codes (qe, qo)
     int32, s, z (tm, 1) f32 as sent). `asym_params` / `sym_params`, `quantize4` and
     `pack_nibbles` of the codec.
 
@@ -322,11 +350,14 @@ def encode_tile(xe, xo, codec, cfg):
         top = jnp.where(bad, 0, LEVELS)           # the group's codes clip to 0
         qe = jnp.clip(code(ye), 0, top)
         qo = jnp.clip(code(yo), 0, top)
-        code_bytes = (qe | lax.shift_left(qo, 4)).astype(jnp.uint8)
+        code_bytes = qe | lax.shift_left(qo, 4)
     else:
         qe = jnp.clip(code(ye), 0, LEVELS)
         qo = jnp.clip(code(yo), 0, LEVELS)
-        code_bytes = jnp.where(bad, 0, qe | lax.shift_left(qo, 4)).astype(jnp.uint8)
+        code_bytes = jnp.where(bad, 0, qe | lax.shift_left(qo, 4))
+    words = _word_stores(cfg, codec)
+    if not words:                  # under word_stores the int32 bytes are packed by 4
+        code_bytes = code_bytes.astype(jnp.uint8)
     s = jnp.where(bad, jnp.float32(np.nan), s)                 # the group decodes NaN
     if codec.symmetric:
         z = jnp.full_like(s, SYM_ZERO)
@@ -334,7 +365,8 @@ def encode_tile(xe, xo, codec, cfg):
     else:
         z = jnp.where(bad, 0.0, _to_float(zi))
         scales = [s, z]
-    scale_bytes = None if _opt(cfg, "scale_columns") else quant.pack_scales(scales)
+    scale_bytes = (None if words or _opt(cfg, "scale_columns")
+                   else quant.pack_scales(scales))
     return code_bytes, scale_bytes, (qe, qo), s, z
 
 
@@ -387,9 +419,18 @@ def _store_decoded(o_ref, t, ve, vo, tm, rows, pairs, cfg):
         tiling.store_rows(o_ref, t, _pair(ve, vo, pairs, cfg), tm, 0, rows)
 
 
-def _store_encoded(o_ref, t, enc, tm, half, rows, codec):
-    """encode_tile's code and scale bytes → the wire rows."""
+def _store_encoded(o_ref, t, enc, tm, half, rows, codec, cfg):
+    """encode_tile's code and scale bytes → the wire rows (bytes, or words under
+    word_stores: little-endian, as `to_words` reads them)."""
     code_bytes, scale_bytes, _, s, z = enc
+    if _word_stores(cfg, codec):
+        shift = 8 * lax.broadcasted_iota(jnp.int32, (tm, half // 4, 4), 2)
+        packed = jnp.sum(lax.shift_left(code_bytes.reshape(tm, half // 4, 4), shift), axis=2)
+        tiling.store_rows(o_ref, t, lax.bitcast_convert_type(packed, jnp.uint32), tm, 0, rows)
+        for k, v in enumerate([s] if codec.symmetric else [s, z]):
+            tiling.store_rows(o_ref, t, lax.bitcast_convert_type(v, jnp.uint32), tm,
+                              half // 4 + k, rows)
+        return
     tiling.store_rows(o_ref, t, code_bytes, tm, 0, rows)
     if scale_bytes is not None:
         tiling.store_rows(o_ref, t, scale_bytes, tm, half, rows)
@@ -413,7 +454,7 @@ def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback, pairs=None):
             re, ro = _halves(tiling.load_rows(r_ref, t, tm, 0, b, rows))
             xe, xo = xe - re, xo - ro
         enc = encode_tile(xe, xo, codec, cfg)
-        _store_encoded(o_ref, t, enc, tm, b // 2, rows, codec)
+        _store_encoded(o_ref, t, enc, tm, b // 2, rows, codec, cfg)
         if feedback:          # new residual: decode(encode(x − r)) − (x − r)
             _, _, (qe, qo), s, z = enc
             de, do = decode_codes(qe, qo, s, z, cfg)
@@ -469,7 +510,8 @@ def reduce_kernel(*refs, codec, cfg, n_rows, n_peers, pairs=None):
             # The own copy is skipped (never read: the sender may not have written it);
             # the exact input stands in for it.
             acc = lax.cond(me == p, lambda a: a, add, acc)
-        _store_encoded(o_ref, t, encode_tile(*acc, codec, cfg), tm, b // 2, rows, codec)
+        _store_encoded(o_ref, t, encode_tile(*acc, codec, cfg), tm, b // 2, rows, codec,
+                       cfg)
     tiling.for_each_tile(cfg, n_rows, tile)
 
 
@@ -541,14 +583,15 @@ def _compress(x, r, codec, cfg, skip_start, skip_rows):
     kernel = functools.partial(compress_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                skip_rows=skip_rows, feedback=feedback, pairs=pairs)
     skip = jnp.asarray(skip_start, jnp.int32).reshape(1)
-    wire = tiling.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
+    wire = _wire_out(n_rows, codec, cfg, x)
     xin = x if pairs is None else to_pairs(x)
     if not feedback:
-        return tiling.launch(kernel, wire, n_rows, cfg, cfg.interpret, "echo4_compress", xin,
-                             skip)
+        return _wire_bytes(tiling.launch(kernel, wire, n_rows, cfg, cfg.interpret,
+                                         "echo4_compress", xin, skip), codec, cfg)
     err = tiling.out_struct(x.shape, jnp.float32, x)
-    return tiling.launch(kernel, (wire, err), n_rows, cfg, cfg.interpret,
+    w, e = tiling.launch(kernel, (wire, err), n_rows, cfg, cfg.interpret,
                          "echo4_compress_feedback", xin, r, skip)
+    return _wire_bytes(w, codec, cfg), e
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
@@ -598,9 +641,10 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
     idx = jnp.stack([jnp.asarray(me, jnp.int32), jnp.asarray(own_row0, jnp.int32)])
     kernel = functools.partial(reduce_kernel, codec=codec, cfg=cfg, n_rows=n_rows,
                                n_peers=n_peers, pairs=pairs)
-    out = tiling.out_struct((n_rows, row), jnp.uint8, own)
-    return tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_reduce",
-                         *_wire_args(recv, cfg), own if pairs is None else to_pairs(own), idx)
+    out = _wire_out(n_rows, codec, cfg, own)
+    return _wire_bytes(tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_reduce",
+                                     *_wire_args(recv, cfg),
+                                     own if pairs is None else to_pairs(own), idx), codec, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg", "interpret"))
