@@ -22,17 +22,12 @@ collectives. The owner reduce is extrapolated from the measured P = 2 reduce of 
 link rate (P = 2: the tensor's bytes, one-shot or two-shot alike), its summation taken as
 hidden under the wire (NCCL reduces in-kernel, far below HBM rate at these links).
 
-Kernel device times (one H200, bf16 in), each size's "source" in the JSON: taco from
-bench/results/kernels.json (Triton compress, reduce, decompress) and, for decode_sum,
-fused_loopback.json (the Triton decode_sum timed beside the loopback; no row at 1 GiB, so no
-taco one-shot there). echo4 at 16 and 256 MiB: kernels_echo4_variants.json ("tune_echo",
-tiling "default"), per kernel the row with the tile-math variants it runs now
-(`taco_jax.kernels.echo4.MEASURED_VARIANTS`; a row recorded before scale_columns was apart
-from scale_words had the column writes with the words, which only the encoders' bytes
-layout sees, so the decoders' rows are matched without it). At 64 MiB and 1 GiB no variant
-was timed: kernels_echo4.json, the plain tile math, slower than the kernels that run now
-("tile_math" in the JSON; at 64 MiB the tiling run now, at 1 GiB the tiling before the
-large-input tilings, 6-16 % slower at 256 MiB).
+Kernel device times (one H200, bf16 in), each size's "source" in the JSON, from
+bench/results/kernels.json (`python -m bench.kernels`): taco's Triton compress, reduce and
+decompress, its decode_sum from fused_loopback.json (the Triton decode_sum timed beside the
+loopback; no row at 1 GiB, so no taco one-shot there); echo4's compress, decompress, reduce
+and decode_sum at every size, one row per kernel and size, timed as the library runs them
+(each kernel's `echo4.default_config`: its tiling and tile-math variants).
 
 Fused kernels (P = 2, one launch, through `bench.fused.project` unchanged): each codec's
 one-launch kernel as it runs today, from its per-device loopback time on one H200: taco's
@@ -40,7 +35,7 @@ default launch shape (fused_ablation_residency.json, variant "slim_2_per_sm"), e
 (fused_echo4_loopback.json, its default shape). Links: 350 GB/s (2×H200 NVLink, per
 direction, the parameter of bench.fused), 250 GB/s (what lax.psum and NCCL reached there),
 the rate fitted per size to the xla transport's measured 2-GPU times (method_check:
-96-269 GB/s; a pessimistic bound, since it absorbs that transport's fixed costs), and
+96-267 GB/s; a pessimistic bound, since it absorbs that transport's fixed costs), and
 50 GB/s (PCIe 5.0 x16, or 400 Gb/s between hosts). fixed_us = 15 µs at every P (checked
 at P = 2 only).
 """
@@ -60,21 +55,15 @@ SIZES_MIB = (16, 64, 256, 1024)
 PS = (2, 4, 8)
 SLOW_GBPS = 50.0
 ITEMSIZE = 2                                          # bf16
-INPUTS = {"taco_kernels": "kernels.json", "taco_loopback": "fused_loopback.json",
+INPUTS = {"kernels": "kernels.json", "taco_loopback": "fused_loopback.json",
           "taco_fused": "fused_ablation_residency.json",
-          "echo4_kernels_variants": "kernels_echo4_variants.json",
-          "echo4_kernels_plain": "kernels_echo4.json",
           "echo4_fused": "fused_echo4_loopback.json", "lax_psum": "collectives.json"}
 CODECS = ("taco", "echo4")
 ONE_SHOT_KERNELS = ("compress", "decode_sum")
 TWO_SHOT_KERNELS = ("compress", "reduce", "decompress")
 ECHO4_KERNELS = ("compress", "decompress", "reduce", "decode_sum")
-VARIANT_FLAGS = ("pairs", "lean", "scale_words", "scale_columns")
-DECODERS = ("decompress", "decode_sum")               # read scales, never write them
 # Each codec's fused kernel as it runs today: (input, the variant of its default shape).
 FUSED_INPUTS = {"taco": ("taco_fused", "slim_2_per_sm"), "echo4": ("echo4_fused", "default")}
-TILE_MATH_NOW = "the variants each kernel runs now (MEASURED_VARIANTS)"
-TILE_MATH_PLAIN = "plain (no tile-math variants): slower than the kernels that run now"
 
 
 def links(fitted: dict[float, float]) -> dict[str, object]:
@@ -116,82 +105,44 @@ def _number(r: dict, field: str, name: str, results: str) -> float:
     return v
 
 
-def _flags(r: dict) -> dict:
-    """A tune row's tile-math flags; a row without scale_columns was recorded when
-    scale_words brought the column writes with it."""
-    out = {f: bool(r.get(f)) for f in VARIANT_FLAGS[:3]}
-    out["scale_columns"] = bool(r.get("scale_columns", r.get("scale_words")))
-    return out
-
-
-def _label(r: dict) -> str:
-    f = _flags(r)
-    flags = "+".join(k for k in VARIANT_FLAGS if f[k]) or "none"
-    label = flags if r.get("variant") in (None, flags) else f"{r['variant']}: {flags}"
-    if "scale_columns" not in r and f["scale_words"]:
-        label += " (scale_columns came with scale_words then)"
-    return label
-
-
-def echo4_variant_times(docs: dict, results: str, measured: dict) -> dict:
-    """{mib: {kernel: µs, "variants": {kernel: label}}} from the tune rows of the default
-    tiling whose flags are the ones each kernel runs (`measured`: MEASURED_VARIANTS); the
-    decoders' rows matched without scale_columns (a decoder does not write scales)."""
-    name = "echo4_kernels_variants"
-    tune = [r for r in _rows(docs, name, results, "tune_echo")
+def echo4_times(docs: dict, results: str, sizes=SIZES_MIB) -> dict:
+    """{mib: {kernel: µs}} from kernels.json's echo4 Triton rows: exactly one row of each
+    of ECHO4_KERNELS at each size (compress_feedback, not in the projection, left out)."""
+    name = "kernels"
+    rows = [r for r in _rows(docs, name, results)
             if r.get("impl") == "triton" and r.get("codec") == "echo4"
-            and r.get("tiling") == "default"]
+            and r.get("kernel") in ECHO4_KERNELS]
     out: dict = {}
-    for mib in sorted({r.get("mib") for r in tune}):
-        t = out.setdefault(mib, {"variants": {}})
+    for mib in sizes:
         for kernel in ECHO4_KERNELS:
-            want = {f: bool(measured[kernel].get(f)) for f in VARIANT_FLAGS}
-            skip = ("scale_columns",) if kernel in DECODERS else ()
-            hits = [r for r in tune if r["mib"] == mib and r.get("kernel") == kernel
-                    and all(_flags(r)[f] == want[f] for f in VARIANT_FLAGS if f not in skip)]
+            hits = [r for r in rows if r.get("mib") == mib and r["kernel"] == kernel]
             if len(hits) != 1:
-                _fail(name, results, f"has {len(hits)} tune_echo rows of {kernel} at {mib} MiB "
-                                     f"(tiling default) with the variants it runs, {want}"
-                                     + (" (scale_columns not compared: a decoder)" if skip
-                                        else ""))
-            t[kernel] = _number(hits[0], "device_us", name, results)
-            t["variants"][kernel] = _label(hits[0])
+                _fail(name, results, f"has {len(hits)} echo4 Triton rows of {kernel} at "
+                                     f"{mib} MiB (one needed)")
+            out.setdefault(mib, {})[kernel] = _number(hits[0], "device_us", name, results)
     return out
 
 
-def kernel_times(results: str = RESULTS, measured: dict | None = None) -> tuple[dict, dict]:
-    """({codec: {mib: {kernel: µs, "source": file@commit, ...}}}, {input: its device facts}).
-    measured: echo4's tile-math variants per kernel (default MEASURED_VARIANTS)."""
-    if measured is None:
-        from taco_jax.kernels.echo4 import MEASURED_VARIANTS as measured
+def kernel_times(results: str = RESULTS, sizes=SIZES_MIB) -> tuple[dict, dict]:
+    """({codec: {mib: {kernel: µs, "source": file@commit}}}, {input: its device facts}).
+    echo4 needs every kernel at every one of `sizes`; taco takes the sizes it has."""
     docs = {k: _load(k, results) for k in INPUTS}
     facts = {k: {"file": INPUTS[k], **{f: d.get(f) for f in
                                        ("device", "n_devices", "jax", "commit")}}
              for k, d in docs.items()}
     src = lambda k: f"{INPUTS[k]}@{str(docs[k].get('commit'))[:7]}"      # noqa: E731
     times: dict = {c: {} for c in CODECS}
-    for r in _rows(docs, "taco_kernels", results):
+    for r in _rows(docs, "kernels", results):
         if r.get("impl") == "triton" and r.get("codec") == "taco" and "device_us" in r:
-            times["taco"].setdefault(r["mib"], {"source": src("taco_kernels")})[
-                r["kernel"]] = _number(r, "device_us", "taco_kernels", results)
+            times["taco"].setdefault(r["mib"], {"source": src("kernels")})[
+                r["kernel"]] = _number(r, "device_us", "kernels", results)
     for r in _rows(docs, "taco_loopback", results):
         if r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("decode_sum_us"):
-            t = times["taco"].setdefault(r["mib"], {"source": src("taco_kernels")})
+            t = times["taco"].setdefault(r["mib"], {"source": src("kernels")})
             t["decode_sum"] = _number(r, "decode_sum_us", "taco_loopback", results)
             t["source"] += f"; decode_sum {src('taco_loopback')}"
-    for mib, v in echo4_variant_times(docs, results, measured).items():
-        times["echo4"][mib] = {**{k: v[k] for k in ECHO4_KERNELS},
-                               "source": f"{src('echo4_kernels_variants')} tune_echo, tiling "
-                               "default: " + "; ".join(f"{k} {lab}" for k, lab
-                                                       in v["variants"].items()),
-                               "tile_math": TILE_MATH_NOW}
-    variant_mibs = set(times["echo4"])
-    for r in _rows(docs, "echo4_kernels_plain", results):
-        if (r.get("impl") == "triton" and r.get("codec") == "echo4"
-                and r.get("kernel") in ECHO4_KERNELS and r.get("mib") not in variant_mibs):
-            times["echo4"].setdefault(r["mib"], {"source": src("echo4_kernels_plain"),
-                                                 "tile_math": TILE_MATH_PLAIN})[
-                r["kernel"]] = _number(r, "device_us", "echo4_kernels_plain", results)
+    for mib, t in echo4_times(docs, results, sizes).items():
+        times["echo4"][mib] = {**t, "source": src("kernels")}
     return times, facts
 
 
@@ -304,8 +255,6 @@ def project_rows(times: dict, codecs: dict, link_rates: dict, sizes=SIZES_MIB, p
                                  two_shot(codec, t, mib, p, gbps, fixed_us))
                     if row[name] is not None:
                         row[name]["kernels"] = t.get("source")
-                        if "tile_math" in t:
-                            row[name]["tile_math"] = t["tile_math"]
                     else:
                         need = ONE_SHOT_KERNELS if p == 2 else TWO_SHOT_KERNELS
                         row[f"{name}_missing"] = (f"no device time of {name} " + ", ".join(

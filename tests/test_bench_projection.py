@@ -5,6 +5,7 @@ named)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -79,16 +80,15 @@ def test_program_on_the_committed_results(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["projected"] is True and res["device"] == "NVIDIA H200"
     assert all(f["commit"] and f["jax"] for f in res["inputs"].values())
-    assert res["inputs"]["echo4_kernels_variants"]["commit"].startswith("5875a84")
+    assert res["inputs"]["kernels"]["commit"].startswith("9880c17")
     assert len(res["rows"]) == len(proj.PS) * len(proj.SIZES_MIB) * 4
     echo4 = res["kernel_times_us"]["echo4"]
-    for mib in ("16", "256"):                  # the variants the kernels run now
-        assert echo4[mib]["source"].startswith("kernels_echo4_variants.json@5875a84")
-        assert echo4[mib]["tile_math"] == proj.TILE_MATH_NOW
-    for mib in ("64", "1024"):                 # no variant timed there: the plain tile math
-        assert echo4[mib]["source"] == "kernels_echo4.json@9446b06"
-        assert echo4[mib]["tile_math"] == proj.TILE_MATH_PLAIN
-    assert (echo4["16"]["compress"], echo4["256"]["decode_sum"]) == (9.41, 113.65)
+    assert sorted(echo4, key=float) == [f"{m:g}" for m in proj.SIZES_MIB]
+    for t in echo4.values():                   # kernels.json's echo4 rows at every size
+        assert t == {**{k: t[k] for k in proj.ECHO4_KERNELS},
+                     "source": "kernels.json@9880c17"}
+    assert (echo4["16"]["compress"], echo4["256"]["decode_sum"]) == (8.77, 108.29)
+    assert (echo4["64"]["reduce"], echo4["1024"]["decompress"]) == (45.95, 345.05)
     fk = res["fused_kernel_per_device_us"]
     assert (fk["taco"]["16"], fk["taco"]["64"], fk["taco"]["256"]) == (31.05, 110.42, 413.49)
     assert "slim_2_per_sm" in fk["taco"]["source"]
@@ -118,10 +118,9 @@ def facts(**kw):
     return {"device": "NVIDIA H200", "n_devices": 1, "jax": "0.11.2", "commit": "f" * 40, **kw}
 
 
-def tune_row(kernel, mib, us, variant, tiling="default", **flags):
-    return {"impl": "triton", "codec": "echo4", "kernel": kernel, "mib": mib,
-            "device_us": us, "tiling": tiling, "variant": variant,
-            **{f: flags.get(f, False) for f in ("pairs", "lean", "scale_words")}}
+def kernel_row(codec, kernel, mib, us, impl="triton"):
+    return {"impl": impl, "codec": codec, "kernel": kernel, "mib": float(mib),
+            "device_us": us}
 
 
 def loop_row(mib, us, variant=None, **kw):
@@ -130,32 +129,23 @@ def loop_row(mib, us, variant=None, **kw):
             **({"variant": variant} if variant else {}), **kw}
 
 
-ALL = {"pairs": True, "lean": True, "scale_words": True}
+# echo4's time of kernel i at m MiB: m + i / 10 (each kernel and size told apart)
+ECHO4_US = {m: {k: m + i / 10 for i, k in enumerate(proj.ECHO4_KERNELS)}
+            for m in proj.SIZES_MIB}
+ECHO4_ROWS = [kernel_row("echo4", k, m, us) for m, t in ECHO4_US.items() for k, us in t.items()]
 FAKE = {
     "kernels.json": {**facts(), "rows": [
-        {"impl": "triton", "codec": "taco", "kernel": k, "mib": 16, "device_us": 5.0}
-        for k in ("compress", "reduce", "decompress")]},
+        *(kernel_row("taco", k, 16, 5.0) for k in ("compress", "reduce", "decompress")),
+        *ECHO4_ROWS,
+        kernel_row("echo4", "compress_feedback", 16, 900.0),     # not in the projection
+        kernel_row("echo4", "compress", 16, 800.0, impl="mosaic")]},   # not the Triton row
     "fused_loopback.json": {**facts(), "rows": [{**loop_row(16, 40.0), "decode_sum_us": 7.0}]},
     "fused_ablation_residency.json": {**facts(), "rows": [
         loop_row(16, 50.0, "default"), loop_row(16, 30.0, "slim_2_per_sm"),
         loop_row(16, 20.0, "encode_twice", checked=False)]},
     "fused_echo4_loopback.json": {**facts(), "rows": [loop_row(16, 25.0, "default")]},
-    "kernels_echo4_variants.json": {**facts(), "rows": [], "tune_echo": [
-        r for k in proj.ECHO4_KERNELS for r in (
-            tune_row(k, 16, 100.0, "present"),
-            tune_row(k, 16, 10.0, "pairs+lean", pairs=True, lean=True),
-            tune_row(k, 16, 20.0, "all", **ALL),
-            tune_row(k, 16, 1.0, "all", tiling="1024/2w/1t", **ALL))]},
-    "kernels_echo4.json": {**facts(), "rows": [
-        {"impl": "triton", "codec": "echo4", "kernel": k, "mib": m, "device_us": 50.0}
-        for k in proj.ECHO4_KERNELS + ("compress_feedback",) for m in (16, 64)]},
     "collectives.json": {**facts(n_devices=2), "rows": []},
 }
-MEASURED = {"compress": {"pairs": True, "lean": True},
-            "decompress": {"pairs": True, "lean": True, "scale_words": True},
-            "reduce": {"pairs": True, "lean": True, "scale_words": True,
-                       "scale_columns": True},
-            "decode_sum": {"pairs": True, "lean": True, "scale_words": True}}
 
 
 def fake_results(tmp_path, **override):
@@ -167,15 +157,14 @@ def fake_results(tmp_path, **override):
 
 def test_inputs_from_a_small_results_dir(tmp_path):
     d = fake_results(tmp_path)
-    times, fx = proj.kernel_times(d, MEASURED)
-    e16, e64 = times["echo4"][16], times["echo4"][64]
-    # the default tiling's rows with each kernel's variants; the decoders' "all" rows
-    assert {k: e16[k] for k in proj.ECHO4_KERNELS} == {
-        "compress": 10.0, "decompress": 20.0, "reduce": 20.0, "decode_sum": 20.0}
-    assert e16["tile_math"] == proj.TILE_MATH_NOW and "tune_echo" in e16["source"]
-    assert e64 == {**{k: 50.0 for k in proj.ECHO4_KERNELS},
-                   "source": "kernels_echo4.json@fffffff", "tile_math": proj.TILE_MATH_PLAIN}
-    assert times["taco"][16]["decode_sum"] == 7.0 and set(fx) == set(proj.INPUTS)
+    times, fx = proj.kernel_times(d)
+    # echo4: each kernel's Triton row at every size, nothing else from kernels.json
+    assert times["echo4"] == {m: {**t, "source": "kernels.json@fffffff"}
+                              for m, t in ECHO4_US.items()}
+    assert times["taco"][16] == {"compress": 5.0, "reduce": 5.0, "decompress": 5.0,
+                                 "decode_sum": 7.0, "source": "kernels.json@fffffff; "
+                                 "decode_sum fused_loopback.json@fffffff"}
+    assert set(fx) == set(proj.INPUTS)
     fk = proj.fused_kernels(d)
     assert [r["per_device_us"] for r in fk["taco"]["rows"]] == [30.0]
     assert [r["per_device_us"] for r in fk["echo4"]["rows"]] == [25.0]
@@ -191,11 +180,13 @@ def test_inputs_from_a_small_results_dir(tmp_path):
         row["echo4_fused_kernel"]["one_launch_us"] / row["bf16"]["us"], 3)
 
 
-def test_variants_follow_what_the_kernels_run(tmp_path):
-    """A kernel that ran without variants would take the plain row."""
+def test_echo4_needs_every_size(tmp_path):
+    """A size asked for without echo4 rows is an error naming it, not a gap."""
     d = fake_results(tmp_path)
-    times, _ = proj.kernel_times(d, {**MEASURED, "compress": {}})
-    assert times["echo4"][16]["compress"] == 100.0
+    assert set(proj.kernel_times(d, sizes=(16, 256))[0]["echo4"]) == {16, 256}
+    with pytest.raises(SystemExit, match=r"kernels\.json.* 0 echo4 Triton rows of compress "
+                                         r"at 32 MiB"):
+        proj.kernel_times(d, sizes=(16, 32))
 
 
 @pytest.mark.parametrize("name", sorted(FAKE))
@@ -203,27 +194,33 @@ def test_missing_input_names_the_file(tmp_path, name):
     d = fake_results(tmp_path)
     (tmp_path / name).unlink()
     with pytest.raises(SystemExit, match=name.replace(".", r"\.")):
-        proj.kernel_times(d, MEASURED)
+        proj.kernel_times(d)
         proj.fused_kernels(d)
 
 
-@pytest.mark.parametrize("name, doc", [
-    ("kernels_echo4_variants.json", "{"),                               # not JSON
-    ("kernels_echo4_variants.json", {**facts(), "rows": []}),           # no tune_echo
-    ("kernels_echo4_variants.json",                                     # a kernel missing
-     {**FAKE["kernels_echo4_variants.json"], "tune_echo": [
-         r for r in FAKE["kernels_echo4_variants.json"]["tune_echo"]
-         if r["kernel"] != "decode_sum"]}),
-    ("kernels_echo4.json", {**facts(), "rows": [
-        {"impl": "triton", "codec": "echo4", "kernel": "compress", "mib": 64,
-         "device_us": "fast"}]}),                                       # not a time
-    ("fused_ablation_residency.json", {**facts(), "rows": [loop_row(16, 50.0, "default")]}),
-    ("fused_echo4_loopback.json", [1, 2]),                              # no rows
+def kernels_json(rows):
+    return {**facts(), "rows": rows}
+
+
+@pytest.mark.parametrize("name, doc, why", [
+    ("kernels.json", "{", "unreadable"),                                # not JSON
+    ("kernels.json", facts(), "no list of rows"),
+    ("kernels.json", kernels_json([r for r in FAKE["kernels.json"]["rows"]   # a row missing
+                                   if (r["kernel"], r["mib"]) != ("decode_sum", 64)]),
+     "0 echo4 Triton rows of decode_sum at 64 MiB"),
+    ("kernels.json", kernels_json(FAKE["kernels.json"]["rows"] + ECHO4_ROWS[-1:]),
+     "2 echo4 Triton rows of decode_sum at 1024 MiB"),                  # two of one kernel
+    ("kernels.json", kernels_json([{**r, "device_us": "fast"} if r is ECHO4_ROWS[1] else r
+                                   for r in FAKE["kernels.json"]["rows"]]),
+     "decompress 16.0 MiB: device_us='fast' is not a positive time"),
+    ("fused_ablation_residency.json", {**facts(), "rows": [loop_row(16, 50.0, "default")]},
+     "0 checked P = 2 bf16 rows of variant 'slim_2_per_sm'"),
+    ("fused_echo4_loopback.json", [1, 2], "no list of rows"),
     ("fused_echo4_loopback.json", {**facts(), "rows": [
-        loop_row(16, 25.0), loop_row(16, 26.0)]}),                      # two at one size
+        loop_row(16, 25.0), loop_row(16, 26.0)]}, r"sizes \[16, 16\]"),  # two at one size
 ])
-def test_corrupt_input_names_the_file(tmp_path, name, doc):
+def test_corrupt_input_names_the_file(tmp_path, name, doc, why):
     d = fake_results(tmp_path, **{name: doc})
-    with pytest.raises(SystemExit, match=name.replace(".", r"\.")):
-        proj.kernel_times(d, MEASURED)
+    with pytest.raises(SystemExit, match=re.escape(name) + ".*" + why):
+        proj.kernel_times(d)
         proj.fused_kernels(d)
