@@ -29,19 +29,10 @@
 #                  16, 64 and 256 MiB (P = 2 loopback, bf16) timed side by side with the
 #                  default (a stage left out or done twice; timed, not checked), with the
 #                  table of differences to the default (~290 s)
-#   fused_gmem     python -m bench.fused --ablate over the launch shapes and the decode:
-#                  the default (two slim programs per SM) beside the P tiles summed before
-#                  one butterfly (decode=sum_first), the decode reading its wire tiles from
-#                  global memory (wire_from=gmem) at 2, 3 (and summed first) and 4 programs
-#                  per SM, results by TMA (checked; a shape whose programs are not all
-#                  resident hangs and fails its row) (~290 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
-#                  (~280 s)
-#   fused_next     fused_gmem then fused_two_shot, within 540 s: one GPU call (a step cut
-#                  by its limit runs alone in a second call, FUSED_GMEM_S=540 or
-#                  FUSED_TWO_SHOT_S=540)
+#                  (~280 s; FUSED_TWO_SHOT_S sets its limit)
 #   fused_echo4    echo4 over the one-launch kernel (selected at P = 2 since these passed):
 #                  the byte checks of its Mosaic tile kernels (pytest -k gpu), the loopback
 #                  checks (P = 2, 4, 8; bf16, f32; 1 KiB, 1 MiB + 5 B, 16, 64 MiB; stops at
@@ -121,19 +112,10 @@ for s in "$@"; do
                     --variants default no_sync no_signal no_peer_stores no_decode no_encode \
                     decode_twice encode_twice --isolate group --timeout 20 \
                     --out bench/results/fused_ablation.json ;;
-    fused_gmem|fused_two_shot|fused_next)
-      if [[ $s != fused_two_shot ]]; then
-        step fused_gmem "${FUSED_GMEM_S:-290}" python -m bench.fused --ablate \
-          --variants default sum_first gmem_2_per_sm gmem_3_per_sm gmem_sum_first_3_per_sm \
-          gmem_4_per_sm gmem_tma_2_per_sm --isolate group --timeout 20 \
-          --out bench/results/fused_ablation_gmem.json
-      fi
-      if [[ $s != fused_gmem ]]; then
-        step fused_two_shot "${FUSED_TWO_SHOT_S:-250}" python -m bench.fused \
-          --kernel two_shot --p 8 4 3 --dtypes f32 bf16 --sizes 16MiB 1KiB 1MiB+5 64MiB \
-          --calls 3 --isolate group --timeout 20 --fail-fast \
-          --out bench/results/fused_two_shot_checks.json
-      fi ;;
+    fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-250}" python -m bench.fused \
+                      --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
+                      --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 20 \
+                      --fail-fast --out bench/results/fused_two_shot_checks.json ;;
     fused_echo4)
       step fused_echo4_tiles 60 python -m pytest -x -q tests/test_mosaic_echo4.py -k gpu
       step fused_echo4_checks 150 python -m bench.fused --codec echo4 --p 2 4 8 \

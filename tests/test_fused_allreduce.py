@@ -179,56 +179,9 @@ def test_config_refuses_more_programs_than_fit():
     with pytest.raises(ValueError, match="order='last'"):
         fa.FusedConfig(order="last")
     for field, bad in [("ablate", "no_wire"), ("x_slots", 3), ("out_store", "dma"),
-                       ("per_sm", 5), ("per_sm", 0), ("wire_from", "l2"), ("w_slots", 0),
-                       ("w_slots", 3)]:
+                       ("per_sm", 5), ("per_sm", 0)]:
         with pytest.raises(ValueError, match=f"{field}="):
             fa.FusedConfig(**{field: bad})
-
-
-# -- leaner programs: wire tiles read from global memory, one staging slot, 3–4 per SM ----------
-SLIM = dict(x_slots=1, out_store="registers")
-GMEM_3 = fa.FusedConfig(wire_from="gmem", per_sm=3, **SLIM)
-GMEM_4 = fa.FusedConfig(wire_from="gmem", w_slots=1, per_sm=4, **SLIM)
-
-
-@pytest.mark.parametrize("p", [2, 4, 8])
-@pytest.mark.parametrize("cfg,dtype", [
-    (GMEM_3, jnp.bfloat16), (GMEM_4, jnp.bfloat16),
-    (fa.FusedConfig(wire_from="gmem", w_slots=1), jnp.float32),     # f32: one per SM
-    (fa.FusedConfig(wire_from="gmem", order="loads_first", per_sm=3, **SLIM), jnp.float16)])
-def test_lean_programs_lower_in_loopback(p, cfg, dtype):
-    assert lowered_loopback(p, dtype, cfg).count("taco_fused_allreduce") >= 1
-
-
-@pytest.mark.parametrize("cfg", [fa.FusedConfig(wire_from="gmem"),
-                                 fa.FusedConfig(w_slots=1, order="loads_first"),
-                                 fa.FusedConfig(wire_from="gmem", ablate="decode_twice"),
-                                 fa.FusedConfig(wire_from="gmem", ablate="no_decode")])
-def test_lean_options_lower_alone_and_with_knobs(cfg):
-    assert lowered_loopback(4, jnp.bfloat16, cfg).count("taco_fused_allreduce") >= 1
-
-
-def test_lean_options_change_the_kernel():
-    """wire_from and w_slots each lower to a kernel of their own (neither a silent no-op)."""
-    texts = [lowered_loopback(2, jnp.bfloat16, fa.FusedConfig(**kw)) for kw in
-             [{}, {"wire_from": "gmem"}, {"w_slots": 1}, {"wire_from": "gmem", "w_slots": 1}]]
-    assert len(set(texts)) == len(texts)
-
-
-@pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((1, 2), ("data", "tp")),
-                                         ((2, 1, 2), ("data", "pipe", "tp"))])
-@pytest.mark.parametrize("cfg", [GMEM_3, GMEM_4])
-def test_lean_programs_lower_on_meshes_of_one_two_three_axes(shape, names, cfg):
-    """The Remote form (peers' TMA stores into this device's receive buffer, read back by
-    plain loads after the semaphore wait) under shard_map, peers addressed by axis name."""
-    n = int(np.prod(shape))
-    mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
-    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
-                      mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
-    x = jax.ShapeDtypeStruct((n, 3, 5000), jnp.bfloat16,
-                             sharding=NamedSharding(mesh, P(names)))
-    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
 
 
 # -- decode="sum_first": the P accumulators scaled and summed before one butterfly -------------
@@ -239,11 +192,11 @@ SUM_FIRST = fa.FusedConfig(decode="sum_first")
     (2, SUM_FIRST, jnp.bfloat16), (8, SUM_FIRST, jnp.float32),
     (2, fa.FusedConfig(decode="sum_first", parts=1), jnp.bfloat16),
     (8, dataclasses.replace(fa.SLIM_2_PER_SM, decode="sum_first"), jnp.float16),
-    (4, dataclasses.replace(GMEM_3, decode="sum_first"), jnp.bfloat16),
+    (4, fa.FusedConfig(decode="sum_first", order="loads_first"), jnp.bfloat16),
     (4, fa.FusedConfig(decode="sum_first", ablate="decode_twice"), jnp.bfloat16)])
 def test_sum_first_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
-    """P = 2 (both tiles resident), 4 and 8 (tiles streamed through two slots, or read from
-    global memory): one kernel, not the per-source decode's."""
+    """P = 2 (both tiles resident), 4 and 8 (tiles streamed through two slots): one kernel,
+    not the per-source decode's."""
     text = lowered_loopback(p, dtype, cfg)
     assert text.count("taco_fused_allreduce") >= 1
     assert text != lowered_loopback(p, dtype, dataclasses.replace(cfg, decode="per_source"))
@@ -280,20 +233,19 @@ def _most_per_sm(p, codec, dtype, cfg):
     return fit
 
 
-_LAYOUTS = {"default": {}, "slim": SLIM, "gmem": {"wire_from": "gmem", **SLIM},
-            "gmem_w1": {"wire_from": "gmem", "w_slots": 1, **SLIM}}
+SLIM = dict(x_slots=1, out_store="registers")
+_LAYOUTS = {"default": {}, "slim": SLIM}
 
 
 @pytest.mark.parametrize("codec,dtype,layout,kib,most", [
     # taco, 16-bit: x tile 32 KiB, staging/receive slots 16.5 → 17 KiB each, 2 operands
     ("taco", jnp.bfloat16, "default", 165, 1), ("taco", jnp.bfloat16, "slim", 101, 2),
-    ("taco", jnp.bfloat16, "gmem", 68, 3), ("taco", jnp.bfloat16, "gmem_w1", 52, 4),
-    ("taco", jnp.float16, "gmem_w1", 52, 4),
+    ("taco", jnp.float16, "slim", 101, 2),
     # f32 input: a 64 KiB input slot and its 32 KiB bf16 copy never fit twice
-    ("taco", jnp.float32, "slim", 165, 1), ("taco", jnp.float32, "gmem_w1", 116, 1),
+    ("taco", jnp.float32, "default", 165, 1), ("taco", jnp.float32, "slim", 165, 1),
     # echo4: 9 KiB wire tiles, no operands
-    ("echo4", jnp.bfloat16, "slim", 69, 3), ("echo4", jnp.bfloat16, "gmem", 51, 4),
-    ("echo4", jnp.float32, "gmem", 83, 2), ("echo4", jnp.float32, "gmem_w1", 74, 3)])
+    ("echo4", jnp.bfloat16, "default", 133, 1), ("echo4", jnp.bfloat16, "slim", 69, 3),
+    ("echo4", jnp.float32, "slim", 101, 2)])
 def test_programs_per_sm_that_fit(codec, dtype, layout, kib, most):
     codec = codecs.get(codec)
     cfg = fa.FusedConfig(**_LAYOUTS[layout])
@@ -303,19 +255,26 @@ def test_programs_per_sm_that_fit(codec, dtype, layout, kib, most):
 
 
 def test_refusals_name_the_layout_and_what_it_needs():
-    with pytest.raises(ValueError, match=r"per_sm=4.*wire_from='gmem'.*w_slots=2\): 4 "
-                                         r"programs need 276 KiB .*P=2, bfloat16"):
-        lowered_loopback(2, jnp.bfloat16, dataclasses.replace(GMEM_3, per_sm=4))
-    with pytest.raises(ValueError, match=r"per_sm=2.*w_slots=1.*float32"):
-        lowered_loopback(2, jnp.float32, dataclasses.replace(GMEM_4, per_sm=2))
-    assert GMEM_3.grid(10_000, 2) == 3 * fa.mosaic.sm_count() // 2
-    assert GMEM_4.grid(10_000, 1) == 4 * fa.mosaic.sm_count()
+    echo4 = codecs.get("echo4")
+    three = fa.FusedConfig(per_sm=3, **SLIM)
+
+    def lowered_echo4(cfg):
+        x = jax.ShapeDtypeStruct((2, 64 * 256 * 3 + 17), jnp.bfloat16)
+        return jax.jit(lambda v: fa.loopback_allreduce(v, echo4, cfg)).trace(x).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert lowered_echo4(three).count("taco_fused_allreduce") >= 1     # 3 × 70 KiB fit
+    with pytest.raises(ValueError, match=r"per_sm=4, x_slots=1, out_store='registers'\): 4 "
+                                         r"programs need 280 KiB .*P=2, bfloat16"):
+        lowered_echo4(dataclasses.replace(three, per_sm=4))
+    with pytest.raises(ValueError, match=r"per_sm=3.*306 KiB.*P=2, bfloat16"):
+        lowered_loopback(2, jnp.bfloat16, three)                        # taco: 101 KiB each
+    assert three.grid(10_000, 2) == 3 * fa.mosaic.sm_count() // 2
 
 
 @pytest.mark.parametrize("codec,dtype,cfg", [
-    ("taco", jnp.bfloat16, fa.FusedConfig()), ("taco", jnp.bfloat16, GMEM_3),
-    ("taco", jnp.bfloat16, GMEM_4), ("taco", jnp.float32, fa.FusedConfig(wire_from="gmem")),
-    ("echo4", jnp.bfloat16, GMEM_4)])
+    ("taco", jnp.bfloat16, fa.FusedConfig()), ("taco", jnp.bfloat16, fa.SLIM_2_PER_SM),
+    ("taco", jnp.float32, fa.FusedConfig()), ("echo4", jnp.bfloat16, fa.FusedConfig()),
+    ("echo4", jnp.bfloat16, fa.FusedConfig(per_sm=3, **SLIM))])
 def test_smem_bytes_is_what_the_lowering_allocates(monkeypatch, codec, dtype, cfg):
     """The shared memory Pallas allocates for the kernel's scratch (each buffer aligned to
     1 KiB) is smem_bytes less its 1 KiB for the barriers: the residency check counts what
@@ -333,13 +292,6 @@ def test_smem_bytes_is_what_the_lowering_allocates(monkeypatch, codec, dtype, cf
     jax.jit(lambda v: fa.loopback_allreduce(v, codec, cfg)).trace(x).lower(
         lowering_platforms=("cuda",))
     assert seen and seen[-1] + 1024 == fa.smem_bytes(2, codec, dtype, cfg=cfg)
-
-
-def test_two_shot_refuses_the_one_shots_wire_options():
-    for kw in ({"wire_from": "gmem"}, {"w_slots": 1}):
-        with pytest.raises(ValueError, match=f"{next(iter(kw))}="):
-            fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
-                                 fa.FusedConfig(**kw))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -40,9 +40,8 @@ program b handles the same tiles, so it talks only to the peers' programs b):
 Every program of every device must be resident at once (a program waits for its peers'
 programs): the grid is at most `FusedConfig.per_sm` programs per multiprocessor per
 device (1 … 4), and n only where the shared memory of n fits (`smem_bytes`,
-`_check_resident`): 2 with one input slot and results stored from registers, 3 with the
-wire tiles also read from global memory (`wire_from="gmem"`), 4 with one wire staging slot
-as well (`w_slots=1`), for the FP8 codecs' 16-bit input.
+`_check_resident`): 2 with one input slot and results stored from registers, for the FP8
+codecs' 16-bit input.
 
 `FusedConfig.decode="sum_first"` (FP8 codecs): the inverse transform is linear and each
 row's gain a scalar, so Σ_j gain_j·H(q_j) = H(Σ_j gain_j·(q_j's wgmma part)): each tile's
@@ -67,7 +66,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, vector
@@ -121,17 +119,6 @@ class FusedConfig:
     # 1/n of it (`smem_bytes`, `_check_resident`), so one program's waits can hide behind
     # the others' work.
     per_sm: int = 1
-    # Where the decode reads the wire tiles from. "smem": TMA copies of the P tiles into
-    # two receive slots in shared memory, then loads into registers. "gmem": loads straight
-    # from the receive buffer in global memory into the same register layout (no receive
-    # slots, no copies or their barriers: 33 KiB less shared memory per program for the
-    # FP8 codecs), so 3 programs fit per multiprocessor.
-    wire_from: str = "smem"
-    # Staging slots of the outgoing wire tiles (2: tile i is staged while tile i − 1's
-    # stores still read the other; 1: staging waits until the previous tile's stores have
-    # read it; 16 KiB less shared memory per program for the FP8 codecs: 52 KiB with
-    # wire_from="gmem", so 4 programs fit per multiprocessor).
-    w_slots: int = 2
     # How the P wire tiles of a column part are decoded and summed (FP8 codecs). "per_source":
     # each tile through the whole decode (wgmma transform, butterfly, gain), the values summed
     # in f32. "sum_first": the transform is linear, so each tile's wgmma accumulator is scaled
@@ -156,11 +143,6 @@ class FusedConfig:
                              f"'registers'")
         if self.per_sm not in (1, 2, 3, 4):
             raise ValueError(f"FusedConfig.per_sm={self.per_sm} must be 1, 2, 3 or 4")
-        if self.wire_from not in ("smem", "gmem"):
-            raise ValueError(f"FusedConfig.wire_from={self.wire_from!r} must be 'smem' or "
-                             f"'gmem'")
-        if self.w_slots not in (1, 2):
-            raise ValueError(f"FusedConfig.w_slots={self.w_slots} must be 1 or 2")
         if self.decode not in ("per_source", "sum_first"):
             raise ValueError(f"FusedConfig.decode={self.decode!r} must be 'per_source' or "
                              f"'sum_first'")
@@ -532,36 +514,11 @@ def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="no
     return [_zeros(vec, parts) if t is None else tiles.finish(t, vec, parts) for t in totals]
 
 
-def _sum_tiles_gmem(view, tiles, consts, n_src, vec, parts, ablate="none"):
-    """`_sum_tiles` for wire_from="gmem": view(j) is source j's wire tile, a (64, row_bytes)
-    view of the receive buffer in global memory, loaded straight into registers (the layout
-    `tiles.load` gives from shared memory) once per column part and source, as `_sum_tiles`
-    does with resident slots. The caller has waited for every source's signal. ablate
-    "decode_twice" / "no_decode": each tile loaded and decoded twice / neither (zeros)."""
-    reps = {"decode_twice": 2, "no_decode": 0}.get(ablate, 1)
-    totals = [None] * parts
-    for part in range(parts):
-        for j in range(n_src):
-            for _ in range(reps):
-                wire = tiles.load(view(j), part, parts)
-                totals[part] = tiles.decode_add(wire, consts, vec, part, parts, totals[part])
-    return [_zeros(vec, parts) if t is None else tiles.finish(t, vec, parts) for t in totals]
-
-
-@plgpu.inline_mgpu()
-def _release_fence(ctx):
-    """fence.release.sys: this thread's completed writes are ordered before its next
-    signal (`semaphore_signal_parallel` issues a relaxed reduction, its fence after)."""
-    del ctx
-    mgpu_utils.fence_release_sys()
-
-
 # -- the kernel ---------------------------------------------------------------------------------
 def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_smem, y_smem,
                  c_smem, x_bar, h_bar, r_bar, sem_scratch, *, peers, tiles, n_tiles, out_dtype,
                  cfg):
-    """c_gmem, c_smem: the tile codec's constant operands and their shared-memory copies.
-    r_smem, r_bar: None when the wire tiles are read from global memory (cfg.wire_from)."""
+    """c_gmem, c_smem: the tile codec's constant operands and their shared-memory copies."""
     p, nprog = peers.p, peers.nprog
     parts, order, ablate = cfg.parts, cfg.order, cfg.ablate
     me, b = peers.ids()
@@ -579,8 +536,6 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
     n_wire = 1 if ablate == "no_peer_stores" else p
     n_res = 1 if tma_out else 0
     sync = ablate not in ("no_signal", "no_sync")
-    from_gmem = cfg.wire_from == "gmem"
-    w_slots = w_smem.shape[0]
 
     for src, dst in zip(c_gmem, c_smem):
         plgpu.copy_gmem_to_smem(src, dst, h_bar)
@@ -618,13 +573,10 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
                  for _ in range({"encode_twice": 2, "no_encode": 0}.get(ablate, 1))]
         if x_slots == 1 and xb_smem is None:
             prefetch(i)                    # the transform has read the tile
-        # two slots: this one was last read by step i − 2's stores, so all groups issued
-        # before step i − 1's wire stores and result store are done reading; one slot: it
-        # was last read by step i − 1's wire stores, so all but the result store issued
-        # after them (tile i − 2's) are done reading
-        plgpu.wait_smem_to_gmem(n_wire + n_res if w_slots == 2 else n_res,
-                                wait_read_only=True)
-        stage = w_smem.at[i % w_slots]
+        # of the two staging slots, this one was last read by step i − 2's stores, so all
+        # groups issued before step i − 1's wire stores and result store are done reading
+        plgpu.wait_smem_to_gmem(n_wire + n_res, wait_read_only=True)
+        stage = w_smem.at[i % 2]
         for wire in wires:
             tiles.store(stage.reshape(ROWS, row), wire)
         plgpu.commit_smem()
@@ -636,16 +588,12 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
 
     def arrive(i):
         """Tile i's stores have landed (the caller waited): signal the peers, wait for
-        theirs, start loading the P wire tiles (from shared memory: none to start)."""
+        theirs, start loading the P wire tiles."""
         if sync:
-            if from_gmem:
-                _release_fence()
             peers.signal(sems, me, b, [(me + k) % p for k in range(1, p)])
             for k in range(1, p):
                 peers.wait(sems, me, b, (me + k) % p)
         rows = pl.ds(tile(i) * lines, lines)
-        if from_gmem:
-            return None
 
         def load(j, slot):
             plgpu.copy_gmem_to_smem(recv_mine.at[j, rows], r_smem.at[slot], r_bar.at[slot])
@@ -653,20 +601,7 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
         return load
 
     def decode(i, load):
-        if from_gmem:
-            # Plain loads of what the peers' TMA stores wrote. What makes them see it: each
-            # writer waited for its stores to complete (`wait_smem_to_gmem`, not read-only;
-            # a bulk copy's completion carries an implicit async-to-generic proxy fence),
-            # then issued fence.release.sys (`_release_fence`) and its signal; this
-            # program's semaphore wait spins in one thread, ends with fence.acquire.sys
-            # and a warpgroup barrier, and only then do the threads load. (The "no_signal"
-            # and "no_sync" knobs drop that order: their bytes may be stale.)
-            rows = pl.ds(tile(i) * lines, lines)
-            totals = _sum_tiles_gmem(
-                lambda j: recv_mine.at[j, rows].reshape(ROWS, row), tiles, c_smem, p, vec,
-                parts, ablate)
-        else:
-            totals = _sum_tiles(load, r_smem, r_bar, tiles, c_smem, p, vec, parts, ablate)
+        totals = _sum_tiles(load, r_smem, r_bar, tiles, c_smem, p, vec, parts, ablate)
         values = [t.astype(out_dtype) for t in totals]
         out_rows = pl.ds(tile(i) * ROWS, ROWS)
         if tma_out:
@@ -704,8 +639,8 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
 
                 @pl.when(i > 0)
                 def _():
-                    decode(i - 1, None if from_gmem else
-                           _loader(recv_mine, r_smem, r_bar, tile(i - 1) * lines, lines))
+                    decode(i - 1, _loader(recv_mine, r_smem, r_bar, tile(i - 1) * lines,
+                                          lines))
             else:
                 encode_and_push(i)
 
@@ -730,15 +665,14 @@ def _scratch(p, tiles, in_dtype, out_dtype, cfg, remote: bool):
         plgpu.SMEM((x_slots, ROWS, BLOCK), in_dtype, transforms=tiles.x_transforms(in_dtype)),
         (plgpu.SMEM((ROWS, BLOCK), jnp.bfloat16, transforms=mosaic.SMEM_TRANSFORMS)
          if tiles.staged(in_dtype) else None),
-        plgpu.SMEM((cfg.w_slots, lines, LINE), jnp.uint8),
-        # both wire tiles resident at P = 2; above, the tiles stream through the two slots;
-        # none when the decode reads them from global memory
-        None if cfg.wire_from == "gmem" else plgpu.SMEM((2, lines, LINE), jnp.uint8),
+        # wire staging: tile i is staged while tile i − 1's stores still read the other slot
+        plgpu.SMEM((2, lines, LINE), jnp.uint8),
+        # both wire tiles resident at P = 2; above, the tiles stream through the two slots
+        plgpu.SMEM((2, lines, LINE), jnp.uint8),
         (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=mosaic.swizzled(out_dtype))
          if tma_out else None),
         tuple(plgpu.SMEM(a.shape, a.dtype, transforms=t) for a, t in tiles.operands(in_dtype)),
-        plgpu.Barrier(num_barriers=2), plgpu.Barrier(),
-        None if cfg.wire_from == "gmem" else plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.Barrier(num_barriers=2),
         (plgpu.SemaphoreType.REGULAR((p,)) if remote else None),
     ]
 
@@ -778,8 +712,7 @@ def _check_resident(p, codec, in_dtype, out_dtype, cfg):
     if need > SMEM_PER_SM:
         raise ValueError(
             f"FusedConfig(per_sm={cfg.per_sm}, x_slots={cfg.x_slots}, "
-            f"out_store={cfg.out_store!r}, wire_from={cfg.wire_from!r}, "
-            f"w_slots={cfg.w_slots}): {cfg.per_sm} programs need {need // 1024} KiB "
+            f"out_store={cfg.out_store!r}): {cfg.per_sm} programs need {need // 1024} KiB "
             f"of shared memory per multiprocessor at P={p}, {jnp.dtype(in_dtype).name}; "
             f"it has {SMEM_PER_SM // 1024} KiB")
 

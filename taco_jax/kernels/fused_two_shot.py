@@ -265,16 +265,13 @@ def _segments(flat, p: int):
 
 def _two_shot_cfg(cfg: FusedConfig | None) -> FusedConfig:
     """The two-shot kernel reads `programs`, `parts`, `x_slots` and `out_store`; the
-    measurement knobs, per_sm, wire_from and w_slots are the one-shot kernel's."""
+    measurement knobs, per_sm, order and decode are the one-shot kernel's."""
     cfg = cfg or FusedConfig()
     if cfg.ablate != "none" or cfg.per_sm != 1 or cfg.order != "encode_first":
         raise ValueError(f"the two-shot kernel takes no ablate, per_sm or order (got "
                          f"ablate={cfg.ablate!r}, per_sm={cfg.per_sm}, order={cfg.order!r})")
     if cfg.decode != "per_source":
         raise ValueError(f"the two-shot kernel takes no decode (got decode={cfg.decode!r})")
-    if cfg.wire_from != "smem" or cfg.w_slots != 2:
-        raise ValueError(f"the two-shot kernel takes no wire_from or w_slots (got "
-                         f"wire_from={cfg.wire_from!r}, w_slots={cfg.w_slots})")
     return cfg
 
 
