@@ -6,9 +6,11 @@
 # Each step runs under its own timeout and logs to $OUT/<step>.log; whatever finished is
 # packed into $OUT/results.tgz (bench/results/, docs/*.png) at the end, so a step that
 # times out costs only itself. Steps:
-#   kernels        python -m bench.kernels --codecs taco echo4 --check: every kernel against
-#                  its reference on the device, and each implementation vs the memory
-#                  roofline (taco and echo4 rows in bench/results/kernels.json)
+#   kernels        python -m bench.kernels --codecs taco echo4: each implementation's timings
+#                  vs the memory roofline (taco and echo4 rows in bench/results/kernels.json)
+#   kernels_check  python -m bench.kernels --check --no-timings, echo4 (Triton) then taco:
+#                  every kernel against its reference on the device
+#                  (bench/results/kernels_check_echo4.json, kernels_check_taco.json)
 #   collectives    python -m bench.collectives --check: lax.psum vs taco per transport and
 #                  size on the link as found (2+ GPUs)
 #   links          the same on the PCIe path (NCCL_P2P_DISABLE=1) and the network path (two
@@ -78,7 +80,12 @@ no_fused() {
 
 for s in "$@"; do
   case $s in
-    kernels) step kernels 540 python -m bench.kernels --codecs taco echo4 --check ;;
+    kernels) step kernels 540 python -m bench.kernels --codecs taco echo4 ;;
+    kernels_check) step kernels_check_echo4 300 python -m bench.kernels --codecs echo4 \
+                     --impls triton --check --no-timings \
+                     --out bench/results/kernels_check_echo4.json
+                   step kernels_check_taco 540 python -m bench.kernels --codecs taco --check \
+                     --no-timings --out bench/results/kernels_check_taco.json ;;
     collectives) step collectives 420 python -m bench.collectives --check \
                    --transports xla "${FUSED[@]}" ${FUSED[0]:+fused-none} lax-kernels ;;
     links) step links_pcie 300 python -m bench.collectives --link pcie \

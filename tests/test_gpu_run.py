@@ -107,6 +107,28 @@ def test_fused_two_shot_fits_one_call():
     assert len(limits) == 1 and limits[0] <= 540
 
 
+def test_kernels_times_and_kernels_check_checks(tmp_path):
+    """kernels: the timings and the roofline only; kernels_check: the checks only, echo4's
+    Triton kernels then taco's, each step into its own file under its own limit."""
+    env = fake_python(tmp_path, 0)
+    r = subprocess.run(["bash", str(SCRIPT), "kernels", "kernels_check"], capture_output=True,
+                       text=True, env=env, timeout=60, cwd=tmp_path)
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
+             if "bench.kernels" in c]
+    assert r.returncode == 0 and len(calls) == 3
+    timed, echo4, taco = calls
+    assert "--codecs taco echo4" in timed and "--check" not in timed
+    assert "--no-timings" not in timed and "--out" not in timed
+    assert "--codecs echo4 --impls triton --check --no-timings" in echo4
+    assert "--out bench/results/kernels_check_echo4.json" in echo4
+    assert "--codecs taco --check --no-timings" in taco and "--impls" not in taco
+    assert "--out bench/results/kernels_check_taco.json" in taco
+    limits = dict(re.findall(r"step (kernels\w*) (\d+) ", re.sub(r"\\\n\s*", " ",
+                                                                 SCRIPT.read_text())))
+    assert limits == {"kernels": "540", "kernels_check_echo4": "300",
+                      "kernels_check_taco": "540"}
+
+
 def test_fused_echo4_checks_the_tiles_and_the_loopback_then_times_it(tmp_path):
     env = fake_python(tmp_path, 0)
     r = subprocess.run(["bash", str(SCRIPT), "fused_echo4"], capture_output=True, text=True,
