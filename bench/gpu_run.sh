@@ -8,9 +8,15 @@
 # times out costs only itself. Steps:
 #   kernels        python -m bench.kernels --codecs taco echo4: each implementation's timings
 #                  vs the memory roofline (taco and echo4 rows in bench/results/kernels.json)
-#   kernels_check  python -m bench.kernels --check --no-timings, echo4 (Triton) then taco:
-#                  every kernel against its reference on the device
-#                  (bench/results/kernels_check_echo4.json, kernels_check_taco.json)
+#   kernels_check_echo4  python -m bench.kernels --codecs echo4 --check --no-timings: every
+#                  4-bit kernel against its reference on the device, bit for bit, at the
+#                  defaults and with the encoder variants on trial (kernels_check_echo4.json)
+#   kernels_check_taco   the same for the TACO codecs' kernels (kernels_check_taco.json)
+#   kernels_check  both, within 600 s together only if the taco checks are quick: on one
+#                  machine call each alone is safe
+#   echo4_tune     python -m bench.kernels --codecs echo4 --tune --no-timings: the 4-bit
+#                  kernels' tile-math variants and tilings side by side at 16 and 256 MiB
+#                  (bench/results/kernels_echo4_tune_encoders.json, ~220 s)
 #   collectives    python -m bench.collectives --check: lax.psum vs taco per transport and
 #                  size on the link as found (2+ GPUs)
 #   links          the same on the PCIe path (NCCL_P2P_DISABLE=1) and the network path (two
@@ -81,11 +87,18 @@ no_fused() {
 for s in "$@"; do
   case $s in
     kernels) step kernels 540 python -m bench.kernels --codecs taco echo4 ;;
-    kernels_check) step kernels_check_echo4 300 python -m bench.kernels --codecs echo4 \
-                     --impls triton --check --no-timings \
-                     --out bench/results/kernels_check_echo4.json
-                   step kernels_check_taco 540 python -m bench.kernels --codecs taco --check \
-                     --no-timings --out bench/results/kernels_check_taco.json ;;
+    kernels_check|kernels_check_echo4|kernels_check_taco)
+      if [[ $s != kernels_check_taco ]]; then
+        step kernels_check_echo4 420 python -m bench.kernels --codecs echo4 --impls triton \
+          --check --no-timings --out bench/results/kernels_check_echo4.json
+      fi
+      if [[ $s != kernels_check_echo4 ]]; then
+        step kernels_check_taco 540 python -m bench.kernels --codecs taco --check \
+          --no-timings --out bench/results/kernels_check_taco.json
+      fi ;;
+    echo4_tune) step echo4_tune 420 python -m bench.kernels --codecs echo4 --impls triton \
+                  --sizes-mib 16 --tune --no-timings \
+                  --out bench/results/kernels_echo4_tune_encoders.json ;;
     collectives) step collectives 420 python -m bench.collectives --check \
                    --transports xla "${FUSED[@]}" ${FUSED[0]:+fused-none} lax-kernels ;;
     links) step links_pcie 300 python -m bench.collectives --link pcie \

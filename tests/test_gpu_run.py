@@ -125,8 +125,33 @@ def test_kernels_times_and_kernels_check_checks(tmp_path):
     assert "--out bench/results/kernels_check_taco.json" in taco
     limits = dict(re.findall(r"step (kernels\w*) (\d+) ", re.sub(r"\\\n\s*", " ",
                                                                  SCRIPT.read_text())))
-    assert limits == {"kernels": "540", "kernels_check_echo4": "300",
+    assert limits == {"kernels": "540", "kernels_check_echo4": "420",
                       "kernels_check_taco": "540"}
+
+
+@pytest.mark.parametrize("steps,want", [(["kernels_check_echo4"], ["echo4"]),
+                                        (["kernels_check_taco"], ["taco"]),
+                                        (["kernels_check"], ["echo4", "taco"])])
+def test_kernels_check_steps_alone_and_together(tmp_path, steps, want):
+    """Each half of kernels_check fits a machine call of its own."""
+    env = fake_python(tmp_path, 0)
+    r = subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
+             if "bench.kernels" in c]
+    assert r.returncode == 0
+    assert [re.search(r"--codecs (\w+)", c).group(1) for c in calls] == want
+
+
+def test_echo4_tune_times_only_the_sweep(tmp_path):
+    env = fake_python(tmp_path, 0)
+    r = subprocess.run(["bash", str(SCRIPT), "echo4_tune"], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
+             if "bench.kernels" in c]
+    assert r.returncode == 0 and len(calls) == 1
+    assert "--codecs echo4" in calls[0] and "--tune --no-timings" in calls[0]
+    assert "--check" not in calls[0] and "kernels_echo4_tune_encoders.json" in calls[0]
 
 
 def test_fused_echo4_checks_the_tiles_and_the_loopback_then_times_it(tmp_path):
