@@ -56,6 +56,15 @@ def fake_python(tmp_path, fused_rc: int) -> dict:
             "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
+def run_fake(tmp_path, steps, module: str):
+    """The script's steps with the logging `python`: (the run, the calls of `module`)."""
+    env = fake_python(tmp_path, 0)
+    r = subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines() if module in c]
+    return r, calls
+
+
 @pytest.mark.parametrize("fused_rc", [0, 1])
 def test_failed_fused_step_leaves_the_fused_transport_out(tmp_path, fused_rc):
     env = fake_python(tmp_path, fused_rc)
@@ -77,11 +86,7 @@ def test_failed_fused_step_leaves_the_fused_transport_out(tmp_path, fused_rc):
                                         (["fused_ablate", "fused_two_shot"],
                                          ["--ablate", "--kernel two_shot"])])
 def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, want):
-    env = fake_python(tmp_path, 0)
-    r = subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True,
-                       env=env, timeout=60, cwd=tmp_path)
-    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
-             if "bench.fused" in c]
+    r, calls = run_fake(tmp_path, steps, "bench.fused")
     assert r.returncode == 0 and len(calls) == len(want)
     for call, flag in zip(calls, want):
         assert flag in call and "--out bench/results/fused_" in call
@@ -110,11 +115,7 @@ def test_fused_two_shot_fits_one_call():
 def test_kernels_times_and_kernels_check_checks(tmp_path):
     """kernels: the timings and the roofline only; kernels_check: the checks only, echo4's
     Triton kernels then taco's, each step into its own file under its own limit."""
-    env = fake_python(tmp_path, 0)
-    r = subprocess.run(["bash", str(SCRIPT), "kernels", "kernels_check"], capture_output=True,
-                       text=True, env=env, timeout=60, cwd=tmp_path)
-    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
-             if "bench.kernels" in c]
+    r, calls = run_fake(tmp_path, ["kernels", "kernels_check"], "bench.kernels")
     assert r.returncode == 0 and len(calls) == 3
     timed, echo4, taco = calls
     assert "--codecs taco echo4" in timed and "--check" not in timed
@@ -134,21 +135,13 @@ def test_kernels_times_and_kernels_check_checks(tmp_path):
                                         (["kernels_check"], ["echo4", "taco"])])
 def test_kernels_check_steps_alone_and_together(tmp_path, steps, want):
     """Each half of kernels_check fits a machine call of its own."""
-    env = fake_python(tmp_path, 0)
-    r = subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True,
-                       env=env, timeout=60, cwd=tmp_path)
-    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
-             if "bench.kernels" in c]
+    r, calls = run_fake(tmp_path, steps, "bench.kernels")
     assert r.returncode == 0
     assert [re.search(r"--codecs (\w+)", c).group(1) for c in calls] == want
 
 
 def test_echo4_tune_times_only_the_sweep(tmp_path):
-    env = fake_python(tmp_path, 0)
-    r = subprocess.run(["bash", str(SCRIPT), "echo4_tune"], capture_output=True, text=True,
-                       env=env, timeout=60, cwd=tmp_path)
-    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
-             if "bench.kernels" in c]
+    r, calls = run_fake(tmp_path, ["echo4_tune"], "bench.kernels")
     assert r.returncode == 0 and len(calls) == 1
     assert "--codecs echo4" in calls[0] and "--tune --no-timings" in calls[0]
     assert "--check" not in calls[0] and "kernels_echo4_tune_encoders.json" in calls[0]
