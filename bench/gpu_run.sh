@@ -50,8 +50,10 @@
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
 #   ncu_time       Nsight Compute kernel durations of x + 1, compress and decompress
-#   ncu_src        Nsight Compute full set of compress at 16 MiB (NCU_MIB): SASS source page
-#                  summarized by bench.ncu_source, and the details page
+#   ncu_src        Nsight Compute full set of compress at 16 MiB (NCU_MIB) of the codec
+#                  NCU_CODEC (taco; echo4: its Triton kernel): SASS source page summarized by
+#                  bench.ncu_source (bench/results/ncu_src.json, ncu_src_echo4.json), and the
+#                  details page
 #   ablation       python -m experiments.ablation (convergence per codec; ABL_* variables:
 #                  ABL_BUDGET seconds, ABL_VARIANTS, ABL_NAME, ABL_SET, ABL_WORKERS)
 set -u
@@ -158,13 +160,18 @@ for s in "$@"; do
               python -m bench.ncu_time "$OUT"/ncu_time_raw.log --label default \
                 --commit "$GIT_COMMIT" --device "$DEVICE" --jax "$JAXV" \
                 > "$OUT/ncu_time.log" 2>&1 ;;
-    ncu_src) step ncu_src 200 ncu -k regex:taco_compress -c 1 --set full -o /tmp/ncu_src \
-               python -m bench.one_kernel compress taco --mib "${NCU_MIB:-16}"
+    ncu_src) codec=${NCU_CODEC:-taco}
+             suffix=$([[ $codec == taco ]] || echo "_$codec")
+             step ncu_src 200 ncu -k "regex:${codec}_compress" -c 1 --set full \
+               -o /tmp/ncu_src python -m bench.one_kernel compress "$codec" \
+               --mib "${NCU_MIB:-16}"
              ncu -i /tmp/ncu_src.ncu-rep --page source --csv --print-source sass \
-               | gzip > "$OUT/ncu_src_compress.csv.gz"
-             ncu -i /tmp/ncu_src.ncu-rep --page details --csv > "$OUT/ncu_details_compress.csv"
-             python -m bench.ncu_source "$OUT/ncu_src_compress.csv.gz" --label compress \
-               --out bench/results/ncu_src.json > "$OUT/ncu_src_summary.log" 2>&1 ;;
+               | gzip > "$OUT/ncu_src_compress$suffix.csv.gz"
+             ncu -i /tmp/ncu_src.ncu-rep --page details --csv \
+               > "$OUT/ncu_details_compress$suffix.csv"
+             python -m bench.ncu_source "$OUT/ncu_src_compress$suffix.csv.gz" \
+               --label "compress-$codec" --out "bench/results/ncu_src$suffix.json" \
+               > "$OUT/ncu_src_summary$suffix.log" 2>&1 ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m experiments.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
                 --workers "${ABL_WORKERS:-1}" \

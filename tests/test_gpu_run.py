@@ -190,3 +190,24 @@ def test_every_variant_the_batches_name_exists():
              for m in re.findall(r"--variants\s+((?:\w+\s+)+)", cmd) for w in m.split()]
     assert "no_sync" in named and "decode_twice" in named
     assert set(named) <= set(bench_fused.VARIANTS), set(named) - set(bench_fused.VARIANTS)
+
+
+@pytest.mark.parametrize("codec,kernel,out", [(None, "taco_compress", "ncu_src.json"),
+                                              ("echo4", "echo4_compress", "ncu_src_echo4.json")])
+def test_ncu_src_profiles_the_codec_asked_for(tmp_path, codec, kernel, out):
+    """NCU_CODEC picks whose compress Nsight Compute profiles (kernel name, driver, file)."""
+    env = fake_python(tmp_path, 0)
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "ncu").write_text(f'#!/usr/bin/env bash\necho "ncu $*" >> "{tmp_path}/calls.log"\n')
+    (bin_dir / "ncu").chmod(0o755)
+    if codec:
+        env["NCU_CODEC"] = codec
+    r = subprocess.run(["bash", str(SCRIPT), "ncu_src"], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert r.returncode == 0, r.stderr
+    profile = next(c for c in calls if c.startswith("ncu -k"))
+    assert f"regex:{kernel}" in profile
+    assert f"bench.one_kernel compress {codec or 'taco'}" in profile
+    summary = next(c for c in calls if "bench.ncu_source" in c)
+    assert f"bench/results/{out}" in summary
