@@ -16,7 +16,7 @@
 #                  machine call each alone is safe
 #   echo4_tune     python -m bench.kernels --codecs echo4 --tune --no-timings: the 4-bit
 #                  kernels' tile-math variants and tilings side by side at 16 and 256 MiB
-#                  (bench/results/kernels_echo4_tune_encoders.json, ~220 s)
+#                  (bench/results/kernels_echo4_tune_encoders.json, ~240 s)
 #   collectives    python -m bench.collectives --check: lax.psum vs taco per transport and
 #                  size on the link as found (2+ GPUs)
 #   links          the same on the PCIe path (NCCL_P2P_DISABLE=1) and the network path (two

@@ -404,7 +404,7 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
 # kernel and size, under the default tiling: the plain tile math, the variants the kernel runs
 # (echo4.MEASURED_VARIANTS, "used"), for the kernels that encode (compress, reduce) those
 # plus merged_rows, plus word_stores and plus both, and all variants; then "used" (and for
-# the encoders "merged+words") under each of ECHO_TILINGS: 126 configurations (~220 s on an
+# the encoders "merged+words") under each of ECHO_TILINGS: 138 configurations (~240 s on an
 # H200). The variants alone were compared in bench/results/kernels_echo4_variants.json, the
 # tilings in kernels_echo4_tilings.json.
 ECHO_VARIANTS = {"present": {}, "used": (), "merged": ("merged_rows",),
@@ -414,7 +414,8 @@ ECHO_VARIANTS = {"present": {}, "used": (), "merged": ("merged_rows",),
 ENCODERS = ("compress", "reduce")
 # other tilings per size: (elements per tile, warps, tiles per program, stages)
 ECHO_TILINGS = {16: [(1024, 1, 4, 3), (1024, 2, 1, 2), (4096, 4, 1, 2), (1024, 1, 8, 3),
-                     (512, 1, 4, 3), (2048, 2, 1, 2), (512, 1, 2, 3), (2048, 4, 2, 3)],
+                     (512, 1, 4, 3), (2048, 2, 1, 2), (512, 1, 2, 3), (2048, 4, 2, 3),
+                     (512, 1, 4, 2), (1024, 2, 2, 3)],
                 256: [(2048, 2, 4, 3), (4096, 4, 2, 3), (8192, 8, 1, 2), (1024, 1, 16, 3),
                       (2048, 4, 2, 3), (1024, 1, 8, 4), (2048, 2, 8, 3)]}
 # (kernel, sizes in MiB) the sweep times
