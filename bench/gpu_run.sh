@@ -54,6 +54,9 @@
 #                  NCU_CODEC (taco; echo4: its Triton kernel): SASS source page summarized by
 #                  bench.ncu_source (bench/results/ncu_src.json, ncu_src_echo4.json), and the
 #                  details page
+#   ncu_fused      Nsight Compute full set of the one-launch fused all-reduce (P = 2 loopback,
+#                  bf16, NCU_MIB MiB, default 16; one checked call of bench.fused): its SASS
+#                  source page summarized (bench/results/ncu_src_fused.json), the details page
 #   ablation       python -m experiments.ablation (convergence per codec; ABL_* variables:
 #                  ABL_BUDGET seconds, ABL_VARIANTS, ABL_NAME, ABL_SET, ABL_WORKERS)
 set -u
@@ -172,6 +175,14 @@ for s in "$@"; do
              python -m bench.ncu_source "$OUT/ncu_src_compress$suffix.csv.gz" \
                --label "compress-$codec" --out "bench/results/ncu_src$suffix.json" \
                > "$OUT/ncu_src_summary$suffix.log" 2>&1 ;;
+    ncu_fused) step ncu_fused 240 ncu -k regex:fused_allreduce -c 1 --set full \
+                 -o /tmp/ncu_fused python -m bench.fused --one 2 \
+                 "$(( ${NCU_MIB:-16} << 20 ))" bf16 --impl kernel --calls 1 --codec taco
+               ncu -i /tmp/ncu_fused.ncu-rep --page source --csv --print-source sass \
+                 | gzip > "$OUT/ncu_src_fused.csv.gz"
+               ncu -i /tmp/ncu_fused.ncu-rep --page details --csv > "$OUT/ncu_details_fused.csv"
+               python -m bench.ncu_source "$OUT/ncu_src_fused.csv.gz" --label fused-allreduce \
+                 --out bench/results/ncu_src_fused.json > "$OUT/ncu_fused_summary.log" 2>&1 ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m experiments.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
                 --workers "${ABL_WORKERS:-1}" \

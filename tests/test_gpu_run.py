@@ -211,3 +211,18 @@ def test_ncu_src_profiles_the_codec_asked_for(tmp_path, codec, kernel, out):
     assert f"bench.one_kernel compress {codec or 'taco'}" in profile
     summary = next(c for c in calls if "bench.ncu_source" in c)
     assert f"bench/results/{out}" in summary
+
+
+def test_ncu_fused_profiles_one_checked_call_of_the_loopback_kernel(tmp_path):
+    env = fake_python(tmp_path, 0)
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "ncu").write_text(f'#!/usr/bin/env bash\necho "ncu $*" >> "{tmp_path}/calls.log"\n')
+    (bin_dir / "ncu").chmod(0o755)
+    r = subprocess.run(["bash", str(SCRIPT), "ncu_fused"], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert r.returncode == 0, r.stderr
+    profile = next(c for c in calls if c.startswith("ncu -k"))
+    assert "regex:fused_allreduce" in profile and "-c 1" in profile
+    assert f"bench.fused --one 2 {16 << 20} bf16 --impl kernel --calls 1" in profile
+    assert any("bench/results/ncu_src_fused.json" in c for c in calls)
