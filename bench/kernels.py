@@ -250,7 +250,8 @@ ECHO_CHECKS = ([("echo4", b, jnp.bfloat16) for b in (32, 64, 128, 256, 512)]
 # the encoder variants not (yet) in the defaults, on top of each kernel's default config:
 # checked on the device before the sweep may make them the default
 ECHO_TRIAL = ("merged_rows", "word_stores")
-ECHO_CHECKS += [("echo4", 128, jnp.bfloat16, ECHO_TRIAL), ("int4-sym", 32, jnp.float32, ECHO_TRIAL)]
+ECHO_CHECKS += [("echo4", 128, jnp.bfloat16, ECHO_TRIAL),
+                ("int4-sym", 32, jnp.float32, ECHO_TRIAL)]
 
 
 def _bits_differ(a, b) -> int:

@@ -8,8 +8,8 @@
 
 Kernel names: taco_compress / taco_decompress (Triton), taco_compress_mosaic… /
 taco_decompress_mosaic… (Mosaic GPU); for the 4-bit codecs (`compress echo4`, Triton only)
-echo4_compress / echo4_decompress, with the variants each kernel runs (`echo4.default_config`). GPU only (no interpreter): a profiler needs the
-compiled kernel. --tm/--warps/--tiles/--ieee-rowmath/--row-masks set the Triton
+echo4_compress / echo4_decompress, with the variants each kernel runs
+(`echo4.default_config`). GPU only (no interpreter): a profiler needs the compiled kernel. --tm/--warps/--tiles/--ieee-rowmath/--row-masks set the Triton
 KernelConfig (default: the library's for that size), --ctas-per-sm/--steps/--parts/
 --tma-store the Mosaic one (default: the library's).
 """

@@ -26,9 +26,9 @@ f32, which the tensor-core dots of the TACO kernels would not reproduce byte for
 `EchoConfig` selects variants of the tile math that write the same bytes with fewer
 instructions: 16-bit data as uint32 pairs instead of the even/odd split and join, a leaner
 encode and decode, scales read as words or written as byte columns, the encode's row
-reductions merged. `default_config` runs
-each kernel with the ones measured fastest for it (`MEASURED_VARIANTS`; the sweep:
-`python -m bench.kernels --codecs echo4 --tune`).
+reductions merged, the wire written as words. `default_config` runs each kernel with the
+ones measured fastest for it (`MEASURED_VARIANTS`; the sweep: `python -m bench.kernels
+--codecs echo4 --tune`).
 """
 from __future__ import annotations
 
@@ -263,10 +263,11 @@ def _pair(even, odd, dtype, cfg):
         result_shape_dtypes=[jax.ShapeDtypeStruct(even.shape, jnp.int32)])[0]
 
 
-def _rint(y):
-    """round half to even of f32 |y| < 2^22, as int32 (see the module doc). y must be a
-    rounded value (`_mul_rn`), not a product the compiler may fuse into this add."""
-    return lax.bitcast_convert_type(y + _ROUND, jnp.int32) - _ROUND_BITS
+def _rint(y, less=_ROUND_BITS):
+    """round half to even of f32 |y| < 2^22, as int32 (see the module doc); with `less`
+    = _ROUND_BITS − z, round(y) + z in the same one subtraction. y must be a rounded value
+    (`_mul_rn`), not a product the compiler may fuse into this add."""
+    return lax.bitcast_convert_type(y + _ROUND, jnp.int32) - less
 
 
 def _mul_rn(a, b, cfg):
@@ -317,8 +318,7 @@ def _row_max(even, odd, merged=False):
 def encode_tile(xe, xo, codec, cfg):
     """even, odd (tm, B/2) f32 → (code bytes (tm, B/2) uint8 — int32 under word_stores —,
     scale bytes (tm, 4·n) uint8 (None under scale_columns or word_stores: the caller stores
-    `scale_byte_columns` or the words), codes (qe, qo)
-    int32, s, z (tm, 1) f32 as sent). `asym_params` / `sym_params`, `quantize4` and
+    `scale_byte_columns` or the words), codes (qe, qo) int32, s, z (tm, 1) f32 as sent). `asym_params` / `sym_params`, `quantize4` and
     `pack_nibbles` of the codec.
 
     Under cfg.lean the group is non-finite exactly where Σ x·(1/s) is: a finite group has
@@ -340,11 +340,11 @@ def encode_tile(xe, xo, codec, cfg):
     if not codec.symmetric:
         zi = jnp.clip(_rint(_mul_rn(-lo, inv, cfg)), 0, LEVELS)
     ye, yo = _mul_rn(xe, inv, cfg), _mul_rn(xo, inv, cfg)
-    if merged:      # round(y) + z = bits(y + 1.5·2^23) − (bits(1.5·2^23) − z)
-        off = _ROUND_BITS - zi
-        code = lambda y: lax.bitcast_convert_type(y + _ROUND, jnp.int32) - off
+    if merged:                     # round(y) + z in one subtraction
+        less = _ROUND_BITS - zi
+        code = lambda y: _rint(y, less)           # noqa: E731
     else:
-        code = lambda y: _rint(y) + zi
+        code = lambda y: _rint(y) + zi            # noqa: E731
     if lean:
         bad = jnp.logical_not(jnp.abs(jnp.sum(ye + yo, axis=1, keepdims=True)) < np.inf)
         top = jnp.where(bad, 0, LEVELS)           # the group's codes clip to 0
