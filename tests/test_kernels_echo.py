@@ -537,10 +537,13 @@ def test_default_configs_carry_the_measured_variants():
         assert isinstance(cfg, echo4.EchoConfig)
         assert {o: getattr(cfg, o) for o in opts} == opts
         assert echo4.with_options(cfg, pairs=False, lean=False, scale_words=False,
-                                  scale_columns=False) == echo4.with_options(
+                                  scale_columns=False, merged_rows=False,
+                                  word_stores=False) == echo4.with_options(
             echo4.default_tiling(128, k, 1024))
     assert echo4.default_config(128, "compress").pairs
     assert not echo4.default_config(128, "compress").scale_columns     # costs compress
+    assert not echo4.default_config(128, "compress").word_stores       # costs compress
+    assert echo4.default_config(128, "reduce").word_stores
 
 
 @pytest.mark.parametrize("op", ["psum", "psum_with_feedback"])

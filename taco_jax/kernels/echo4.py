@@ -106,10 +106,16 @@ def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
 #   reduce      pairs, lean, scale_words, columns  0.54 / 0.69 → 0.58 / 0.86
 #   decode_sum  pairs, lean, scale_words           0.51 / 0.69 → 0.68 / 0.88
 # compress_feedback runs compress's (memory-bound at 0.93 before; not timed with them).
+# Then the encoders' merged_rows and word_stores over those (bench/results/
+# kernels_echo4_tune_encoders.json, same tilings, 16 / 256 MiB):
+#   compress    + merged_rows                      0.585 / 0.840 → 0.606 / 0.847 (word_stores
+#                                                  costs it: 0.535 / 0.787 with both)
+#   reduce      + merged_rows, word_stores         0.669 / 0.854 → 0.720 / 0.991
 MEASURED_VARIANTS = {
-    "compress": {"pairs": True, "lean": True},
+    "compress": {"pairs": True, "lean": True, "merged_rows": True},
     "decompress": {"pairs": True, "lean": True, "scale_words": True},
-    "reduce": {"pairs": True, "lean": True, "scale_words": True, "scale_columns": True},
+    "reduce": {"pairs": True, "lean": True, "scale_words": True, "scale_columns": True,
+               "merged_rows": True, "word_stores": True},
     "decode_sum": {"pairs": True, "lean": True, "scale_words": True},
 }
 
