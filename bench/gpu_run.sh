@@ -40,7 +40,8 @@
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
-#                  (~280 s; FUSED_TWO_SHOT_S sets its limit)
+#                  (45 s per configuration: P = 8's first group needed more than 20; ≤ 420 s,
+#                  FUSED_TWO_SHOT_S sets the limit)
 #   fused_echo4    echo4 over the one-launch kernel (selected at P = 2 since these passed):
 #                  the byte checks of its Mosaic tile kernels (pytest -k gpu), the loopback
 #                  checks (P = 2, 4, 8; bf16, f32; 1 KiB, 1 MiB + 5 B, 16, 64 MiB; stops at
@@ -137,9 +138,9 @@ for s in "$@"; do
                     --variants default no_sync no_signal no_peer_stores no_decode no_encode \
                     decode_twice encode_twice --isolate group --timeout 20 \
                     --out bench/results/fused_ablation.json ;;
-    fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-250}" python -m bench.fused \
+    fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
-                      --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 20 \
+                      --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 45 \
                       --fail-fast --out bench/results/fused_two_shot_checks.json ;;
     fused_echo4)
       step fused_echo4_tiles 60 python -m pytest -x -q tests/test_mosaic_echo4.py -k gpu
