@@ -15,8 +15,9 @@
 #   kernels_check  both, within 600 s together only if the taco checks are quick: on one
 #                  machine call each alone is safe
 #   echo4_tune     python -m bench.kernels --codecs echo4 --tune --no-timings: the 4-bit
-#                  kernels' tile-math variants and tilings side by side at 16 and 256 MiB
-#                  (bench/results/kernels_echo4_tune_encoders.json, ~240 s)
+#                  kernels' tile-math variants and tilings side by side at 16 and 256 MiB,
+#                  of the kernels ECHO4_TUNE_KERNELS (default compress: 52 configurations;
+#                  all four took ~6.5 min) → bench/results/kernels_echo4_tune_<kernels>.json
 #   collectives    python -m bench.collectives --check: lax.psum vs taco per transport and
 #                  size on the link as found (2+ GPUs)
 #   links          the same on the PCIe path (NCCL_P2P_DISABLE=1) and the network path (two
@@ -102,9 +103,10 @@ for s in "$@"; do
         step kernels_check_taco 540 python -m bench.kernels --codecs taco --check \
           --no-timings --out bench/results/kernels_check_taco.json
       fi ;;
-    echo4_tune) step echo4_tune 420 python -m bench.kernels --codecs echo4 --impls triton \
-                  --sizes-mib 16 --tune --no-timings \
-                  --out bench/results/kernels_echo4_tune_encoders.json ;;
+    echo4_tune) kinds=${ECHO4_TUNE_KERNELS:-compress}
+                step echo4_tune 420 python -m bench.kernels --codecs echo4 --impls triton \
+                  --sizes-mib 16 --tune --no-timings --tune-kernels $kinds \
+                  --out "bench/results/kernels_echo4_tune_${kinds// /_}.json" ;;
     collectives) step collectives 420 python -m bench.collectives --check \
                    --transports xla "${FUSED[@]}" ${FUSED[0]:+fused-none} lax-kernels ;;
     links) step links_pcie 300 python -m bench.collectives --link pcie \

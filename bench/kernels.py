@@ -249,7 +249,7 @@ ECHO_CHECKS = ([("echo4", b, jnp.bfloat16) for b in (32, 64, 128, 256, 512)]
                   ("int4-sym", 128, jnp.bfloat16), ("int4-sym", 32, jnp.float32)])
 # the encoder variants not (yet) in the defaults, on top of each kernel's default config:
 # checked on the device before the sweep may make them the default
-ECHO_TRIAL = ("merged_rows", "word_stores")
+ECHO_TRIAL = ("merged_rows", "word_stores", "prefetch", "pack_mad")
 ECHO_CHECKS += [("echo4", 128, jnp.bfloat16, ECHO_TRIAL),
                 ("int4-sym", 32, jnp.float32, ECHO_TRIAL)]
 
@@ -404,15 +404,21 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
 # echo4's tile-math variants (echo4.EchoConfig) and the tilings they are timed under. Per
 # kernel and size, under the default tiling: the plain tile math, the variants the kernel runs
 # (echo4.MEASURED_VARIANTS, "used"), for the kernels that encode (compress, reduce) those
-# plus merged_rows, plus word_stores and plus both, and all variants; then "used" (and for
-# the encoders "merged+words") under each of ECHO_TILINGS: 138 configurations (~240 s on an
-# H200). The variants alone were compared in bench/results/kernels_echo4_variants.json, the
-# tilings in kernels_echo4_tilings.json.
+# plus each encoder variant on trial, alone and in pairs, and all variants; then "used" (and
+# compress "prefetch+mad", reduce "mad") under each of ECHO_TILINGS. --tune-kernels picks
+# the kernels (all four: ~6.5 min on an H200, compress alone: 52 configurations). The
+# variants alone were compared in bench/results/kernels_echo4_variants.json and
+# kernels_echo4_tune_encoders.json, the tilings in kernels_echo4_tilings.json.
 ECHO_VARIANTS = {"present": {}, "used": (), "merged": ("merged_rows",),
                  "words": ("word_stores",), "merged+words": ("merged_rows", "word_stores"),
+                 "mad": ("pack_mad",), "prefetch": ("prefetch",),
+                 "prefetch+mad": ("prefetch", "pack_mad"),
                  "all": {"pairs": True, "lean": True, "scale_words": True,
-                         "scale_columns": True, "merged_rows": True, "word_stores": True}}
+                         "scale_columns": True, "merged_rows": True, "word_stores": True,
+                         "prefetch": True, "pack_mad": True}}
 ENCODERS = ("compress", "reduce")
+# the variants only a looping compress reads
+COMPRESS_ONLY = ("prefetch", "prefetch+mad")
 # other tilings per size: (elements per tile, warps, tiles per program, stages)
 ECHO_TILINGS = {16: [(1024, 1, 4, 3), (1024, 2, 1, 2), (4096, 4, 1, 2), (1024, 1, 8, 3),
                      (512, 1, 4, 3), (2048, 2, 1, 2), (512, 1, 2, 3), (2048, 4, 2, 3),
@@ -428,11 +434,14 @@ def _tiling(elements: int, warps: int, tiles: int, stages: int, b: int = 128):
                                num_stages=stages, tiles_per_program=tiles)
 
 
-def echo_tune_cases(interp: bool = INTERP) -> list[tuple]:
-    """(kernel, MiB, tiling label, variant, EchoConfig) of the echo4 sweep (B = 128). On CPU
-    (the interpreter) a smoke test: 0.0625 MiB, the default tiling, present and all."""
+def echo_tune_cases(interp: bool = INTERP, kinds=None) -> list[tuple]:
+    """(kernel, MiB, tiling label, variant, EchoConfig) of the echo4 sweep (B = 128), of the
+    kernels `kinds` (None: all). On CPU (the interpreter) a smoke test: 0.0625 MiB, the
+    default tiling, present and all."""
     cases = []
     for kind, sizes in ECHO_TUNE_AT:
+        if kinds is not None and kind not in kinds:
+            continue
         for mib in sizes if not interp else (0.0625,):
             cases += _echo_tune_cell(kind, mib, interp)
     return cases
@@ -449,25 +458,27 @@ def _echo_tune_cell(kind, mib, interp) -> list[tuple]:
         v = ECHO_VARIANTS[name]
         return v if isinstance(v, dict) else {**used, **{k: True for k in v}}
     names = [n for n, v in ECHO_VARIANTS.items()
-             if isinstance(v, dict) or not v or kind in ENCODERS]
+             if (isinstance(v, dict) or not v or kind in ENCODERS)
+             and (n not in COMPRESS_ONLY or kind == "compress")]
     cases = [(kind, mib, "default", name,
               echo4.with_options(echo4.default_tiling(128, kind, n_rows), **opts(name)))
              for name in names if not interp or name in ("present", "all")]
     if not interp:
-        again = ["used", "merged+words"] if kind in ENCODERS else ["used"]
+        again = {"compress": ["used", "prefetch+mad"], "reduce": ["used", "mad"]}.get(
+            kind, ["used"])
         cases += [(kind, mib, "{}/{}w/{}t".format(*t[:3]), name,
                    echo4.with_options(_tiling(*t), **opts(name)))
                   for t in ECHO_TILINGS[mib] for name in again]
     return cases
 
 
-def echo_tune_rows(roof) -> list[dict]:
+def echo_tune_rows(roof, kinds=None) -> list[dict]:
     """echo4's kernels (bf16, B = 128) under each tile-math variant and tiling
     (`echo_tune_cases`): one row per configuration, and a table of the fraction of the
     roofline per variant side by side."""
     c = codecs.get("echo4")
     rows = []
-    for kind, mib, label, variant, cfg in echo_tune_cases():
+    for kind, mib, label, variant, cfg in echo_tune_cases(kinds=kinds):
         try:
             r = measure(kind, "triton", c, int(mib * MIB) // 2, roof, cfg)
             r.pop("device_kernels", None)
@@ -477,6 +488,7 @@ def echo_tune_rows(roof) -> list[dict]:
         r.update(tiling=label, variant=variant, pairs=cfg.pairs, lean=cfg.lean,
                  scale_words=cfg.scale_words, scale_columns=cfg.scale_columns,
                  merged_rows=cfg.merged_rows, word_stores=cfg.word_stores,
+                 prefetch=cfg.prefetch, pack_mad=cfg.pack_mad,
                  elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
                  tiles_per_program=cfg.tiles_per_program, num_stages=cfg.num_stages)
         rows.append(r)
@@ -525,6 +537,9 @@ def main(argv=None):
                     help="check only cases I, I+N, ... (and no timings when N > 1)")
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-kernels", nargs="+", default=None,
+                    choices=[k for k, _ in ECHO_TUNE_AT],
+                    help="echo4's --tune: only these kernels (default all four)")
     ap.add_argument("--no-timings", action="store_true",
                     help="no timing rows: only --check, --tune or --stages")
     ap.add_argument("--out", default="bench/results/kernels.json")
@@ -576,7 +591,7 @@ def main(argv=None):
         print_table(result["check_echo"], list(result["check_echo"][0]))
         write_json(args.out, result)
     if args.tune and echo:
-        result["tune_echo"] = echo_tune_rows(roof)
+        result["tune_echo"] = echo_tune_rows(roof, args.tune_kernels)
         write_json(args.out, result)
     if args.tune and not INTERP and len(echo) < len(cs):
         result["tune"] = tune_rows([16, 256], roof)

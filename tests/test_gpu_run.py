@@ -144,7 +144,8 @@ def test_echo4_tune_times_only_the_sweep(tmp_path):
     r, calls = run_fake(tmp_path, ["echo4_tune"], "bench.kernels")
     assert r.returncode == 0 and len(calls) == 1
     assert "--codecs echo4" in calls[0] and "--tune --no-timings" in calls[0]
-    assert "--check" not in calls[0] and "kernels_echo4_tune_encoders.json" in calls[0]
+    assert "--check" not in calls[0] and "kernels_echo4_tune_compress.json" in calls[0]
+    assert "--tune-kernels compress" in calls[0]
 
 
 def test_fused_echo4_checks_the_tiles_and_the_loopback_then_times_it(tmp_path):

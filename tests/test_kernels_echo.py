@@ -145,7 +145,7 @@ def test_tilings_are_bit_identical():
 
 # -- the tile-math variants (echo4.EchoConfig: pairs, lean, scale_words, scale_columns, …) ----
 ALL_VARIANTS = dict(pairs=True, lean=True, scale_words=True, scale_columns=True,
-                    merged_rows=True, word_stores=True)
+                    merged_rows=True, word_stores=True, prefetch=True, pack_mad=True)
 VARIANT_CASES = [("echo4", 128, "bf16", ALL_VARIANTS), ("echo4", 64, "f16", ALL_VARIANTS),
                  ("echo4", 32, "f32", ALL_VARIANTS), ("int4-sym", 128, "bf16", ALL_VARIANTS),
                  ("int4-sym", 64, "f16", ALL_VARIANTS)]
@@ -186,6 +186,43 @@ def test_variants_match_reference_bytes(name, b, dt, opts):
     for out in {jnp.float32, t}:
         assert bits_equal(echo4.decode_sum(recv, c, out, cfg, INTERPRET),
                           _decode_sum_ref(recv, c, out)), out
+
+
+def _loop_carries(cfg, x, c):
+    """Shapes and dtypes of what the loops inside the compress kernel carry."""
+    jaxpr = jax.make_jaxpr(lambda v: echo4.compress(v, c, cfg, INTERPRET))(x)
+
+    def eqns(j):
+        for e in j.eqns:
+            yield e
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from eqns(inner)
+    return [(tuple(v.aval.shape), v.aval.dtype) for e in eqns(jaxpr.jaxpr)
+            if e.primitive.name in ("scan", "while") for v in e.outvars]
+
+
+@pytest.mark.parametrize("dt,n_rows", [("bf16", 301), ("f32", 256)])
+def test_prefetch_carries_the_next_tile(dt, n_rows):
+    """prefetch: the compress loop carries the next tile's loaded input (uint32 pairs of
+    bf16, or the f32 tile), so its loads are issued a step before the math; without it the
+    loop carries nothing of the tile's shape. Bytes as the reference (odd and even row
+    counts: masked and unmasked last tiles, none loaded past the program's own)."""
+    from taco_jax.kernels import tiling
+    c = codecs.get("echo4")
+    x = jnp.asarray(echo_rows(n_rows, 128, "f32", seed=9)).astype(DTYPES[dt])
+    base = tiling.KernelConfig(blocks_per_program=4, num_warps=1, num_stages=3,
+                               tiles_per_program=4)
+    width, dtype = (64, jnp.uint32) if dt == "bf16" else (128, jnp.float32)
+    carries = {}
+    for on in (False, True):
+        cfg = echo4.with_options(base, pairs=True, lean=True, prefetch=on)
+        assert bits_equal(echo4.compress(x, c, cfg, INTERPRET), _compress_ref(x, c))
+        carries[on] = _loop_carries(cfg, x, c)
+    assert ((4, width), dtype) in carries[True], carries[True]
+    assert ((4, width), dtype) not in carries[False], carries[False]
 
 
 def test_variants_under_a_looped_tiling():
@@ -503,6 +540,24 @@ def test_variants_lower_to_one_triton_call(h200, kernel, name, b, dt):
         assert "mul.rn.f32" in text and "rcp.approx.f32" in text
     if kernel in ("decompress", "decode_sum"):
         assert ("x2.f32" in text) == (dt != jnp.float32)
+
+
+@pytest.mark.parametrize("kernel", ["compress", "compress_feedback"])
+def test_prefetched_loop_lowers_to_one_triton_call(h200, kernel):
+    """prefetch under a looping tiling (the loop it changes), all variants: one Triton call
+    for an H200, the encode's PTX."""
+    from taco_jax.kernels import tiling
+    cfg = echo4.with_options(tiling.KernelConfig(blocks_per_program=4, num_warps=1,
+                                                 num_stages=3, tiles_per_program=4),
+                             **ALL_VARIANTS)
+    c, n, sds = codecs.get("echo4"), 100, jax.ShapeDtypeStruct
+    f = {"compress": lambda x, r: echo4.compress(x, c, cfg),
+         "compress_feedback": lambda x, r: echo4.compress_feedback(x, r, c, cfg)}[kernel]
+    text = jax.jit(f).trace(sds((n, 128), jnp.bfloat16), sds((n, 128), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert f'name = "echo4_{kernel}"' in text
+    assert "mul.rn.f32" in text and "rcp.approx.f32" in text
 
 
 def test_default_tilings_by_size():

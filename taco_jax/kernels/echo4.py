@@ -161,6 +161,12 @@ class EchoConfig(tiling.KernelConfig):
       to the wire's bytes in XLA for free): each 4 code bytes packed into a word in
       registers, s (and z) stored as f32 words, instead of byte stores. Blocks of a
       multiple of 8 elements (every wire row a whole number of words); others keep bytes.
+    * prefetch: compress and compress_feedback, looping over tiles, load tile t + 1 before
+      tile t's math (carried to the next step in registers), so a warp's loads fly while it
+      computes instead of stalling at the top of every tile. Tilings of one tile per
+      program, and a compress that skips rows, keep the plain loop.
+    * pack_mad: the encoders pack a code byte as qe + 16·qo (one integer multiply-add;
+      the same byte as qe | qo << 4, since qe < 16) instead of a shift and an or.
     """
     pairs: bool = False
     lean: bool = False
@@ -168,11 +174,13 @@ class EchoConfig(tiling.KernelConfig):
     scale_columns: bool = False
     merged_rows: bool = False
     word_stores: bool = False
+    prefetch: bool = False
+    pack_mad: bool = False
 
 
 def with_options(cfg: tiling.KernelConfig, **options) -> EchoConfig:
     """cfg as an EchoConfig with the given variants (pairs, lean, scale_words,
-    scale_columns, merged_rows, word_stores) set."""
+    scale_columns, merged_rows, word_stores, prefetch, pack_mad) set."""
     if isinstance(cfg, EchoConfig):
         return dataclasses.replace(cfg, **options)
     base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tiling.KernelConfig)}
@@ -331,6 +339,8 @@ def encode_tile(xe, xo, codec, cfg):
     |x·(1/s)| ≤ 15 (+ rounding) element by element; an Inf makes s Inf (min / max keep it,
     even Triton's NaN-ignoring ones), so 1/s = 0 and Inf·0 = NaN; a NaN stays NaN."""
     lean, merged = _opt(cfg, "lean"), _opt(cfg, "merged_rows")
+    pack = ((lambda qe, qo: qe + qo * 16) if _opt(cfg, "pack_mad")       # noqa: E731
+            else (lambda qe, qo: qe | lax.shift_left(qo, 4)))
     if not lean:
         bad = jnp.logical_not(jnp.sum(xe * 0.0 + xo * 0.0, axis=1, keepdims=True) == 0)
     if codec.symmetric:
@@ -356,11 +366,11 @@ def encode_tile(xe, xo, codec, cfg):
         top = jnp.where(bad, 0, LEVELS)           # the group's codes clip to 0
         qe = jnp.clip(code(ye), 0, top)
         qo = jnp.clip(code(yo), 0, top)
-        code_bytes = qe | lax.shift_left(qo, 4)
+        code_bytes = pack(qe, qo)
     else:
         qe = jnp.clip(code(ye), 0, LEVELS)
         qo = jnp.clip(code(yo), 0, LEVELS)
-        code_bytes = jnp.where(bad, 0, qe | lax.shift_left(qo, 4))
+        code_bytes = jnp.where(bad, 0, pack(qe, qo))
     words = _word_stores(cfg, codec)
     if not words:                  # under word_stores the int32 bytes are packed by 4
         code_bytes = code_bytes.astype(jnp.uint8)
@@ -454,10 +464,19 @@ def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback, pairs=None):
     rows = tiling.mask_rows(cfg, n_rows)
     skip0 = skip_ref[0]
 
-    def work(t):
-        xe, xo = _load_halves(x_ref, t, tm, b, rows, pairs)
+    def load(t):              # tile t's raw input (and residual): what the loop carries
+        width = b if pairs is None else b // 2
+        raw = [tiling.load_rows(x_ref, t, tm, 0, width, rows)]
+        if feedback:
+            raw.append(tiling.load_rows(r_ref, t, tm, 0, b, rows))
+        return raw
+
+    def work(t, raw=None):
+        raw = load(t) if raw is None else raw
+        xe, xo = (_halves(raw[0].astype(jnp.float32)) if pairs is None
+                  else _unpair(raw[0], pairs))
         if feedback:          # the site's input less this device's share of the last error
-            re, ro = _halves(tiling.load_rows(r_ref, t, tm, 0, b, rows))
+            re, ro = _halves(raw[1])
             xe, xo = xe - re, xo - ro
         enc = encode_tile(xe, xo, codec, cfg)
         _store_encoded(o_ref, t, enc, tm, b // 2, rows, codec, cfg)
@@ -466,7 +485,10 @@ def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback, pairs=None):
             de, do = decode_codes(qe, qo, s, z, cfg)
             tiling.store_rows(e_ref, t, _interleave(de - xe, do - xo), tm, 0, rows)
 
-    tiling.for_each_tile_outside(cfg, n_rows, work, skip0, skip_rows)
+    if _opt(cfg, "prefetch") and cfg.tiles_per_program > 1 and not skip_rows:
+        tiling.for_each_tile_prefetched(cfg, load, work)
+    else:
+        tiling.for_each_tile_outside(cfg, n_rows, work, skip0, skip_rows)
 
 
 def _decode_rows(r_ref, r32_ref, t, tm, half, rows, codec, cfg, lead=()):

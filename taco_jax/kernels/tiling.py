@@ -218,6 +218,24 @@ def for_each_tile(cfg: KernelConfig, n_rows: int, body) -> None:
     jax.lax.fori_loop(0, t, step, 0)
 
 
+def for_each_tile_prefetched(cfg: KernelConfig, load, body) -> None:
+    """`for_each_tile` over this program's tiles_per_program tiles, software-pipelined:
+    load(tile) returns what body(tile, loaded) computes on, and step k loads tile k + 1
+    before body runs on tile k (the loads carried in registers to the next step), so the
+    loads' latency overlaps the math. Only this program's tiles are loaded (the last one in
+    the epilogue, outside the loop); tiles past the end are masked as `load` masks them."""
+    pid = pl.program_id(0)
+    t = cfg.tiles_per_program
+    first = pid * t
+
+    def step(k, cur):
+        nxt = load(first + k + 1)
+        body(first + k, cur)
+        return nxt
+    last = jax.lax.fori_loop(0, t - 1, step, load(first))
+    body(first + t - 1, last)
+
+
 def for_each_tile_outside(cfg: KernelConfig, n_rows: int, body, skip0, skip_rows: int
                           ) -> None:
     """`for_each_tile`, leaving out the tiles wholly inside rows [skip0, skip0 + skip_rows)
