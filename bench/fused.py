@@ -484,6 +484,11 @@ VARIANTS = {
              "half the shared memory, 1 per SM"),
     "sum_first": (["decode=sum_first"],
                   "the P accumulators scaled and summed before one butterfly"),
+    "halved_encode": (["encode_parts=2"],
+                      "the encode in two column halves (three transforms, half the "
+                      "accumulator registers)"),
+    "halved_encode+sum_first": (["encode_parts=2", "decode=sum_first"],
+                                "both of the above"),
     "encode_twice": (["ablate=encode_twice"], "+ one encode and its staging"),
     "decode_twice": (["ablate=decode_twice"], "+ one decode of the P tiles"),
 }

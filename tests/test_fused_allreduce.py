@@ -222,6 +222,40 @@ def test_sum_first_is_refused_where_it_has_no_meaning():
         fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO, SUM_FIRST)
 
 
+# -- encode_parts=2: the encode in two column halves ------------------------------------------
+@pytest.mark.parametrize("p,cfg,dtype", [
+    (2, fa.FusedConfig(encode_parts=2), jnp.bfloat16),
+    (2, dataclasses.replace(fa.SLIM_2_PER_SM, encode_parts=2), jnp.bfloat16),
+    (4, fa.FusedConfig(encode_parts=2, decode="sum_first"), jnp.float32),
+    (8, fa.FusedConfig(encode_parts=2, order="loads_first"), jnp.float16)])
+def test_encode_halves_lower_in_loopback_and_change_the_kernel(p, cfg, dtype):
+    text = lowered_loopback(p, dtype, cfg)
+    assert text.count("taco_fused_allreduce") >= 1
+    assert text != lowered_loopback(p, dtype, dataclasses.replace(cfg, encode_parts=1))
+
+
+def test_encode_halves_lower_on_a_three_axis_mesh():
+    mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
+    names = ("data", "pipe", "tp")
+    cfg = fa.FusedConfig(encode_parts=2)
+    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
+                      mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
+    x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
+
+
+def test_encode_halves_are_refused_where_they_have_no_meaning():
+    with pytest.raises(ValueError, match="encode_parts=4"):
+        fa.FusedConfig(encode_parts=4)
+    with pytest.raises(ValueError, match="echo4's encode has no column passes"):
+        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
+                              fa.FusedConfig(encode_parts=2))
+    with pytest.raises(ValueError, match="encode_parts=2"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+                              fa.FusedConfig(encode_parts=2))
+
+
 def _most_per_sm(p, codec, dtype, cfg):
     fit = 0
     for n in (1, 2, 3, 4):

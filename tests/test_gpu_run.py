@@ -96,6 +96,17 @@ def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
         assert "--sizes 16MiB 1KiB 1MiB+5 64MiB" in two
 
 
+def test_fused_levers_time_the_register_levers_checked(tmp_path):
+    r, calls = run_fake(tmp_path, ["fused_levers"], "bench.fused")
+    assert r.returncode == 0 and len(calls) == 1
+    assert "--ablate --variants default halved_encode sum_first halved_encode+sum_first" in (
+        calls[0])
+    assert "--out bench/results/fused_ablation_encode.json" in calls[0]
+    from bench import fused
+    for name in ("halved_encode", "sum_first", "halved_encode+sum_first"):
+        assert not any(k.startswith("ablate=") for k in fused.VARIANTS[name][0])   # checked
+
+
 def case_block(label: str) -> str:
     """The script's case branch that starts at `label`, up to its `;;`."""
     text = SCRIPT.read_text()

@@ -125,6 +125,13 @@ class FusedConfig:
     # by its rows' gains and summed, and the butterfly and assembly run once on the sum (the
     # same math up to f32 rounding order; P − 1 fewer butterflies per tile).
     decode: str = "per_source"
+    # The encode's column passes (FP8 codecs): 1, one wgmma transform into a (64, 256) f32
+    # accumulator (128 registers a thread); 2, the halves in turn (`mosaic.encode_tile`:
+    # the row statistics from one half, the other quantized, the first transformed again
+    # and quantized: three transforms, half the accumulator registers). The one-launch
+    # kernel runs at 255 registers a thread with local-memory spills
+    # (bench/results/ncu_src_fused.json), which this is meant to relieve.
+    encode_parts: int = 1
     # A measurement knob (ABLATIONS), "none" in use.
     ablate: str = "none"
 
@@ -143,6 +150,8 @@ class FusedConfig:
                              f"'registers'")
         if self.per_sm not in (1, 2, 3, 4):
             raise ValueError(f"FusedConfig.per_sm={self.per_sm} must be 1, 2, 3 or 4")
+        if self.encode_parts not in (1, 2):
+            raise ValueError(f"FusedConfig.encode_parts={self.encode_parts} must be 1 or 2")
         if self.decode not in ("per_source", "sum_first"):
             raise ValueError(f"FusedConfig.decode={self.decode!r} must be 'per_source' or "
                              f"'sum_first'")
@@ -269,6 +278,7 @@ class TacoTiles:
     # FusedConfig.decode == "sum_first": decode_add keeps the running sum before the
     # butterfly (the wgmma accumulators scaled by their gains) and `finish` completes it.
     sum_first: bool = False
+    encode_parts: int = 1                  # FusedConfig.encode_parts
     checked_on_gpu = True
 
     @property
@@ -297,7 +307,7 @@ class TacoTiles:
                 (mosaic.hadamard_operand("decode"), mosaic.SMEM_TRANSFORMS))
 
     def encode(self, x_smem, consts):
-        return mosaic.encode_tile(x_smem, consts[0], self.codec, 1)
+        return mosaic.encode_tile(x_smem, consts[0], self.codec, self.encode_parts)
 
     def store(self, view, wire):
         mosaic.store_wire_tile(view, *wire)
@@ -729,6 +739,11 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
             raise ValueError(f"FusedConfig(decode='sum_first'): {codec.name} has no transform "
                              f"to sum before (the FP8 codecs have)")
         tiles = dataclasses.replace(tiles, sum_first=True)
+    if cfg.encode_parts != 1:
+        if not isinstance(tiles, TacoTiles):
+            raise ValueError(f"FusedConfig(encode_parts={cfg.encode_parts}): {codec.name}'s "
+                             f"encode has no column passes (the FP8 codecs' has)")
+        tiles = dataclasses.replace(tiles, encode_parts=cfg.encode_parts)
     lines = ROWS * tiles.row_bytes // LINE
     in_dtype = blocks.dtype
     _check_resident(p, codec, in_dtype, out_dtype, cfg)
