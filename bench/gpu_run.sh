@@ -16,7 +16,7 @@
 #                  machine call each alone is safe
 #   echo4_tune     python -m bench.kernels --codecs echo4 --tune --no-timings: the 4-bit
 #                  kernels' tile-math variants and tilings side by side at 16 and 256 MiB,
-#                  of the kernels ECHO4_TUNE_KERNELS (default compress: 52 configurations;
+#                  of the kernels ECHO4_TUNE_KERNELS (default compress: 54 configurations;
 #                  all four took ~6.5 min) → bench/results/kernels_echo4_tune_<kernels>.json
 #   collectives    python -m bench.collectives --check: lax.psum vs taco per transport and
 #                  size on the link as found (2+ GPUs)

@@ -406,7 +406,7 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
 # (echo4.MEASURED_VARIANTS, "used"), for the kernels that encode (compress, reduce) those
 # plus each encoder variant on trial, alone and in pairs, and all variants; then "used" (and
 # compress "prefetch+mad", reduce "mad") under each of ECHO_TILINGS. --tune-kernels picks
-# the kernels (all four: ~6.5 min on an H200, compress alone: 52 configurations). The
+# the kernels (all four: ~6.5 min on an H200, compress alone: 54 configurations). The
 # variants alone were compared in bench/results/kernels_echo4_variants.json and
 # kernels_echo4_tune_encoders.json, the tilings in kernels_echo4_tilings.json.
 ECHO_VARIANTS = {"present": {}, "used": (), "merged": ("merged_rows",),
@@ -422,7 +422,7 @@ COMPRESS_ONLY = ("prefetch", "prefetch+mad")
 # other tilings per size: (elements per tile, warps, tiles per program, stages)
 ECHO_TILINGS = {16: [(1024, 1, 4, 3), (1024, 2, 1, 2), (4096, 4, 1, 2), (1024, 1, 8, 3),
                      (512, 1, 4, 3), (2048, 2, 1, 2), (512, 1, 2, 3), (2048, 4, 2, 3),
-                     (512, 1, 4, 2), (1024, 2, 2, 3)],
+                     (512, 1, 4, 2), (1024, 2, 2, 3), (512, 1, 8, 3)],
                 256: [(2048, 2, 4, 3), (4096, 4, 2, 3), (8192, 8, 1, 2), (1024, 1, 16, 3),
                       (2048, 4, 2, 3), (1024, 1, 8, 4), (2048, 2, 8, 3)]}
 # (kernel, sizes in MiB) the sweep times
