@@ -8,6 +8,9 @@
 # times out costs only itself. Steps:
 #   kernels        python -m bench.kernels --codecs taco echo4: each implementation's timings
 #                  vs the memory roofline (taco and echo4 rows in bench/results/kernels.json)
+#   kernels_echo4  python -m bench.kernels --codecs echo4 --update: echo4's rows of
+#                  kernels.json re-timed, taco's kept with the commit they were timed at
+#                  (about half the kernels step's time)
 #   kernels_check_echo4  python -m bench.kernels --codecs echo4 --check --no-timings: every
 #                  4-bit kernel against its reference on the device, bit for bit, at the
 #                  defaults and with the encoder variants on trial (kernels_check_echo4.json)
@@ -98,6 +101,8 @@ no_fused() {
 for s in "$@"; do
   case $s in
     kernels) step kernels 540 python -m bench.kernels --codecs taco echo4 ;;
+    kernels_echo4) step kernels_echo4 300 python -m bench.kernels --codecs echo4 \
+                     --impls triton --update ;;
     kernels_check|kernels_check_echo4|kernels_check_taco)
       if [[ $s != kernels_check_taco ]]; then
         step kernels_check_echo4 420 python -m bench.kernels --codecs echo4 --impls triton \

@@ -26,7 +26,11 @@ configs (blocks per multiprocessor × TMA steps in flight) at 16 and 256 MiB, an
 `--codecs echo4` the 4-bit kernels at 16 and 256 MiB: the plain tile math, the variants each
 kernel runs (`echo4.MEASURED_VARIANTS`) and all of them under the default tiling, then the
 variants it runs under other tilings, side by side in one table. --no-timings leaves the
-timing rows out (the checks alone fit a GPU call that the timings would fill). Writes
+timing rows out (the checks alone fit a GPU call that the timings would fill). --update
+re-times only the codecs given and keeps the rest of --out: the other codecs' timing rows,
+each tagged with the commit it was measured at (`measured_at`), and the sections this run
+does not write, each labelled with its commit (`<section>_commit`); it refuses a file from
+another device or jax version. Writes
 bench/results/kernels.json (device, jax, commit and every figure). On CPU the Triton
 kernels run in Pallas' interpreter at small sizes, a smoke test without device times.
 """
@@ -526,6 +530,53 @@ def hlo_custom_calls() -> dict:
     return out
 
 
+# what a run writes of its own, never carried over by --update
+RUN_KEYS = ("device", "platform", "n_devices", "jax", "commit", "xla_flags", "custom_calls",
+            "roofline", "rows", "command")
+
+
+def kept_from(path: str, facts: dict, codecs_timed) -> dict:
+    """--update: what of the results file at `path` the new run keeps — the timing rows of
+    codecs it does not time (tagged `measured_at` with their commit) and the sections it
+    does not write (labelled `<section>_commit` unless they are). {} when there is no file.
+    Raises SystemExit naming the field when the file is unreadable or from another device
+    or jax version (rows of two machines are not comparable)."""
+    import json
+    import os
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        rows = old["rows"]
+        assert isinstance(rows, list)
+    except (OSError, ValueError, KeyError, AssertionError, TypeError) as e:
+        raise SystemExit(f"bench.kernels --update: {path} is not a kernels results file "
+                         f"({type(e).__name__}: {e})") from None
+    for key in ("device", "platform", "jax"):
+        if old.get(key) != facts.get(key):
+            raise SystemExit(f"bench.kernels --update: {path} has {key}={old.get(key)!r}, "
+                             f"this run {facts.get(key)!r}: re-time every codec instead")
+    commit = old.get("commit")
+    out = {"rows": [{**r, "measured_at": r.get("measured_at", commit)} for r in rows
+                    if r.get("codec") not in codecs_timed]}
+    for key, value in old.items():
+        if key in RUN_KEYS or key.endswith("_commit"):
+            continue
+        out[key] = value
+        if isinstance(value, (list, dict)) and f"{key}_commit" not in old:
+            out[f"{key}_commit"] = commit
+        elif f"{key}_commit" in old:
+            out[f"{key}_commit"] = old[f"{key}_commit"]
+    return out
+
+
+def own(result: dict, key: str) -> None:
+    """This run writes section `key`: drop what --update carried of an earlier one's."""
+    for k in (key, f"{key}_commit", f"{key}_note", f"{key}_done"):
+        result.pop(k, None)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[16, 64, 256, 1024])
@@ -543,6 +594,9 @@ def main(argv=None):
     ap.add_argument("--no-timings", action="store_true",
                     help="no timing rows: only --check, --tune or --stages")
     ap.add_argument("--out", default="bench/results/kernels.json")
+    ap.add_argument("--update", action="store_true",
+                    help="re-time only --codecs; keep the rest of --out (tagged with its "
+                         "commit)")
     args = ap.parse_args(argv)
     shard = tuple(int(v) for v in args.check_shard.split("/"))
     if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
@@ -556,6 +610,8 @@ def main(argv=None):
     if args.no_timings and not (args.check or args.tune or args.stages):
         ap.error("--no-timings leaves nothing to run without --check, --tune or --stages")
     facts = env_facts()
+    timed = set() if args.no_timings else set(args.codecs)
+    kept = kept_from(args.out, facts, timed) if args.update else {}
     result = {**facts, "custom_calls": hlo_custom_calls()}
     print(facts, "custom calls:", result["custom_calls"], flush=True)
     roof_bytes = 256 * MIB if not INTERP else 1 << 16
@@ -565,7 +621,9 @@ def main(argv=None):
           f"GB/s, device {roof['device_gbs'] or 0:.0f} GB/s", flush=True)
     # The timings first, each phase written when done: a run stopped by a time limit keeps
     # what it measured.
-    rows = result["rows"] = []
+    result.update({k: v for k, v in kept.items() if k != "rows"})
+    rows = result["rows"] = list(kept.get("rows", []))
+    n_kept = len(rows)
     sizes = args.sizes_mib if not INTERP else [0.0625]
     cs = [codecs.get(name) for name in args.codecs]
     echo = [c for c in cs if echo4.covers(c)]
@@ -581,25 +639,30 @@ def main(argv=None):
                              "error": f"{type(e).__name__}: {str(e)[:500]}"})
             print({k: v for k, v in rows[-1].items() if k != "device_kernels"}, flush=True)
         write_json(args.out, result)
-    if rows:
-        print_table(rows, ["codec", "impl", "kernel", "mib", "device_us", "device_fraction",
-                           "host_us", "host_fraction"])
+    if rows[n_kept:]:
+        print_table(rows[n_kept:], ["codec", "impl", "kernel", "mib", "device_us",
+                                    "device_fraction", "host_us", "host_fraction"])
     write_json(args.out, result)
     if args.check and echo and "triton" in args.impls:   # the 4-bit checks are quick
+        own(result, "check_echo")
         result["check_echo"] = []
         check_echo(result["check_echo"], lambda: write_json(args.out, result))
         print_table(result["check_echo"], list(result["check_echo"][0]))
         write_json(args.out, result)
     if args.tune and echo:
+        own(result, "tune_echo")
         result["tune_echo"] = echo_tune_rows(roof, args.tune_kernels)
         write_json(args.out, result)
     if args.tune and not INTERP and len(echo) < len(cs):
+        own(result, "tune")
         result["tune"] = tune_rows([16, 256], roof)
         write_json(args.out, result)
     if args.stages:
+        own(result, "stages")
         result["stages"] = stage_rows(256 * MIB // 2 if not INTERP else 1 << 16, roof)
         write_json(args.out, result)
     if args.check and len(echo) < len(cs):                  # the TACO codecs' kernels
+        own(result, "check")
         result["check"] = []
         result["check_done"] = False
         if "mosaic" in args.impls and not INTERP:

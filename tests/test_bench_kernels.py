@@ -129,6 +129,60 @@ def test_kernels_no_timings_runs_the_checks_alone(tmp_path):
         kernels.main(["--out", str(out), "--no-timings"])
 
 
+def _old_results(facts, **extra):
+    return {**facts, "commit": "abc1234", "custom_calls": {}, "roofline": {},
+            "command": "an earlier run",
+            "rows": [{"codec": "taco", "impl": "triton", "kernel": "compress", "mib": 16,
+                      "device_us": 9.5},
+                     {"codec": "echo4", "impl": "triton", "kernel": "compress", "mib": 16,
+                      "device_us": 8.5}],
+            "check": [{"codec": "taco", "ok": True}], "check_commit": "0000000",
+            "check_note": "from a run before", "check_echo": [{"codec": "echo4", "ok": True}],
+            **extra}
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_update_retimes_one_codec_and_keeps_the_rest_labelled(tmp_path):
+    """--update --codecs echo4: echo4's rows new; taco's kept, tagged with the commit they
+    were measured at; the sections not re-run kept with their commits (their own where they
+    had one); a section the run writes replaces the old one and its label."""
+    from bench import kernels
+    out = tmp_path / "k.json"
+    out.write_text(json.dumps(_old_results(common.env_facts())))
+    kernels.main(["--out", str(out), "--codecs", "echo4", "--update"])
+    got = json.loads(out.read_text())
+    taco = [r for r in got["rows"] if r["codec"] == "taco"]
+    echo = [r for r in got["rows"] if r["codec"] == "echo4"]
+    assert taco == [{"codec": "taco", "impl": "triton", "kernel": "compress", "mib": 16,
+                     "device_us": 9.5, "measured_at": "abc1234"}]
+    assert {r["kernel"] for r in echo} == set(kernels.ECHO_KINDS)
+    assert not any("measured_at" in r or r.get("device_us") == 8.5 for r in echo)
+    assert got["commit"] != "abc1234" and got.get("command") != "an earlier run"
+    assert (got["check_commit"], got["check_note"]) == ("0000000", "from a run before")
+    assert got["check_echo_commit"] == "abc1234"
+    kernels.main(["--out", str(out), "--codecs", "echo4", "--update", "--check",
+                  "--no-timings"])
+    again = json.loads(out.read_text())
+    assert "check_echo_commit" not in again and all(c["ok"] for c in again["check_echo"])
+    # nothing re-timed: every row kept, echo4's tagged with the run that timed them
+    assert [r for r in again["rows"] if r["codec"] == "taco"] == taco
+    assert [r.get("measured_at") for r in again["rows"] if r["codec"] == "echo4"] == (
+        [got["commit"]] * len(echo))
+    assert again["check_commit"] == "0000000"          # taco's checks, not re-run
+
+
+@pytest.mark.parametrize("field,bad", [("device", "NVIDIA A100"), ("jax", "0.4.1")])
+def test_update_refuses_another_machines_file(tmp_path, field, bad):
+    from bench import kernels
+    out = tmp_path / "k.json"
+    out.write_text(json.dumps(_old_results({**common.env_facts(), field: bad})))
+    with pytest.raises(SystemExit, match=f"{field}='{bad}'"):
+        kernels.main(["--out", str(out), "--codecs", "echo4", "--update"])
+    out.write_text("{")
+    with pytest.raises(SystemExit, match="not a kernels results file"):
+        kernels.main(["--out", str(out), "--codecs", "echo4", "--update"])
+
+
 def test_covers():
     from bench import kernels
     from taco_jax import codecs

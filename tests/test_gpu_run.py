@@ -137,7 +137,7 @@ def test_kernels_times_and_kernels_check_checks(tmp_path):
     assert "--out bench/results/kernels_check_taco.json" in taco
     limits = dict(re.findall(r"step (kernels\w*) (\d+) ", re.sub(r"\\\n\s*", " ",
                                                                  SCRIPT.read_text())))
-    assert limits == {"kernels": "540", "kernels_check_echo4": "420",
+    assert limits == {"kernels": "540", "kernels_echo4": "300", "kernels_check_echo4": "420",
                       "kernels_check_taco": "540"}
 
 
@@ -149,6 +149,12 @@ def test_kernels_check_steps_alone_and_together(tmp_path, steps, want):
     r, calls = run_fake(tmp_path, steps, "bench.kernels")
     assert r.returncode == 0
     assert [re.search(r"--codecs (\w+)", c).group(1) for c in calls] == want
+
+
+def test_kernels_echo4_retimes_echo4_in_place(tmp_path):
+    r, calls = run_fake(tmp_path, ["kernels_echo4"], "bench.kernels")
+    assert r.returncode == 0 and len(calls) == 1
+    assert "--codecs echo4 --impls triton --update" in calls[0] and "--out" not in calls[0]
 
 
 def test_echo4_tune_times_only_the_sweep(tmp_path):
