@@ -202,10 +202,12 @@ def test_sum_first_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
     assert text != lowered_loopback(p, dtype, dataclasses.replace(cfg, decode="per_source"))
 
 
-def test_sum_first_lowers_on_a_three_axis_mesh():
+@pytest.mark.parametrize("cfg", [SUM_FIRST, fa.FusedConfig(encode_parts=2)],
+                         ids=["sum_first", "encode_parts=2"])
+def test_options_lower_on_a_three_axis_mesh(cfg):
     mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
     names = ("data", "pipe", "tp")
-    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=SUM_FIRST)[None],
+    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
                       mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
     x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
     text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -232,17 +234,6 @@ def test_encode_halves_lower_in_loopback_and_change_the_kernel(p, cfg, dtype):
     text = lowered_loopback(p, dtype, cfg)
     assert text.count("taco_fused_allreduce") >= 1
     assert text != lowered_loopback(p, dtype, dataclasses.replace(cfg, encode_parts=1))
-
-
-def test_encode_halves_lower_on_a_three_axis_mesh():
-    mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
-    names = ("data", "pipe", "tp")
-    cfg = fa.FusedConfig(encode_parts=2)
-    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
-                      mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
-    x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
-    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
 
 
 def test_encode_halves_are_refused_where_they_have_no_meaning():
