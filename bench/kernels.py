@@ -40,6 +40,8 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -541,8 +543,6 @@ def kept_from(path: str, facts: dict, codecs_timed) -> dict:
     does not write (labelled `<section>_commit` unless they are). {} when there is no file.
     Raises SystemExit naming the field when the file is unreadable or from another device
     or jax version (rows of two machines are not comparable)."""
-    import json
-    import os
     if not os.path.exists(path):
         return {}
     try:

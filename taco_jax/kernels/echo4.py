@@ -417,13 +417,20 @@ def decode_tile(code_bytes, scale_bytes, codec, cfg=None):
 
 
 # -- kernels -----------------------------------------------------------------------------------
+def _load_raw(ref, t, tm, b, rows, pairs, row0=0):
+    """A (tm, B) tile of float data as loaded: itself, or its (tm, B/2) uint32 pairs of
+    `pairs` (bf16 / f16; None: the data's own dtype)."""
+    return tiling.load_rows(ref, t, tm, 0, b if pairs is None else b // 2, rows, row0=row0)
+
+
+def _split_raw(raw, pairs):
+    """`_load_raw`'s tile → its even and odd f32 elements."""
+    return _halves(raw.astype(jnp.float32)) if pairs is None else _unpair(raw, pairs)
+
+
 def _load_halves(ref, t, tm, b, rows, pairs, row0=0):
-    """Even and odd f32 elements of a (tm, B) tile of float data, or of its (tm, B/2)
-    uint32 pairs of `pairs` (bf16 / f16; None: the data's own dtype, split)."""
-    if pairs is None:
-        return _halves(tiling.load_rows(ref, t, tm, 0, b, rows, row0=row0)
-                       .astype(jnp.float32))
-    return _unpair(tiling.load_rows(ref, t, tm, 0, b // 2, rows, row0=row0), pairs)
+    """Even and odd f32 elements of a (tm, B) float tile (`_load_raw`, `_split_raw`)."""
+    return _split_raw(_load_raw(ref, t, tm, b, rows, pairs, row0), pairs)
 
 
 def _store_decoded(o_ref, t, ve, vo, tm, rows, pairs, cfg):
@@ -465,16 +472,14 @@ def compress_kernel(*refs, codec, cfg, n_rows, skip_rows, feedback, pairs=None):
     skip0 = skip_ref[0]
 
     def load(t):              # tile t's raw input (and residual): what the loop carries
-        width = b if pairs is None else b // 2
-        raw = [tiling.load_rows(x_ref, t, tm, 0, width, rows)]
+        raw = [_load_raw(x_ref, t, tm, b, rows, pairs)]
         if feedback:
             raw.append(tiling.load_rows(r_ref, t, tm, 0, b, rows))
         return raw
 
     def work(t, raw=None):
         raw = load(t) if raw is None else raw
-        xe, xo = (_halves(raw[0].astype(jnp.float32)) if pairs is None
-                  else _unpair(raw[0], pairs))
+        xe, xo = _split_raw(raw[0], pairs)
         if feedback:          # the site's input less this device's share of the last error
             re, ro = _halves(raw[1])
             xe, xo = xe - re, xo - ro
