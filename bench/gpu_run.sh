@@ -188,6 +188,7 @@ for s in "$@"; do
              ncu -i /tmp/ncu_src.ncu-rep --page details --csv \
                > "$OUT/ncu_details_compress$suffix.csv"
              python -m bench.ncu_source "$OUT/ncu_src_compress$suffix.csv.gz" \
+               --device "$DEVICE" --jax "$JAXV" \
                --label "compress-$codec" --out "bench/results/ncu_src$suffix.json" \
                > "$OUT/ncu_src_summary$suffix.log" 2>&1 ;;
     ncu_fused) step ncu_fused 240 ncu -k regex:fused_allreduce -c 1 --set full \
@@ -197,6 +198,7 @@ for s in "$@"; do
                  | gzip > "$OUT/ncu_src_fused.csv.gz"
                ncu -i /tmp/ncu_fused.ncu-rep --page details --csv > "$OUT/ncu_details_fused.csv"
                python -m bench.ncu_source "$OUT/ncu_src_fused.csv.gz" --label fused-allreduce \
+                 --device "$DEVICE" --jax "$JAXV" \
                  --out bench/results/ncu_src_fused.json > "$OUT/ncu_fused_summary.log" 2>&1 ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m experiments.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
