@@ -255,7 +255,7 @@ ECHO_CHECKS = ([("echo4", b, jnp.bfloat16) for b in (32, 64, 128, 256, 512)]
                   ("int4-sym", 128, jnp.bfloat16), ("int4-sym", 32, jnp.float32)])
 # the encoder variants not (yet) in the defaults, on top of each kernel's default config:
 # checked on the device before the sweep may make them the default
-ECHO_TRIAL = ("merged_rows", "word_stores", "prefetch", "pack_mad")
+ECHO_TRIAL = ("merged_rows", "word_stores", "prefetch", "pack_mad", "int_stats")
 ECHO_CHECKS += [("echo4", 128, jnp.bfloat16, ECHO_TRIAL),
                 ("int4-sym", 32, jnp.float32, ECHO_TRIAL)]
 
@@ -411,20 +411,21 @@ def tune_rows(sizes_mib, roof) -> list[dict]:
 # kernel and size, under the default tiling: the plain tile math, the variants the kernel runs
 # (echo4.MEASURED_VARIANTS, "used"), for the kernels that encode (compress, reduce) those
 # plus each encoder variant on trial, alone and in pairs, and all variants; then "used" (and
-# compress "prefetch+mad", reduce "mad") under each of ECHO_TILINGS. --tune-kernels picks
+# compress and reduce "int") under each of ECHO_TILINGS. --tune-kernels picks
 # the kernels (all four: ~6.5 min on an H200, compress alone: 54 configurations). The
 # variants alone were compared in bench/results/kernels_echo4_variants.json and
 # kernels_echo4_tune_encoders.json, the tilings in kernels_echo4_tilings.json.
 ECHO_VARIANTS = {"present": {}, "used": (), "merged": ("merged_rows",),
                  "words": ("word_stores",), "merged+words": ("merged_rows", "word_stores"),
                  "mad": ("pack_mad",), "prefetch": ("prefetch",),
-                 "prefetch+mad": ("prefetch", "pack_mad"),
+                 "prefetch+mad": ("prefetch", "pack_mad"), "int": ("int_stats",),
+                 "int+prefetch": ("int_stats", "prefetch"),
                  "all": {"pairs": True, "lean": True, "scale_words": True,
                          "scale_columns": True, "merged_rows": True, "word_stores": True,
-                         "prefetch": True, "pack_mad": True}}
+                         "prefetch": True, "pack_mad": True, "int_stats": True}}
 ENCODERS = ("compress", "reduce")
 # the variants only a looping compress reads
-COMPRESS_ONLY = ("prefetch", "prefetch+mad")
+COMPRESS_ONLY = ("prefetch", "prefetch+mad", "int+prefetch")
 # other tilings per size: (elements per tile, warps, tiles per program, stages)
 ECHO_TILINGS = {16: [(1024, 1, 4, 3), (1024, 2, 1, 2), (4096, 4, 1, 2), (1024, 1, 8, 3),
                      (512, 1, 4, 3), (2048, 2, 1, 2), (512, 1, 2, 3), (2048, 4, 2, 3),
@@ -470,7 +471,7 @@ def _echo_tune_cell(kind, mib, interp) -> list[tuple]:
               echo4.with_options(echo4.default_tiling(128, kind, n_rows), **opts(name)))
              for name in names if not interp or name in ("present", "all")]
     if not interp:
-        again = {"compress": ["used", "prefetch+mad"], "reduce": ["used", "mad"]}.get(
+        again = {"compress": ["used", "int"], "reduce": ["used", "int"]}.get(
             kind, ["used"])
         cases += [(kind, mib, "{}/{}w/{}t".format(*t[:3]), name,
                    echo4.with_options(_tiling(*t), **opts(name)))
@@ -494,7 +495,7 @@ def echo_tune_rows(roof, kinds=None) -> list[dict]:
         r.update(tiling=label, variant=variant, pairs=cfg.pairs, lean=cfg.lean,
                  scale_words=cfg.scale_words, scale_columns=cfg.scale_columns,
                  merged_rows=cfg.merged_rows, word_stores=cfg.word_stores,
-                 prefetch=cfg.prefetch, pack_mad=cfg.pack_mad,
+                 prefetch=cfg.prefetch, pack_mad=cfg.pack_mad, int_stats=cfg.int_stats,
                  elements_per_tile=cfg.blocks_per_program * 128, num_warps=cfg.num_warps,
                  tiles_per_program=cfg.tiles_per_program, num_stages=cfg.num_stages)
         rows.append(r)

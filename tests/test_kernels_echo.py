@@ -36,7 +36,8 @@ def n_rows_for(b: int) -> int:
 def echo_rows(n: int, b: int, dt: str, seed: int = 0) -> np.ndarray:
     """(n, B): Gaussian × e^{2·N} row scales, plus rows the grid treats specially: zeros,
     a constant, one-signed (ReLU-like: z = 0, and z = 15), NaN, +Inf, −Inf, tiny and huge
-    values (±1e37 for f32/bf16: hi/2 − lo/2 near the top of the range)."""
+    values (±1e37 for f32/bf16: hi/2 − lo/2 near the top of the range); with more than 14
+    rows also a −NaN, signed zeros, subnormals and a row with both infinities."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, b)) * np.exp(2 * rng.standard_normal((n, 1)))
     big, small = (1e37, 1e-30) if dt != "f16" else (3e4, 1e-3)
@@ -49,6 +50,12 @@ def echo_rows(n: int, b: int, dt: str, seed: int = 0) -> np.ndarray:
     x[7, b // 2] = -np.inf
     x[8] = rng.standard_normal(b) * small
     x[9] = np.sign(rng.standard_normal(b)) * big * rng.uniform(0.5, 1.0, b)
+    if n > 14:      # the orders int_stats reads a row's range in: −NaN, ±0, ±Inf, subnormals
+        x[10, 3] = -np.nan
+        x[11] = np.where(rng.uniform(size=b) < 0.5, -0.0, 0.0)
+        x[12] = np.abs(x[12]) * np.where(np.arange(b) % 3 == 0, -0.0, 1.0)
+        x[13] = rng.standard_normal(b) * (1e-40 if dt != "f16" else 1e-7)
+        x[14, 1], x[14, 2] = np.inf, -np.inf
     return x.astype(np.float32)
 
 
@@ -145,7 +152,8 @@ def test_tilings_are_bit_identical():
 
 # -- the tile-math variants (echo4.EchoConfig: pairs, lean, scale_words, scale_columns, …) ----
 ALL_VARIANTS = dict(pairs=True, lean=True, scale_words=True, scale_columns=True,
-                    merged_rows=True, word_stores=True, prefetch=True, pack_mad=True)
+                    merged_rows=True, word_stores=True, prefetch=True, pack_mad=True,
+                    int_stats=True)
 VARIANT_CASES = [("echo4", 128, "bf16", ALL_VARIANTS), ("echo4", 64, "f16", ALL_VARIANTS),
                  ("echo4", 32, "f32", ALL_VARIANTS), ("int4-sym", 128, "bf16", ALL_VARIANTS),
                  ("int4-sym", 64, "f16", ALL_VARIANTS)]

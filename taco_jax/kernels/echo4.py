@@ -167,6 +167,11 @@ class EchoConfig(tiling.KernelConfig):
       program, and a compress that skips rows, keep the plain loop.
     * pack_mad: the encoders pack a code byte as qe + 16·qo (one integer multiply-add;
       the same byte as qe | qo << 4, since qe < 16) instead of a shift and an or.
+    * int_stats: the encoders take a row's range from its elements' bits as integers, a
+      signed and an unsigned max (`_int_range`), in which NaN and ±Inf sort above every
+      finite value: the same lo and hi, and the non-finite groups found without the NaN
+      test's row sum (one integer max per pair and two row reductions instead of a min, a
+      max and an add per pair and three).
     """
     pairs: bool = False
     lean: bool = False
@@ -176,11 +181,12 @@ class EchoConfig(tiling.KernelConfig):
     word_stores: bool = False
     prefetch: bool = False
     pack_mad: bool = False
+    int_stats: bool = False
 
 
 def with_options(cfg: tiling.KernelConfig, **options) -> EchoConfig:
     """cfg as an EchoConfig with the given variants (pairs, lean, scale_words,
-    scale_columns, merged_rows, word_stores, prefetch, pack_mad) set."""
+    scale_columns, merged_rows, word_stores, prefetch, pack_mad, int_stats) set."""
     if isinstance(cfg, EchoConfig):
         return dataclasses.replace(cfg, **options)
     base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tiling.KernelConfig)}
@@ -329,6 +335,27 @@ def _row_max(even, odd, merged=False):
     return jnp.maximum(jnp.max(even, axis=1, keepdims=True), jnp.max(odd, axis=1, keepdims=True))
 
 
+def _int_range(xe, xo):
+    """A row's lo = min(min x, 0) and hi = max(max x, 0) (tm, 1) from the elements' f32 bits
+    as integers, and whether the row holds a NaN or ±Inf. As signed int32 the bits of the
+    floats ≥ +0 sort as the floats do and every negative float is below them, so the signed
+    max is hi's bits (0 when no element is positive); as uint32 every negative float is above
+    every positive one and sorts by magnitude, so the unsigned max is lo's bits when the row
+    has a negative element (else below 2^31: lo = 0). +NaN is above +Inf in the first order,
+    −NaN above −Inf in the second: a non-finite element shows in hi or lo, with no row sum
+    and no NaN-ignoring float min / max in between. −0 gives lo = −0 where the reference may
+    keep +0: s, z and the codes come out the same."""
+    be, bo = (lax.bitcast_convert_type(v, jnp.int32) for v in (xe, xo))
+    ue, uo = (lax.bitcast_convert_type(v, jnp.uint32) for v in (xe, xo))
+    hi_bits = jnp.max(jnp.maximum(be, bo), axis=1, keepdims=True)
+    lo_bits = jnp.max(jnp.maximum(ue, uo), axis=1, keepdims=True)
+    hi = lax.bitcast_convert_type(jnp.maximum(hi_bits, 0), jnp.float32)
+    lo = jnp.where(lo_bits >= np.uint32(0x80000000),
+                   lax.bitcast_convert_type(lo_bits, jnp.float32), np.float32(0))
+    bad = jnp.logical_not((hi < np.inf) & (lo > -np.inf))      # False for NaN too
+    return lo, hi, bad
+
+
 def encode_tile(xe, xo, codec, cfg):
     """even, odd (tm, B/2) f32 → (code bytes (tm, B/2) uint8 — int32 under word_stores —,
     scale bytes (tm, 4·n) uint8 (None under scale_columns or word_stores: the caller stores
@@ -339,17 +366,22 @@ def encode_tile(xe, xo, codec, cfg):
     |x·(1/s)| ≤ 15 (+ rounding) element by element; an Inf makes s Inf (min / max keep it,
     even Triton's NaN-ignoring ones), so 1/s = 0 and Inf·0 = NaN; a NaN stays NaN."""
     lean, merged = _opt(cfg, "lean"), _opt(cfg, "merged_rows")
+    int_stats = _opt(cfg, "int_stats")
     pack = ((lambda qe, qo: qe + qo * 16) if _opt(cfg, "pack_mad")       # noqa: E731
             else (lambda qe, qo: qe | lax.shift_left(qo, 4)))
-    if not lean:
+    if int_stats:
+        lo, hi, bad = _int_range(xe, xo)
+    elif not lean:
         bad = jnp.logical_not(jnp.sum(xe * 0.0 + xo * 0.0, axis=1, keepdims=True) == 0)
     if codec.symmetric:
-        m = _row_max(jnp.abs(xe), jnp.abs(xo), merged)
+        m = (jnp.maximum(hi, -lo) if int_stats
+             else _row_max(jnp.abs(xe), jnp.abs(xo), merged))
         s = jnp.maximum(m * np.float32(1 / _echo.SYM_QMAX), _echo.SCALE_MIN)
         zi = SYM_ZERO
     else:
-        lo = jnp.minimum(_row_min(xe, xo, merged), 0.0)
-        hi = jnp.maximum(_row_max(xe, xo, merged), 0.0)
+        if not int_stats:
+            lo = jnp.minimum(_row_min(xe, xo, merged), 0.0)
+            hi = jnp.maximum(_row_max(xe, xo, merged), 0.0)
         s = jnp.maximum((hi * np.float32(0.5) - lo * np.float32(0.5))
                         * np.float32(2 / LEVELS), _echo.SCALE_MIN)
     inv = _recip(s, cfg)
@@ -362,7 +394,8 @@ def encode_tile(xe, xo, codec, cfg):
     else:
         code = lambda y: _rint(y) + zi            # noqa: E731
     if lean:
-        bad = jnp.logical_not(jnp.abs(jnp.sum(ye + yo, axis=1, keepdims=True)) < np.inf)
+        if not int_stats:
+            bad = jnp.logical_not(jnp.abs(jnp.sum(ye + yo, axis=1, keepdims=True)) < np.inf)
         top = jnp.where(bad, 0, LEVELS)           # the group's codes clip to 0
         qe = jnp.clip(code(ye), 0, top)
         qo = jnp.clip(code(yo), 0, top)
