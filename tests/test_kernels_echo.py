@@ -570,8 +570,9 @@ def test_prefetched_loop_lowers_to_one_triton_call(h200, kernel):
 
 def test_default_tilings_by_size():
     """Up to 16 MiB of bf16 compress and reduce loop one warp over 512-element tiles; up to
-    64 MiB 2048-element tiles, 4 warps; above the measured large-input tilings (looped
-    one-warp tiles; decode_sum 2 tiles of 2048 elements; decompress 8192-element tiles)."""
+    64 MiB 2048-element tiles, 4 warps; above the measured large-input tilings (reduce
+    loops one-warp tiles; compress and decode_sum 2 tiles of 2048 elements; decompress
+    8192-element tiles)."""
     tiny, mid = 1024, echo4.MID_ELEMENTS // 128
     small, big = echo4.SMALL_ELEMENTS // 128, mid + 1
     shape = lambda c: (c.blocks_per_program, c.num_warps, c.tiles_per_program)
@@ -585,10 +586,10 @@ def test_default_tilings_by_size():
         assert shape(echo4.default_config(128, "decode_sum", n)) == (16, 4, 1)
     assert shape(echo4.default_config(128, "compress", small + 1)) == (16, 4, 1)
     assert echo4.default_config(128, "decompress", big).blocks_per_program == 64
-    for k in ("compress", "reduce"):
-        assert shape(echo4.default_config(128, k, big)) == (8, 1, 8)
-    assert shape(echo4.default_config(128, "decode_sum", big)) == (16, 4, 2)
-    assert echo4.default_config(512, "compress", big).blocks_per_program == 2
+    assert shape(echo4.default_config(128, "reduce", big)) == (8, 1, 8)
+    for k in ("compress", "decode_sum"):
+        assert shape(echo4.default_config(128, k, big)) == (16, 4, 2)
+    assert echo4.default_config(512, "compress", big).blocks_per_program == 4
     assert echo4.default_config(512, "compress", tiny).blocks_per_program == 1
 
 
@@ -601,12 +602,18 @@ def test_default_configs_carry_the_measured_variants():
         assert {o: getattr(cfg, o) for o in opts} == opts
         assert echo4.with_options(cfg, pairs=False, lean=False, scale_words=False,
                                   scale_columns=False, merged_rows=False,
-                                  word_stores=False) == echo4.with_options(
+                                  word_stores=False, int_stats=False,
+                                  prefetch=False) == echo4.with_options(
             echo4.default_tiling(128, k, 1024))
     assert echo4.default_config(128, "compress").pairs
     assert not echo4.default_config(128, "compress").scale_columns     # costs compress
     assert not echo4.default_config(128, "compress").word_stores       # costs compress
     assert echo4.default_config(128, "reduce").word_stores
+    # prefetch up to 16 MiB of bf16 only (it measured slower at 256 MiB)
+    big = echo4.MID_ELEMENTS // 128 + 1
+    assert echo4.default_config(128, "compress", 1024).prefetch
+    assert not echo4.default_config(128, "compress", big).prefetch
+    assert echo4.default_config(128, "compress", big).int_stats
 
 
 @pytest.mark.parametrize("op", ["psum", "psum_with_feedback"])

@@ -72,8 +72,10 @@ def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
       2048 elements per program, 4 warps (without the variants: compress 0.45 at 16 MiB
       against 0.36 for looped one-warp tiles, decompress 0.66 against 0.46,
       bench/results/kernels_echo4_tune.json);
-    * above: compress and reduce loop one warp over 8 tiles of 1024 elements (Triton
-      pipelines the next tile's loads; at 256 MiB compress 0.84, reduce 0.85);
+    * above: compress takes 2 tiles of 2048 elements with 4 warps (with int_stats 0.900 at
+      256 MiB against 0.889 for the one-warp loop over 8 tiles of 1024,
+      bench/results/kernels_echo4_tune_compress.json); reduce loops one warp over 8 tiles
+      of 1024 elements (Triton pipelines the next tile's loads; 0.85 at 256 MiB);
       decode_sum takes 2 tiles of 2048 elements with 4 warps (0.922 against 0.874 for the
       one-warp loop); decompress tiles of 8192 elements, 8 warps (0.935).
     """
@@ -90,7 +92,7 @@ def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
     if kernel == "decompress":
         return tiling.KernelConfig(blocks_per_program=max(4, 8192 // block_size),
                                    num_warps=8, num_stages=2)
-    if kernel == "decode_sum":
+    if kernel in ("decode_sum", "compress"):
         return tiling.KernelConfig(blocks_per_program=max(1, 2048 // block_size), num_warps=4,
                                    num_stages=3, tiles_per_program=2)
     return tiling.KernelConfig(blocks_per_program=max(1, 1024 // block_size), num_warps=1,
@@ -111,8 +113,13 @@ def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
 #   compress    + merged_rows                      0.585 / 0.840 → 0.606 / 0.847 (word_stores
 #                                                  costs it: 0.535 / 0.787 with both)
 #   reduce      + merged_rows, word_stores         0.669 / 0.854 → 0.720 / 0.991
+# Then compress's int_stats, and prefetch over it (bench/results/
+# kernels_echo4_tune_compress.json, same tilings, 16 / 256 MiB):
+#   compress    + int_stats                        0.593 / 0.845 → 0.629 / 0.889
+#               + int_stats, prefetch              0.650 / 0.854: prefetch only for the
+#                                                  looped small-input tiling (SMALL_VARIANTS)
 MEASURED_VARIANTS = {
-    "compress": {"pairs": True, "lean": True, "merged_rows": True},
+    "compress": {"pairs": True, "lean": True, "merged_rows": True, "int_stats": True},
     "decompress": {"pairs": True, "lean": True, "scale_words": True},
     "reduce": {"pairs": True, "lean": True, "scale_words": True, "scale_columns": True,
                "merged_rows": True, "word_stores": True},
@@ -120,12 +127,20 @@ MEASURED_VARIANTS = {
 }
 
 
+# the variants added up to SMALL_ELEMENTS (the looped one-warp tilings), where they measured
+# faster and above not
+SMALL_VARIANTS = {"compress": {"prefetch": True}}
+
+
 def default_config(block_size: int, kernel: str, n_rows: int | None = None
                    ) -> "EchoConfig":
     """Each kernel's launch configuration: its tiling (`default_tiling`) and the tile-math
-    variants measured fastest for it (`MEASURED_VARIANTS`)."""
+    variants measured fastest for it (`MEASURED_VARIANTS`, plus `SMALL_VARIANTS` up to
+    SMALL_ELEMENTS)."""
+    small = n_rows is not None and n_rows * block_size <= SMALL_ELEMENTS
     return with_options(default_tiling(block_size, kernel, n_rows),
-                        **MEASURED_VARIANTS[kernel])
+                        **MEASURED_VARIANTS[kernel],
+                        **(SMALL_VARIANTS.get(kernel, {}) if small else {}))
 
 
 @dataclasses.dataclass(frozen=True)
