@@ -130,19 +130,24 @@ def kernel_times(results: str = RESULTS, sizes=SIZES_MIB) -> tuple[dict, dict]:
     facts = {k: {"file": INPUTS[k], **{f: d.get(f) for f in
                                        ("device", "n_devices", "jax", "commit")}}
              for k, d in docs.items()}
-    src = lambda k: f"{INPUTS[k]}@{str(docs[k].get('commit'))[:7]}"      # noqa: E731
+    # a row kept from an earlier run (`bench.kernels --update`) names its own commit
+    src = lambda k, r=None: (                                             # noqa: E731
+        f"{INPUTS[k]}@{str((r or {}).get('measured_at') or docs[k].get('commit'))[:7]}")
     times: dict = {c: {} for c in CODECS}
+    echo4_src = src("kernels")
     for r in _rows(docs, "kernels", results):
         if r.get("impl") == "triton" and r.get("codec") == "taco" and "device_us" in r:
-            times["taco"].setdefault(r["mib"], {"source": src("kernels")})[
+            times["taco"].setdefault(r["mib"], {"source": src("kernels", r)})[
                 r["kernel"]] = _number(r, "device_us", "kernels", results)
+        elif r.get("impl") == "triton" and r.get("codec") == "echo4":
+            echo4_src = src("kernels", r)
     for r in _rows(docs, "taco_loopback", results):
         if r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("decode_sum_us"):
             t = times["taco"].setdefault(r["mib"], {"source": src("kernels")})
             t["decode_sum"] = _number(r, "decode_sum_us", "taco_loopback", results)
             t["source"] += f"; decode_sum {src('taco_loopback')}"
     for mib, t in echo4_times(docs, results, sizes).items():
-        times["echo4"][mib] = {**t, "source": src("kernels")}
+        times["echo4"][mib] = {**t, "source": echo4_src}
     return times, facts
 
 

@@ -187,6 +187,18 @@ def test_inputs_from_a_small_results_dir(tmp_path):
         row["echo4_fused_kernel"]["one_launch_us"] / row["bf16"]["us"], 3)
 
 
+def test_kept_rows_name_their_own_commit(tmp_path):
+    """Rows kept from an earlier run (`bench.kernels --update`, "measured_at") are sourced
+    at that run's commit, not the file's."""
+    doc = json.loads(json.dumps(FAKE["kernels.json"]))
+    for r in doc["rows"]:
+        if r["codec"] == "taco":
+            r["measured_at"] = "a" * 40
+    times, _ = proj.kernel_times(fake_results(tmp_path, **{"kernels.json": doc}))
+    assert times["taco"][16]["source"].startswith("kernels.json@aaaaaaa; ")
+    assert all(t["source"] == "kernels.json@fffffff" for t in times["echo4"].values())
+
+
 def test_echo4_needs_every_size(tmp_path):
     """A size asked for without echo4 rows is an error naming it, not a gap."""
     d = fake_results(tmp_path)
