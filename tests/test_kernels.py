@@ -413,3 +413,37 @@ def test_fast_rowmath_lowers_to_ptx_approximations(h200, kernel):
     for instr in ("rcp.approx.ftz.f32",) + (("rsqrt.approx.ftz.f32",)
                                             if kernel != "decompress" else ()):
         assert instr in text, instr
+
+
+# -- wires of 2–4 GiB: Pallas-Triton's int32 offsets would wrap there --------------------------
+def test_triton_offsets_wrap_between_2_and_4_gib():
+    wraps = dispatch.triton_offsets_wrap
+    assert not wraps(2 ** 31) and wraps(2 ** 31 + 1) and wraps(2 ** 32)
+    assert not wraps(2 ** 32 + 1) and not wraps(0)
+
+
+@pytest.mark.parametrize("name", ["taco", "echo4"])
+def test_wires_of_2_to_4_gib_run_the_references(h200, name):
+    """A call whose wire is 2–4 GiB (`dispatch.triton_offsets_wrap`) lowers without a
+    Triton call, for every kernel; below and above it lowers to the kernels."""
+    c = codecs.get(name)
+    b, rb = c.block_size, c.row_bytes
+    in_range = (2 ** 31 // rb + 1024) // 64 * 64           # rows: a wire of just over 2 GiB
+    around = [(1024, True), (in_range, False), ((2 ** 32 // rb + 64) // 64 * 64, True)]
+    with taco_jax.config(backend="pallas"):
+        for rows, kernel in around:
+            calls = {
+                "compress": lower_for_cuda(lambda x: dispatch.compress(x, c),
+                                           sds((rows, b), jnp.bfloat16)),
+                "decompress": lower_for_cuda(lambda w: dispatch.decompress(w, c),
+                                             sds((rows, rb), jnp.uint8)),
+                "reduce": lower_for_cuda(
+                    lambda r, x: dispatch.reduce(r, x, 0, c),
+                    sds((2, rows // 2, rb), jnp.uint8), sds((rows // 2, b), jnp.bfloat16)),
+                "decode_sum": lower_for_cuda(lambda r: dispatch.decode_sum(r, c),
+                                             sds((2, rows // 2, rb), jnp.uint8)),
+                "compress_feedback": lower_for_cuda(
+                    lambda x, e: dispatch.compress_feedback(x, e, c),
+                    sds((rows, b), jnp.bfloat16), sds((rows, b), jnp.float32))}
+            for k, text in calls.items():
+                assert ("__gpu$xla.gpu.triton" in text) == kernel, (rows, k)

@@ -18,7 +18,8 @@ the faster of the two per kernel, measured side by side on one H200 by
 `python -m bench.kernels` (bench/results/kernels.json). Choose per call (`impl=`), for
 code traced inside `kernel_impl(compress="mosaic", ...)`, or with the environment variable
 TACO_JAX_KERNEL_IMPL="compress=mosaic,decompress=triton". Mosaic GPU kernels do not run
-in the interpreter: asking for them there is an error.
+in the interpreter: asking for them there is an error. A Triton call whose wire would be
+2–4 GiB runs the references instead (`triton_offsets_wrap`).
 """
 from __future__ import annotations
 
@@ -100,9 +101,32 @@ def backend_for(codec) -> str:
     return name
 
 
-def impl_for(kernel: str, codec, shape, dtype, impl: str | None = None) -> str:
+# Pallas-Triton addresses a ref with int32 element offsets unless the array is larger than
+# 2^32 bytes (jax's Triton lowering, `_compute_offsets_from_indices`, jax 0.11 and 0.12), so
+# in a byte array of more than 2^31 and at most 2^32 bytes the offsets past 2^31 wrap and the
+# kernel reads and writes the wrong bytes: a wire of 2–4 GiB (taco: 2.1–4.2 · 10^9 values
+# in one call, echo4 3.8–7.6 · 10^9). Every other operand of these kernels is 2 or 4 bytes
+# wide and stays below 2^31 elements while at most 2^32 bytes. Such calls run the references.
+def triton_offsets_wrap(wire_bytes: int) -> bool:
+    """Would a Triton kernel over a uint8 wire of `wire_bytes` address it wrongly?"""
+    return 2 ** 31 < wire_bytes <= 2 ** 32
+
+
+def _wire_bytes(shape, row_bytes: int | None = None) -> int:
+    """Bytes of a wire array of `shape` (row_bytes given: of the wire of `shape[0]` rows)."""
+    if row_bytes is not None:
+        return int(shape[0]) * row_bytes
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def impl_for(kernel: str, codec, shape, dtype, impl: str | None = None,
+             wire_bytes: int = 0) -> str:
     """How `kernel` runs for this call: 'reference', 'interpret' (Triton, interpreted),
-    'triton' or 'mosaic'. dtype: compress's input, decompress's output, reduce's own data."""
+    'triton' or 'mosaic'. dtype: compress's input, decompress's output, reduce's own data;
+    wire_bytes: the size of the call's largest wire array (`triton_offsets_wrap`)."""
     mode = backend_for(codec)
     choice = impl or current_impls()[kernel]
     if choice not in IMPLS:
@@ -121,7 +145,7 @@ def impl_for(kernel: str, codec, shape, dtype, impl: str | None = None) -> str:
         return "mosaic"
     if choice == "auto" and DEFAULT_IMPL[kernel] == "mosaic" and why is None:
         return "mosaic"
-    return "triton"
+    return "reference" if triton_offsets_wrap(wire_bytes) else "triton"
 
 
 def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | None = None):
@@ -129,7 +153,8 @@ def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | N
     of the output may be left unwritten (the kernels skip them; the reference does not).
     cfg: the chosen kernel's config (KernelConfig for Triton, MosaicConfig for Mosaic;
     None: its default; references ignore it)."""
-    how = impl_for("compress", codec, x.shape, x.dtype, impl)
+    how = impl_for("compress", codec, x.shape, x.dtype, impl,
+                   _wire_bytes(x.shape, codec.row_bytes))
     if how == "reference":
         return codec.compress_reference(x)
     if how == "mosaic":
@@ -143,7 +168,7 @@ def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | N
 
 def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = None):
     """(rows, row_bytes) uint8 → (rows, B) out_dtype."""
-    how = impl_for("decompress", codec, w.shape, out_dtype, impl)
+    how = impl_for("decompress", codec, w.shape, out_dtype, impl, _wire_bytes(w.shape))
     if how == "reference":
         return codec.decompress_reference(w, out_dtype)
     if how == "mosaic":
@@ -156,7 +181,8 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = Non
 
 def reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
     """The owner's step: compress(own[own_row0:][:n] + Σ_{p ≠ me} decompress(recv[p]))."""
-    how = impl_for("reduce", codec, recv.shape[1:], own.dtype, impl)
+    how = impl_for("reduce", codec, recv.shape[1:], own.dtype, impl,
+                   _wire_bytes(recv.shape))
     if how == "reference":
         return _r.reduce_reference(recv, own, me, codec, own_row0)
     if _e4.covers(codec):
@@ -170,7 +196,8 @@ def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None):
     """(P, rows, row_bytes) uint8 → (rows, B) out_dtype: Σ_p decompress(recv[p]) in device
     order (Triton kernels only)."""
     mode = backend_for(codec)
-    if mode == "reference":
+    if mode == "reference" or (mode == "pallas"
+                               and triton_offsets_wrap(_wire_bytes(recv.shape))):
         return _ds.decode_sum_reference(recv, codec, out_dtype)
     kernel = _e4.decode_sum if _e4.covers(codec) else _ds.decode_sum
     return kernel(recv, codec, out_dtype, cfg=cfg, interpret=mode == "interpret")
@@ -182,7 +209,8 @@ def compress_feedback(x, r, codec, skip_start=0, skip_rows: int = 0, cfg=None):
     Echo's codecs (rows in the skipped window, as in `compress`, are left unwritten in
     both outputs); compress then decompress for the others."""
     mode = backend_for(codec)
-    if mode != "reference" and _e4.covers(codec):
+    wraps = mode == "pallas" and triton_offsets_wrap(_wire_bytes(x.shape, codec.row_bytes))
+    if mode != "reference" and _e4.covers(codec) and not wraps:
         return _e4.compress_feedback(x, r, codec, cfg=cfg, interpret=mode == "interpret",
                                      skip_start=skip_start, skip_rows=skip_rows)
     z = x.astype(jnp.float32) - r

@@ -19,14 +19,17 @@ for what Triton lacks that give the same bits:
 * integer codes to floats by the inverse: bits (q | 0x4B000000) are the float 2^23 + q.
 
 A group with NaN or ±Inf is found by Σ x·0 (0 for finite x, NaN otherwise, and it cannot
-overflow); it gets codes 0, scale NaN and zero point 0, as the reference, and decodes to
+overflow), by the row sum of x·(1/s) (`EchoConfig.lean`), or from the range's integer maxima,
+in which NaN and ±Inf sort above every finite value (`EchoConfig.int_stats`, compress's
+default); it gets codes 0, scale NaN and zero point 0, as the reference, and decodes to
 NaN. tah4 (a Hadamard rotation before the grid) has no kernel: its reference rotates in
 f32, which the tensor-core dots of the TACO kernels would not reproduce byte for byte.
 
 `EchoConfig` selects variants of the tile math that write the same bytes with fewer
 instructions: 16-bit data as uint32 pairs instead of the even/odd split and join, a leaner
 encode and decode, scales read as words or written as byte columns, the encode's row
-reductions merged, the wire written as words. `default_config` runs each kernel with the
+reductions merged, the wire written as words, a row's range from integer maxima, the next
+tile loaded before the current one's math. `default_config` runs each kernel with the
 ones measured fastest for it (`MEASURED_VARIANTS`; the sweep: `python -m bench.kernels
 --codecs echo4 --tune`).
 """
