@@ -141,7 +141,13 @@ def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_s
         if key not in fields:
             raise SystemExit(f"bench.fused: --config {item!r}: not a FusedConfig field "
                              f"({', '.join(fields)})")
-        kw[key] = value if "str" in str(fields[key]) else int(value)
+        ftype = str(fields[key])
+        if "bool" in ftype:
+            if value not in ("0", "1", "true", "false", "True", "False"):
+                raise SystemExit(f"bench.fused: --config {item!r}: {key} takes true or false")
+            kw[key] = value in ("1", "true", "True")
+        else:
+            kw[key] = value if "str" in ftype else int(value)
     if not kw:
         return None
     base = (fused_allreduce.default_config(codec, p, dtype)
@@ -489,6 +495,10 @@ VARIANTS = {
                       "accumulator registers)"),
     "halved_encode+sum_first": (["encode_parts=2", "decode=sum_first"],
                                 "both of the above"),
+    "store_parts": (["store_parts=true"],
+                    "each column part stored once summed (not held while the next decodes)"),
+    "store_parts+sum_first": (["store_parts=true", "decode=sum_first"],
+                              "store_parts and sum_first"),
     "encode_twice": (["ablate=encode_twice"], "+ one encode and its staging"),
     "decode_twice": (["ablate=decode_twice"], "+ one decode of the P tiles"),
 }

@@ -42,9 +42,9 @@
 #                  default (a stage left out or done twice; timed, not checked), with the
 #                  table of differences to the default (~290 s)
 #   fused_levers   python -m bench.fused --ablate: the one-launch kernel's register levers
-#                  side by side with the default, each checked (the encode in column
-#                  halves, the decode summed first, both; P = 2 loopback, bf16, 16 / 64 /
-#                  256 MiB) → bench/results/fused_ablation_encode.json
+#                  side by side with the default, each checked (each column part stored
+#                  once summed, the decode summed first, both; P = 2 loopback, bf16, 16 / 64
+#                  / 256 MiB) → bench/results/fused_ablation_store.json
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
@@ -150,8 +150,8 @@ for s in "$@"; do
                     decode_twice encode_twice --isolate group --timeout 20 \
                     --out bench/results/fused_ablation.json ;;
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
-                    halved_encode sum_first halved_encode+sum_first --isolate group \
-                    --timeout 30 --out bench/results/fused_ablation_encode.json ;;
+                    store_parts sum_first store_parts+sum_first --isolate group \
+                    --timeout 30 --out bench/results/fused_ablation_store.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
                       --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 45 \

@@ -247,6 +247,42 @@ def test_encode_halves_are_refused_where_they_have_no_meaning():
                               fa.FusedConfig(encode_parts=2))
 
 
+# -- store_parts: each column part stored as soon as it is summed ----------------------------
+@pytest.mark.parametrize("p,cfg,dtype", [
+    (2, dataclasses.replace(fa.SLIM_2_PER_SM, store_parts=True), jnp.bfloat16),
+    (2, fa.FusedConfig(store_parts=True), jnp.bfloat16),               # results by TMA
+    (4, fa.FusedConfig(store_parts=True, decode="sum_first"), jnp.float32),
+    (8, fa.FusedConfig(store_parts=True, order="loads_first"), jnp.float16),
+    (2, fa.FusedConfig(store_parts=True, ablate="no_decode"), jnp.bfloat16)])
+def test_store_parts_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
+    text = lowered_loopback(p, dtype, cfg)
+    assert text.count("taco_fused_allreduce") >= 1
+    assert text != lowered_loopback(p, dtype, dataclasses.replace(cfg, store_parts=False))
+
+
+def test_store_parts_lowers_for_echo4_and_on_a_three_axis_mesh():
+    cfg = fa.FusedConfig(store_parts=True)
+    xs = jax.ShapeDtypeStruct((2, 64 * 256 * 3), jnp.bfloat16)
+    f = lambda v: fa.loopback_allreduce(v, codecs.get("echo4"), cfg)         # noqa: E731
+    assert jax.jit(f).trace(xs).lower(lowering_platforms=("cuda",)).as_text().count(
+        "custom_call") == 1
+    mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
+    names = ("data", "pipe", "tp")
+    g = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
+                      mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
+    x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
+    assert jax.jit(g).trace(x).lower(lowering_platforms=("cuda",)).as_text().count(
+        "custom_call") == 1
+
+
+def test_store_parts_is_refused_where_it_has_no_meaning():
+    with pytest.raises(ValueError, match="store_parts="):
+        fa.FusedConfig(store_parts=1)
+    with pytest.raises(ValueError, match="store_parts=True"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+                              fa.FusedConfig(store_parts=True))
+
+
 def _most_per_sm(p, codec, dtype, cfg):
     fit = 0
     for n in (1, 2, 3, 4):

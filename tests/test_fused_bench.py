@@ -129,6 +129,10 @@ def test_config_pairs_name_fused_config_fields():
     with pytest.raises(SystemExit, match="'steps=2': not a FusedConfig field"):
         bench_fused.fused_config(["steps=2"])
     assert bench_fused.fused_config([]) is None            # the kernel's own default
+    assert bench_fused.fused_config(["store_parts=true"]).store_parts is True
+    assert bench_fused.fused_config(["store_parts=0"]).store_parts is False
+    with pytest.raises(SystemExit, match="store_parts takes true or false"):
+        bench_fused.fused_config(["store_parts=yes"])
 
 
 def test_config_pairs_apply_over_the_kernels_default():

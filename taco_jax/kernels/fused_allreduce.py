@@ -49,6 +49,10 @@ wgmma accumulator is scaled by its gains and summed, and the butterfly and assem
 once per column part instead of once per source (f32 throughout; the sum's rounding order
 differs from the per-source decode's).
 
+`FusedConfig.store_parts`: each column part of the sum is converted and stored as soon as
+its P tiles are summed, so a finished part is not held in registers while the next one is
+decoded (the same values; to be measured against storing after every part).
+
 `FusedConfig.ablate` is a measurement knob (`ABLATIONS`: a stage of the per-tile work left
 out or done twice; wrong results) for `python -m bench.fused --ablate`, which times the
 variants side by side to attribute the kernel's time.
@@ -132,6 +136,12 @@ class FusedConfig:
     # kernel runs at 255 registers a thread with local-memory spills
     # (bench/results/ncu_src_fused.json), which this is meant to relieve.
     encode_parts: int = 1
+    # True: each column part of the decoded sum is converted and stored as soon as its P
+    # tiles are summed, before the next part is decoded; False: after every part. The
+    # decode holds the whole wire tile as f16 (a part's transform reads every code), the
+    # part's accumulator and its sum; a finished part kept until the end adds its 64 f32
+    # registers a thread to that peak, at 255 registers with spills.
+    store_parts: bool = False
     # A measurement knob (ABLATIONS), "none" in use.
     ablate: str = "none"
 
@@ -150,6 +160,9 @@ class FusedConfig:
                              f"'registers'")
         if self.per_sm not in (1, 2, 3, 4):
             raise ValueError(f"FusedConfig.per_sm={self.per_sm} must be 1, 2, 3 or 4")
+        if not isinstance(self.store_parts, bool):
+            raise ValueError(f"FusedConfig.store_parts={self.store_parts!r} must be True or "
+                             f"False")
         if self.encode_parts not in (1, 2):
             raise ValueError(f"FusedConfig.encode_parts={self.encode_parts} must be 1 or 2")
         if self.decode not in ("per_source", "sum_first"):
@@ -490,7 +503,7 @@ def _zeros(vec: int, parts: int):
 
 
 def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="none",
-               init=None):
+               init=None, emit=None):
     """init + Σ_j decode(wire tile j), j = 0 … n_src − 1 in that order, summed in f32:
     `parts` arrays (init: `parts` f32 arrays in the same layout, or None). load(j, slot)
     starts the TMA copy of source j's wire tile into r_smem[slot] (arriving on
@@ -499,7 +512,9 @@ def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="no
     through 2 slots once per column part, the next copy issued as soon as the previous
     occupant of its slot is in registers. ablate "decode_twice" / "no_decode": each tile
     decoded twice / not at all (zeros returned); the copies and their waits are the same.
-    `tiles`: the tile codec, `consts` its operands in shared memory."""
+    `tiles`: the tile codec, `consts` its operands in shared memory. emit(part, values):
+    called with each part as soon as its sources are summed (the parts then returned are
+    None), so a finished part is not held while the next is decoded."""
     if init is not None and getattr(tiles, "sum_first", False):
         raise ValueError("_sum_tiles: an init in the value layout cannot join a sum kept "
                          "before the transform (decode='sum_first')")
@@ -521,6 +536,12 @@ def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="no
             if not reps:
                 continue
             totals[part] = tiles.decode_add(wire, consts, vec, part, parts, totals[part])
+        if emit is not None and j == n_src - 1:
+            t = totals[part]
+            emit(part, _zeros(vec, parts) if t is None else tiles.finish(t, vec, parts))
+            totals[part] = None
+    if emit is not None:
+        return [None] * parts
     return [_zeros(vec, parts) if t is None else tiles.finish(t, vec, parts) for t in totals]
 
 
@@ -611,9 +632,21 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
         return load
 
     def decode(i, load):
+        out_rows = pl.ds(tile(i) * ROWS, ROWS)
+        if cfg.store_parts:
+            if tma_out:        # as below: the last result store has read y_smem
+                plgpu.wait_smem_to_gmem(n_wire, wait_read_only=True)
+            dst = y_smem if tma_out else y_mine.at[out_rows]
+
+            def emit(part, value):
+                mosaic.store_part(dst, part, parts, value.astype(out_dtype))
+            _sum_tiles(load, r_smem, r_bar, tiles, c_smem, p, vec, parts, ablate, emit=emit)
+            if tma_out:
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(y_smem, y_mine.at[out_rows])
+            return
         totals = _sum_tiles(load, r_smem, r_bar, tiles, c_smem, p, vec, parts, ablate)
         values = [t.astype(out_dtype) for t in totals]
-        out_rows = pl.ds(tile(i) * ROWS, ROWS)
         if tma_out:
             # the last result store has read y_smem (only the wire stores issued after it
             # may still be reading their staging)

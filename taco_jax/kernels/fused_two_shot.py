@@ -270,9 +270,10 @@ def _two_shot_cfg(cfg: FusedConfig | None) -> FusedConfig:
     if cfg.ablate != "none" or cfg.per_sm != 1 or cfg.order != "encode_first":
         raise ValueError(f"the two-shot kernel takes no ablate, per_sm or order (got "
                          f"ablate={cfg.ablate!r}, per_sm={cfg.per_sm}, order={cfg.order!r})")
-    if cfg.decode != "per_source" or cfg.encode_parts != 1:
-        raise ValueError(f"the two-shot kernel takes no decode or encode_parts (got "
-                         f"decode={cfg.decode!r}, encode_parts={cfg.encode_parts})")
+    if cfg.decode != "per_source" or cfg.encode_parts != 1 or cfg.store_parts:
+        raise ValueError(f"the two-shot kernel takes no decode, encode_parts or store_parts "
+                         f"(got decode={cfg.decode!r}, encode_parts={cfg.encode_parts}, "
+                         f"store_parts={cfg.store_parts})")
     return cfg
 
 

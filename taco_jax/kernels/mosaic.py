@@ -504,11 +504,16 @@ def decode_tile(codes, scales, h_smem, codec, out_dtype=jnp.float32, parts: int 
             for p in range(parts)]
 
 
+def store_part(ref, part: int, parts: int, value):
+    """Column part `part` of `parts` of a (64, 256) view ← value (its value layout)."""
+    width = BLOCK // parts
+    _jax_private.mgpu_store(ref.at[:, pl.ds(width * part, width)], value)
+
+
 def store_values(ref, values):
     """Value parts → a (64, 256) view."""
-    width = BLOCK // len(values)
     for p, part in enumerate(values):
-        _jax_private.mgpu_store(ref.at[:, pl.ds(width * p, width)], part)
+        store_part(ref, p, len(values), part)
 
 
 # -- kernels ---------------------------------------------------------------------------------
