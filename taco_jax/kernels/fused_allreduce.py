@@ -595,10 +595,13 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
         src = x_smem.at[slot]
         if xb_smem is not None:            # f32 input: the transform's operand is bf16
             v = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False)
-            if x_slots == 1:
-                prefetch(i)                # one x slot: refill it once it is in registers
             xb_smem[...] = v.astype(xb_smem.dtype)
             plgpu.commit_smem()
+            if x_slots == 1:
+                # one x slot: refill it once every warp has read it. commit_smem ends in a
+                # warpgroup barrier; a TMA issued right after this thread's own loads could
+                # overwrite the slot under a slower warp's
+                prefetch(i)
             src = xb_smem
         wires = [tiles.encode(src, c_smem)
                  for _ in range({"encode_twice": 2, "no_encode": 0}.get(ablate, 1))]

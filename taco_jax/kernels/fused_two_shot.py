@@ -110,10 +110,10 @@ def _two_shot_body(x_gmem, he_gmem, hd_gmem, hb_gmem, y_gmem, recv1_gmem, recv2_
                 src = x_smem.at[slot]
                 if xb_smem is not None:     # f32 input: the transform's operand is bf16
                     v = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False)
-                    if x_slots == 1:
-                        prefetch(i)
                     xb_smem[...] = v.astype(xb_smem.dtype)
                     plgpu.commit_smem()
+                    if x_slots == 1:     # after commit_smem's warpgroup barrier, as
+                        prefetch(i)      # fused_allreduce's encode_and_push says why
                     src = xb_smem
                 codes, scales = mosaic.encode_tile(src, he_smem, codec, 1)
                 if x_slots == 1 and xb_smem is None:
