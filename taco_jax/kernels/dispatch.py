@@ -24,6 +24,7 @@ in the interpreter: asking for them there is an error. A Triton call whose wire 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from typing import Iterator
@@ -112,16 +113,6 @@ def triton_offsets_wrap(wire_bytes: int) -> bool:
     return 2 ** 31 < wire_bytes <= 2 ** 32
 
 
-def _wire_bytes(shape, row_bytes: int | None = None) -> int:
-    """Bytes of a wire array of `shape` (row_bytes given: of the wire of `shape[0]` rows)."""
-    if row_bytes is not None:
-        return int(shape[0]) * row_bytes
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def impl_for(kernel: str, codec, shape, dtype, impl: str | None = None,
              wire_bytes: int = 0) -> str:
     """How `kernel` runs for this call: 'reference', 'interpret' (Triton, interpreted),
@@ -154,7 +145,7 @@ def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | N
     cfg: the chosen kernel's config (KernelConfig for Triton, MosaicConfig for Mosaic;
     None: its default; references ignore it)."""
     how = impl_for("compress", codec, x.shape, x.dtype, impl,
-                   _wire_bytes(x.shape, codec.row_bytes))
+                   x.shape[0] * codec.row_bytes)
     if how == "reference":
         return codec.compress_reference(x)
     if how == "mosaic":
@@ -168,7 +159,7 @@ def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | N
 
 def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = None):
     """(rows, row_bytes) uint8 → (rows, B) out_dtype."""
-    how = impl_for("decompress", codec, w.shape, out_dtype, impl, _wire_bytes(w.shape))
+    how = impl_for("decompress", codec, w.shape, out_dtype, impl, math.prod(w.shape))
     if how == "reference":
         return codec.decompress_reference(w, out_dtype)
     if how == "mosaic":
@@ -182,7 +173,7 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = Non
 def reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
     """The owner's step: compress(own[own_row0:][:n] + Σ_{p ≠ me} decompress(recv[p]))."""
     how = impl_for("reduce", codec, recv.shape[1:], own.dtype, impl,
-                   _wire_bytes(recv.shape))
+                   math.prod(recv.shape))
     if how == "reference":
         return _r.reduce_reference(recv, own, me, codec, own_row0)
     if _e4.covers(codec):
@@ -197,7 +188,7 @@ def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None):
     order (Triton kernels only)."""
     mode = backend_for(codec)
     if mode == "reference" or (mode == "pallas"
-                               and triton_offsets_wrap(_wire_bytes(recv.shape))):
+                               and triton_offsets_wrap(math.prod(recv.shape))):
         return _ds.decode_sum_reference(recv, codec, out_dtype)
     kernel = _e4.decode_sum if _e4.covers(codec) else _ds.decode_sum
     return kernel(recv, codec, out_dtype, cfg=cfg, interpret=mode == "interpret")
@@ -209,7 +200,7 @@ def compress_feedback(x, r, codec, skip_start=0, skip_rows: int = 0, cfg=None):
     Echo's codecs (rows in the skipped window, as in `compress`, are left unwritten in
     both outputs); compress then decompress for the others."""
     mode = backend_for(codec)
-    wraps = mode == "pallas" and triton_offsets_wrap(_wire_bytes(x.shape, codec.row_bytes))
+    wraps = mode == "pallas" and triton_offsets_wrap(x.shape[0] * codec.row_bytes)
     if mode != "reference" and _e4.covers(codec) and not wraps:
         return _e4.compress_feedback(x, r, codec, cfg=cfg, interpret=mode == "interpret",
                                      skip_start=skip_start, skip_rows=skip_rows)
