@@ -24,6 +24,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import math
+
 import numpy as np
 import pytest
 
@@ -447,3 +449,57 @@ def test_wires_of_2_to_4_gib_run_the_references(h200, name):
                     sds((rows, b), jnp.bfloat16), sds((rows, b), jnp.float32))}
             for k, text in calls.items():
                 assert ("__gpu$xla.gpu.triton" in text) == kernel, (rows, k)
+
+
+@pytest.mark.parametrize("batch", [(8,), (2, 4)], ids=["vmap", "nested_vmap"])
+def test_wires_of_2_to_4_gib_over_a_vmapped_batch_run_the_references(h200, batch):
+    """Under jax.vmap each call sees one batch element, but Pallas batches it into one kernel
+    over the whole batch: the 2–4 GiB window is the batch's wire, through every enclosing
+    vmap (8 emulated devices of 277 MB of codes each wrapped at 1 GiB of f32 apiece)."""
+    c = codecs.get("taco")
+    b, rb, n = c.block_size, c.row_bytes, math.prod(batch)
+    in_range = (2 ** 31 // rb // n + 1024) // 64 * 64       # the batch's wire just over 2 GiB
+
+    def over(f, in_axes=0):
+        for _ in batch:
+            f = jax.vmap(f, in_axes=in_axes)
+        return f
+
+    with taco_jax.config(backend="pallas"):
+        for rows, kernel in [(1024, True), (in_range, False)]:
+            calls = {
+                "compress": lower_for_cuda(over(lambda x: dispatch.compress(x, c)),
+                                           sds((*batch, rows, b), jnp.bfloat16)),
+                "decompress": lower_for_cuda(over(lambda w: dispatch.decompress(w, c)),
+                                             sds((*batch, rows, rb), jnp.uint8)),
+                "reduce": lower_for_cuda(
+                    over(lambda r, x, me: dispatch.reduce(r, x, me, c, own_row0=me * 8)),
+                    sds((*batch, 2, rows // 2, rb), jnp.uint8),
+                    sds((*batch, rows // 2, b), jnp.bfloat16), sds(batch, jnp.int32)),
+                "decode_sum": lower_for_cuda(over(lambda r: dispatch.decode_sum(r, c)),
+                                             sds((*batch, 2, rows // 2, rb), jnp.uint8)),
+                "compress_feedback": lower_for_cuda(
+                    over(lambda x, e: dispatch.compress_feedback(x, e, c, skip_start=64,
+                                                                 skip_rows=64)),
+                    sds((*batch, rows, b), jnp.bfloat16), sds((*batch, rows, b), jnp.float32))}
+            for k, text in calls.items():
+                assert ("__gpu$xla.gpu.triton" in text) == kernel, (rows, k)
+
+
+def test_vmapped_kernel_calls_match_the_unbatched_ones():
+    """The batch guard's custom_vmap leaves results as they were: under vmap, nested vmap
+    and jit, with a batched device index (reduce's `me`), in Pallas' interpreter."""
+    c = codecs.get("taco")
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 64, c.block_size)), jnp.float32)
+    with taco_jax.config(backend="interpret"):
+        w = jax.jit(jax.vmap(lambda x: dispatch.compress(x, c)))(x)
+        for i in range(4):
+            np.testing.assert_array_equal(w[i], dispatch.compress(x[i], c))
+        y = jax.vmap(jax.vmap(lambda w: dispatch.decompress(w, c)))(w.reshape(2, 2, 64, -1))
+        np.testing.assert_array_equal(y.reshape(4, 64, -1)[3], dispatch.decompress(w[3], c))
+        recv = w.reshape(4, 4, 16, -1)
+        red = jax.vmap(lambda r, o, me: dispatch.reduce(r, o, me, c, own_row0=me * 16))(
+            recv, x, jnp.arange(4))
+        np.testing.assert_array_equal(red[2], dispatch.reduce(recv[2], x[2], 2, c,
+                                                              own_row0=32))

@@ -19,7 +19,8 @@ the faster of the two per kernel, measured side by side on one H200 by
 code traced inside `kernel_impl(compress="mosaic", ...)`, or with the environment variable
 TACO_JAX_KERNEL_IMPL="compress=mosaic,decompress=triton". Mosaic GPU kernels do not run
 in the interpreter: asking for them there is an error. A Triton call whose wire would be
-2–4 GiB runs the references instead (`triton_offsets_wrap`).
+2–4 GiB runs the references instead (`triton_offsets_wrap`), counted over the whole batch
+under `jax.vmap` (`_per_batch`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 
 from taco_jax import recipe
 from taco_jax.kernels import (compress as _c, decode_sum as _ds, decompress as _d,
@@ -109,8 +111,51 @@ def backend_for(codec) -> str:
 # in one call, echo4 3.8–7.6 · 10^9). Every other operand of these kernels is 2 or 4 bytes
 # wide and stays below 2^31 elements while at most 2^32 bytes. Such calls run the references.
 def triton_offsets_wrap(wire_bytes: int) -> bool:
-    """Would a Triton kernel over a uint8 wire of `wire_bytes` address it wrongly?"""
-    return 2 ** 31 < wire_bytes <= 2 ** 32
+    """Would a Triton kernel over a uint8 wire of `wire_bytes` address it wrongly? Traced
+    under `jax.vmap` (`_per_batch`), the wire is counted over the whole batch."""
+    return 2 ** 31 < wire_bytes * (getattr(_state, "batch", None) or 1) <= 2 ** 32
+
+
+# Under jax.vmap a kernel call is traced with one batch element's shapes, but Pallas batches
+# the call into one kernel over the whole batch, which the offsets above then address: the
+# size that matters is the batch's. custom_vmap hands a rule the batch size; the rule traces
+# the call again under jax.vmap with the batch factor set (`_state.batch`, read by
+# triton_offsets_wrap), itself inside a call with the same rule, so an enclosing jax.vmap
+# multiplies its size in too. Calls made while the factor is set (compress_feedback's
+# compress and decompress) take it as it is.
+def _per_batch(body, codec, *args):
+    """body(*args), with the kernels' addressing guard taken over every enclosing vmap's
+    batch. Python scalars among args stay static; arrays are the custom_vmap's operands."""
+    if backend_for(codec) == "reference" or getattr(_state, "batch", None) is not None:
+        return body(*args)
+    dyn = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+
+    def on(*operands):
+        full = list(args)
+        for i, a in zip(dyn, operands):
+            full[i] = a
+        return body(*full)
+
+    return _guarded(on, 1)(*(args[i] for i in dyn))
+
+
+def _guarded(body, factor: int):
+    def run(*operands):
+        prev, _state.batch = getattr(_state, "batch", None), factor
+        try:
+            return body(*operands)
+        finally:
+            _state.batch = prev
+
+    fn = custom_vmap(run)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, *operands):
+        axes = tuple(0 if b else None for b in in_batched)
+        out = _guarded(jax.vmap(body, in_axes=axes), factor * axis_size)(*operands)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return fn
 
 
 def impl_for(kernel: str, codec, shape, dtype, impl: str | None = None,
@@ -139,11 +184,8 @@ def impl_for(kernel: str, codec, shape, dtype, impl: str | None = None,
     return "reference" if triton_offsets_wrap(wire_bytes) else "triton"
 
 
-def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | None = None):
-    """(rows, B) float → (rows, row_bytes) uint8. Rows [skip_start, skip_start + skip_rows)
-    of the output may be left unwritten (the kernels skip them; the reference does not).
-    cfg: the chosen kernel's config (KernelConfig for Triton, MosaicConfig for Mosaic;
-    None: its default; references ignore it)."""
+# The calls themselves, under the public names' batch guard (`_per_batch`).
+def _compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | None = None):
     how = impl_for("compress", codec, x.shape, x.dtype, impl,
                    x.shape[0] * codec.row_bytes)
     if how == "reference":
@@ -157,8 +199,7 @@ def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | N
                        skip_start=skip_start, skip_rows=skip_rows)
 
 
-def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = None):
-    """(rows, row_bytes) uint8 → (rows, B) out_dtype."""
+def _decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = None):
     how = impl_for("decompress", codec, w.shape, out_dtype, impl, math.prod(w.shape))
     if how == "reference":
         return codec.decompress_reference(w, out_dtype)
@@ -170,8 +211,7 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = Non
     return _d.decompress(w, codec, out_dtype=out_dtype, cfg=cfg, interpret=how == "interpret")
 
 
-def reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
-    """The owner's step: compress(own[own_row0:][:n] + Σ_{p ≠ me} decompress(recv[p]))."""
+def _reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
     how = impl_for("reduce", codec, recv.shape[1:], own.dtype, impl,
                    math.prod(recv.shape))
     if how == "reference":
@@ -183,9 +223,7 @@ def reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
                      own_row0=own_row0)
 
 
-def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None):
-    """(P, rows, row_bytes) uint8 → (rows, B) out_dtype: Σ_p decompress(recv[p]) in device
-    order (Triton kernels only)."""
+def _decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None):
     mode = backend_for(codec)
     if mode == "reference" or (mode == "pallas"
                                and triton_offsets_wrap(math.prod(recv.shape))):
@@ -194,16 +232,47 @@ def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None):
     return kernel(recv, codec, out_dtype, cfg=cfg, interpret=mode == "interpret")
 
 
-def compress_feedback(x, r, codec, skip_start=0, skip_rows: int = 0, cfg=None):
-    """Error feedback's compress: x (rows, B) float, residual r (rows, B) float32 →
-    (wire of z = x − r, new residual decompress(wire) − z in float32). One kernel for
-    Echo's codecs (rows in the skipped window, as in `compress`, are left unwritten in
-    both outputs); compress then decompress for the others."""
+def _compress_feedback(x, r, codec, skip_start=0, skip_rows: int = 0, cfg=None):
     mode = backend_for(codec)
     wraps = mode == "pallas" and triton_offsets_wrap(x.shape[0] * codec.row_bytes)
     if mode != "reference" and _e4.covers(codec) and not wraps:
         return _e4.compress_feedback(x, r, codec, cfg=cfg, interpret=mode == "interpret",
                                      skip_start=skip_start, skip_rows=skip_rows)
     z = x.astype(jnp.float32) - r
-    wire = compress(z, codec, skip_start=skip_start, skip_rows=skip_rows)
-    return wire, decompress(wire, codec, jnp.float32) - z
+    wire = _compress(z, codec, skip_start=skip_start, skip_rows=skip_rows)
+    return wire, _decompress(wire, codec, jnp.float32) - z
+
+
+def compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | None = None):
+    """(rows, B) float → (rows, row_bytes) uint8. Rows [skip_start, skip_start + skip_rows)
+    of the output may be left unwritten (the kernels skip them; the reference does not).
+    cfg: the chosen kernel's config (KernelConfig for Triton, MosaicConfig for Mosaic;
+    None: its default; references ignore it)."""
+    return _per_batch(lambda x, s: _compress(x, codec, s, skip_rows, cfg, impl), codec,
+                      x, skip_start)
+
+
+def decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = None):
+    """(rows, row_bytes) uint8 → (rows, B) out_dtype."""
+    return _per_batch(lambda w: _decompress(w, codec, out_dtype, cfg, impl), codec, w)
+
+
+def reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
+    """The owner's step: compress(own[own_row0:][:n] + Σ_{p ≠ me} decompress(recv[p]))."""
+    return _per_batch(lambda r, o, m, o0: _reduce(r, o, m, codec, o0, cfg, impl), codec,
+                      recv, own, me, own_row0)
+
+
+def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None):
+    """(P, rows, row_bytes) uint8 → (rows, B) out_dtype: Σ_p decompress(recv[p]) in device
+    order (Triton kernels only)."""
+    return _per_batch(lambda r: _decode_sum(r, codec, out_dtype, cfg), codec, recv)
+
+
+def compress_feedback(x, r, codec, skip_start=0, skip_rows: int = 0, cfg=None):
+    """Error feedback's compress: x (rows, B) float, residual r (rows, B) float32 →
+    (wire of z = x − r, new residual decompress(wire) − z in float32). One kernel for
+    Echo's codecs (rows in the skipped window, as in `compress`, are left unwritten in
+    both outputs); compress then decompress for the others."""
+    return _per_batch(lambda x, r, s: _compress_feedback(x, r, codec, s, skip_rows, cfg),
+                      codec, x, r, skip_start)
