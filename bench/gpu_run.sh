@@ -42,9 +42,10 @@
 #                  default (a stage left out or done twice; timed, not checked), with the
 #                  table of differences to the default (~290 s)
 #   fused_levers   python -m bench.fused --ablate: the one-launch kernel's register levers
-#                  side by side with the default, each checked (each column part stored
-#                  once summed, the decode summed first, both; P = 2 loopback, bf16, 16 / 64
-#                  / 256 MiB) → bench/results/fused_ablation_store.json
+#                  side by side with the default (which has both), each checked: the decode
+#                  per source instead of summed first, every column part stored at the end,
+#                  neither; P = 2 loopback, bf16, 16 / 64 / 256 MiB
+#                  → bench/results/fused_ablation_store.json (~190 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
@@ -150,7 +151,7 @@ for s in "$@"; do
                     decode_twice encode_twice --isolate group --timeout 20 \
                     --out bench/results/fused_ablation.json ;;
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
-                    store_parts sum_first store_parts+sum_first --isolate group \
+                    per_source store_at_end neither --isolate group \
                     --timeout 30 --out bench/results/fused_ablation_store.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \

@@ -30,9 +30,8 @@ and decode_sum at every size, one row per kernel and size, timed as the library 
 (each kernel's `echo4.default_config`: its tiling and tile-math variants).
 
 Fused kernels (P = 2, one launch, through `bench.fused.project` unchanged): each codec's
-one-launch kernel as it runs today, from its per-device loopback time on one H200: taco's
-default launch shape (fused_ablation_residency.json, variant "slim_2_per_sm"), echo4's
-(fused_echo4_loopback.json, its default shape). Links: 350 GB/s (2×H200 NVLink, per
+one-launch kernel as it runs today, from its per-device loopback time on one H200 at its
+default launch (taco: fused_loopback.json, echo4: fused_echo4_loopback.json). Links: 350 GB/s (2×H200 NVLink, per
 direction, the parameter of bench.fused), 250 GB/s (what lax.psum and NCCL reached there),
 the rate fitted per size to the xla transport's measured 2-GPU times (method_check:
 96-267 GB/s; a pessimistic bound, since it absorbs that transport's fixed costs), and
@@ -56,14 +55,13 @@ PS = (2, 4, 8)
 SLOW_GBPS = 50.0
 ITEMSIZE = 2                                          # bf16
 INPUTS = {"kernels": "kernels.json", "taco_loopback": "fused_loopback.json",
-          "taco_fused": "fused_ablation_residency.json",
           "echo4_fused": "fused_echo4_loopback.json", "lax_psum": "collectives.json"}
 CODECS = ("taco", "echo4")
 ONE_SHOT_KERNELS = ("compress", "decode_sum")
 TWO_SHOT_KERNELS = ("compress", "reduce", "decompress")
 ECHO4_KERNELS = ("compress", "decompress", "reduce", "decode_sum")
 # Each codec's fused kernel as it runs today: (input, the variant of its default shape).
-FUSED_INPUTS = {"taco": ("taco_fused", "slim_2_per_sm"), "echo4": ("echo4_fused", "default")}
+FUSED_INPUTS = {"taco": ("taco_loopback", "default"), "echo4": ("echo4_fused", "default")}
 
 
 def links(fitted: dict[float, float]) -> dict[str, object]:
@@ -142,7 +140,8 @@ def kernel_times(results: str = RESULTS, sizes=SIZES_MIB) -> tuple[dict, dict]:
         elif r.get("impl") == "triton" and r.get("codec") == "echo4":
             echo4_src = src("kernels", r)
     for r in _rows(docs, "taco_loopback", results):
-        if r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("decode_sum_us"):
+        if (r.get("p") == 2 and r.get("dtype") == "bf16" and r.get("decode_sum_us")
+                and r.get("variant", "default") == "default"):
             t = times["taco"].setdefault(r["mib"], {"source": src("kernels")})
             t["decode_sum"] = _number(r, "decode_sum_us", "taco_loopback", results)
             t["source"] += f"; decode_sum {src('taco_loopback')}"

@@ -97,8 +97,10 @@ def test_program_on_the_committed_results(tmp_path, capsys):
         if kernel in proj.ECHO4_KERNELS:
             assert echo4[mib][kernel] == pytest.approx(us, abs=0.006), (kernel, mib)
     fk = res["fused_kernel_per_device_us"]
-    assert (fk["taco"]["16"], fk["taco"]["64"], fk["taco"]["256"]) == (31.05, 110.42, 413.49)
-    assert "slim_2_per_sm" in fk["taco"]["source"]
+    loop = json.loads((pathlib.Path(proj.RESULTS) / "fused_loopback.json").read_text())
+    assert [fk["taco"][f"{r['mib']:g}"] for r in loop["rows"]] == [
+        r["per_device_us"] for r in loop["rows"]]
+    assert fk["taco"]["source"].startswith("fused_loopback.json")
     assert fk["echo4"]["source"].startswith("fused_echo4_loopback.json")
     for r in res["rows"]:
         e = r["echo4"]
@@ -146,9 +148,8 @@ FAKE = {
         *ECHO4_ROWS,
         kernel_row("echo4", "compress_feedback", 16, 900.0),     # not in the projection
         kernel_row("echo4", "compress", 16, 800.0, impl="mosaic")]},   # not the Triton row
-    "fused_loopback.json": {**facts(), "rows": [{**loop_row(16, 40.0), "decode_sum_us": 7.0}]},
-    "fused_ablation_residency.json": {**facts(), "rows": [
-        loop_row(16, 50.0, "default"), loop_row(16, 30.0, "slim_2_per_sm"),
+    "fused_loopback.json": {**facts(), "rows": [
+        {**loop_row(16, 30.0, "default"), "decode_sum_us": 7.0},
         loop_row(16, 20.0, "encode_twice", checked=False)]},
     "fused_echo4_loopback.json": {**facts(), "rows": [loop_row(16, 25.0, "default")]},
     "collectives.json": {**facts(n_devices=2), "rows": []},
@@ -175,7 +176,7 @@ def test_inputs_from_a_small_results_dir(tmp_path):
     fk = proj.fused_kernels(d)
     assert [r["per_device_us"] for r in fk["taco"]["rows"]] == [30.0]
     assert [r["per_device_us"] for r in fk["echo4"]["rows"]] == [25.0]
-    assert "slim_2_per_sm" in fk["taco"]["source"]
+    assert fk["taco"]["source"] == "fused_loopback.json@fffffff variant default"
     row = proj.project_rows(times, {"echo4": ECHO4, "taco": codecs.get("taco")},
                             {"l": 100.0}, sizes=(16,), ps=(2,), fixed_us=15.0,
                             fused_kernels=fk, lax_psum=lambda mib: None)[0]
@@ -232,8 +233,8 @@ def kernels_json(rows):
     ("kernels.json", kernels_json([{**r, "device_us": "fast"} if r is ECHO4_ROWS[1] else r
                                    for r in FAKE["kernels.json"]["rows"]]),
      "decompress 16.0 MiB: device_us='fast' is not a positive time"),
-    ("fused_ablation_residency.json", {**facts(), "rows": [loop_row(16, 50.0, "default")]},
-     "0 checked P = 2 bf16 rows of variant 'slim_2_per_sm'"),
+    ("fused_loopback.json", {**facts(), "rows": [loop_row(16, 50.0, "neither")]},
+     "0 checked P = 2 bf16 rows of variant 'default'"),
     ("fused_echo4_loopback.json", [1, 2], "no list of rows"),
     ("fused_echo4_loopback.json", {**facts(), "rows": [
         loop_row(16, 25.0), loop_row(16, 26.0)]}, r"sizes \[16, 16\]"),  # two at one size

@@ -141,11 +141,15 @@ def test_two_programs_per_multiprocessor_fit_when_slim(p):
 def test_default_launch_shape_is_two_slim_programs_per_sm_where_they_fit():
     """The measured default: 2 programs per multiprocessor with half the shared memory for
     the FP8 codecs' 16-bit input; one per multiprocessor for f32 input (its staging does
-    not fit twice) and for echo4 (the shape its GPU checks passed with)."""
+    not fit twice) and for echo4 (the shape its GPU checks passed with). The FP8 codecs'
+    decode stores each part once summed and sums the P accumulators first; echo4 has no
+    transform to sum before."""
+    slim = dataclasses.replace(fa.SLIM_2_PER_SM, store_parts=True, decode="sum_first")
     for p in (2, 4, 8):
         for dt in (jnp.bfloat16, jnp.float16):
-            assert fa.default_config(TACO, p, dt) == fa.SLIM_2_PER_SM
-        assert fa.default_config(TACO, p, jnp.float32) == fa.FusedConfig()
+            assert fa.default_config(TACO, p, dt) == slim
+        assert fa.default_config(TACO, p, jnp.float32) == fa.FusedConfig(
+            store_parts=True, decode="sum_first")
         assert fa.default_config(codecs.get("echo4"), p, jnp.bfloat16) == fa.FusedConfig()
 
 
@@ -155,7 +159,9 @@ def test_calls_without_a_config_launch_the_default(monkeypatch):
     monkeypatch.setattr(fa, "_launch", lambda *a, **k: seen.append(a[4]) or launch(*a, **k))
     for dt in (jnp.bfloat16, jnp.float32):
         lowered_loopback(2, dt, None)
-    assert seen == [fa.SLIM_2_PER_SM, fa.FusedConfig()]
+    assert seen == [fa.default_config(TACO, 2, jnp.bfloat16),
+                    fa.default_config(TACO, 2, jnp.float32)]
+    assert seen[0].per_sm == 2 and seen[1].per_sm == 1 and seen[0].decode == "sum_first"
 
 
 @pytest.mark.parametrize("p,dtype,codec,match", [

@@ -99,11 +99,10 @@ def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
 def test_fused_levers_time_the_register_levers_checked(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_levers"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 1
-    assert "--ablate --variants default store_parts sum_first store_parts+sum_first" in (
-        calls[0])
+    assert "--ablate --variants default per_source store_at_end neither" in calls[0]
     assert "--out bench/results/fused_ablation_store.json" in calls[0]
     from bench import fused
-    for name in ("store_parts", "sum_first", "store_parts+sum_first"):
+    for name in ("per_source", "store_at_end", "neither"):
         assert not any(k.startswith("ablate=") for k in fused.VARIANTS[name][0])   # checked
 
 

@@ -51,7 +51,7 @@ differs from the per-source decode's).
 
 `FusedConfig.store_parts`: each column part of the sum is converted and stored as soon as
 its P tiles are summed, so a finished part is not held in registers while the next one is
-decoded (the same values; to be measured against storing after every part).
+decoded (the same values). With sum_first it is the FP8 codecs' default (`FP8_DECODE`).
 
 `FusedConfig.ablate` is a measurement knob (`ABLATIONS`: a stage of the per-tile work left
 out or done twice; wrong results) for `python -m bench.fused --ablate`, which times the
@@ -189,16 +189,27 @@ class FusedConfig:
 # 413.5 µs per device at 16 / 64 / 256 MiB against 34.7 / 126.2 / 499.6 for FusedConfig().
 SLIM_2_PER_SM = FusedConfig(x_slots=1, out_store="registers", per_sm=2)
 
+# The FP8 codecs' decode: each column part stored once summed, and the P accumulators summed
+# before one butterfly. Measured side by side at P = 2 in loopback, bf16, on SLIM_2_PER_SM
+# (bench/results/fused_ablation_store.json): 27.4 / 100.5 / 386.9 µs per device at 16 / 64 /
+# 256 MiB against 31.0 / 110.6 / 420.7 without either, 28.6 / 106.0 / 406.9 with store_parts
+# alone, 29.9 / 108.3 / 412.4 with sum_first alone; loopback checks pass with both at P = 2,
+# 4, 8, bf16 and f32 (fused_loopback_checks_p*.json).
+FP8_DECODE = dict(store_parts=True, decode="sum_first")
+
 
 def default_config(codec, p: int, in_dtype) -> FusedConfig:
-    """The one-shot kernel's launch shape when none is given: SLIM_2_PER_SM for the FP8
-    codecs where two programs fit (16-bit input; f32 input's staging does not fit twice),
-    else FusedConfig() (echo4: the shape its loopback checks passed with)."""
-    if isinstance(tile_codec(codec), TacoTiles) and jnp.dtype(in_dtype).itemsize == 2:
-        need = 2 * (smem_bytes(p, codec, in_dtype, cfg=SLIM_2_PER_SM) + SMEM_RESERVED)
+    """The one-shot kernel's launch shape when none is given. The FP8 codecs: FP8_DECODE, on
+    SLIM_2_PER_SM where two programs fit (16-bit input; f32 input's staging does not fit
+    twice). echo4: FusedConfig(), the shape its loopback checks passed with."""
+    if not isinstance(tile_codec(codec), TacoTiles):
+        return FusedConfig()
+    slim = dataclasses.replace(SLIM_2_PER_SM, **FP8_DECODE)
+    if jnp.dtype(in_dtype).itemsize == 2:
+        need = 2 * (smem_bytes(p, codec, in_dtype, cfg=slim) + SMEM_RESERVED)
         if need <= SMEM_PER_SM:
-            return SLIM_2_PER_SM
-    return FusedConfig()
+            return slim
+    return FusedConfig(**FP8_DECODE)
 
 
 # -- how a peer is addressed ------------------------------------------------------------------
