@@ -495,6 +495,9 @@ VARIANTS = {
                      "held in registers)"),
     "neither": (["store_parts=false", "decode=per_source"],
                 "per_source and store_at_end: the decode before the FP8 default"),
+    "own_from_smem": (["own_from_smem=true"],
+                      "this device's tile decoded from its staging (no store to its own "
+                      "slot, no load back; P = 2)"),
     "halved_encode": (["encode_parts=2"],
                       "the encode in two column halves (three transforms, half the "
                       "accumulator registers)"),

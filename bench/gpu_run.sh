@@ -41,11 +41,14 @@
 #                  16, 64 and 256 MiB (P = 2 loopback, bf16) timed side by side with the
 #                  default (a stage left out or done twice; timed, not checked), with the
 #                  table of differences to the default (~290 s)
-#   fused_levers   python -m bench.fused --ablate: the one-launch kernel's register levers
-#                  side by side with the default (which has both), each checked: the decode
-#                  per source instead of summed first, every column part stored at the end,
-#                  neither; P = 2 loopback, bf16, 16 / 64 / 256 MiB
-#                  → bench/results/fused_ablation_store.json (~190 s)
+#   fused_levers   python -m bench.fused --ablate: the one-launch kernel's levers side by
+#                  side with the default, each checked: this device's tile decoded from its
+#                  staging (own_from_smem), the decode per source instead of summed first,
+#                  every column part stored at the end; P = 2 loopback, bf16, 16 / 64 /
+#                  256 MiB → bench/results/fused_ablation_store.json (~190 s)
+#   fused_two_shot_time  python -m bench.fused --kernel two_shot --time: the one-launch
+#                  two-shot's loopback device time, P = 4 and 8, bf16, 16 / 64 / 256 MiB
+#                  (checked first) → bench/results/fused_two_shot_loopback.json (~150 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
@@ -151,12 +154,16 @@ for s in "$@"; do
                     decode_twice encode_twice --isolate group --timeout 20 \
                     --out bench/results/fused_ablation.json ;;
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
-                    per_source store_at_end neither --isolate group \
+                    own_from_smem per_source store_at_end --isolate group \
                     --timeout 30 --out bench/results/fused_ablation_store.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
                       --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 45 \
                       --fail-fast --out bench/results/fused_two_shot_checks.json ;;
+    fused_two_shot_time) step fused_two_shot_time 240 python -m bench.fused --kernel two_shot \
+                           --p 4 8 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB --calls 1 \
+                           --isolate group --timeout 90 \
+                           --out bench/results/fused_two_shot_loopback.json ;;
     fused_echo4)
       step fused_echo4_tiles 30 python -m pytest -x -q tests/test_mosaic_echo4.py -k gpu
       step fused_echo4_checks 195 python -m bench.fused --codec echo4 --p 2 4 8 \

@@ -266,15 +266,17 @@ def test_store_parts_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
     assert text != lowered_loopback(p, dtype, dataclasses.replace(cfg, store_parts=False))
 
 
-def test_store_parts_lowers_for_echo4_and_on_a_three_axis_mesh():
-    cfg = fa.FusedConfig(store_parts=True)
+@pytest.mark.parametrize("field", ["store_parts", "own_from_smem"])
+def test_decode_options_lower_for_echo4_and_on_a_three_axis_mesh(field):
+    cfg = fa.FusedConfig(**{field: True})
     xs = jax.ShapeDtypeStruct((2, 64 * 256 * 3), jnp.bfloat16)
     f = lambda v: fa.loopback_allreduce(v, codecs.get("echo4"), cfg)         # noqa: E731
     assert jax.jit(f).trace(xs).lower(lowering_platforms=("cuda",)).as_text().count(
         "custom_call") == 1
     mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
     names = ("data", "pipe", "tp")
-    g = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
+    taco = dataclasses.replace(fa.default_config(TACO, 2, jnp.bfloat16), **{field: True})
+    g = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=taco)[None],
                       mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
     x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
     assert jax.jit(g).trace(x).lower(lowering_platforms=("cuda",)).as_text().count(
@@ -561,3 +563,36 @@ def test_echo4_reference_keeps_non_finite_groups_nan():
     grp = np.arange(y.size) // 128
     bad = np.isin(grp, [0, 1000 // 128])
     assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
+
+
+# -- own_from_smem: this device's tile decoded from its staging -------------------------------
+@pytest.mark.parametrize("cfg,dtype", [
+    (fa.default_config(TACO, 2, jnp.bfloat16), jnp.bfloat16),
+    (fa.default_config(TACO, 2, jnp.float32), jnp.float32),
+    (fa.FusedConfig(), jnp.bfloat16),                                   # results by TMA
+    (fa.FusedConfig(order="loads_first", parts=1), jnp.float16),
+    (fa.FusedConfig(ablate="no_peer_stores"), jnp.bfloat16)])
+def test_own_from_smem_lowers_in_loopback_and_changes_the_kernel(cfg, dtype):
+    own = dataclasses.replace(cfg, own_from_smem=True)
+    text = lowered_loopback(2, dtype, own)
+    assert text.count("taco_fused_allreduce") >= 1
+    assert text != lowered_loopback(2, dtype, cfg)
+
+
+def test_own_from_smem_takes_one_receive_slot_less():
+    for dt in (jnp.bfloat16, jnp.float32):
+        cfg = fa.default_config(TACO, 2, dt)
+        own = dataclasses.replace(cfg, own_from_smem=True)
+        saved = fa.smem_bytes(2, TACO, dt, cfg=cfg) - fa.smem_bytes(2, TACO, dt, cfg=own)
+        assert abs(saved - 64 * TACO.row_bytes) < 1024        # one wire tile (1 KiB rounding)
+
+
+def test_own_from_smem_is_refused_where_it_has_no_meaning():
+    with pytest.raises(ValueError, match="own_from_smem=1"):
+        fa.FusedConfig(own_from_smem=1)
+    with pytest.raises(ValueError, match="own_from_smem=True.*P=4"):
+        fa.loopback_allreduce(jnp.ones((4, 512), jnp.bfloat16), TACO,
+                              fa.FusedConfig(own_from_smem=True))
+    with pytest.raises(ValueError, match="own_from_smem=True"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+                              fa.FusedConfig(own_from_smem=True))

@@ -96,13 +96,20 @@ def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
         assert "--sizes 16MiB 1KiB 1MiB+5 64MiB" in two
 
 
+def test_fused_two_shot_time_times_the_checked_two_shot(tmp_path):
+    r, calls = run_fake(tmp_path, ["fused_two_shot_time"], "bench.fused")
+    assert r.returncode == 0 and len(calls) == 1
+    assert "--kernel two_shot --p 4 8" in calls[0] and "--time" in calls[0]
+    assert "--out bench/results/fused_two_shot_loopback.json" in calls[0]
+
+
 def test_fused_levers_time_the_register_levers_checked(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_levers"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 1
-    assert "--ablate --variants default per_source store_at_end neither" in calls[0]
+    assert "--ablate --variants default own_from_smem per_source store_at_end" in calls[0]
     assert "--out bench/results/fused_ablation_store.json" in calls[0]
     from bench import fused
-    for name in ("per_source", "store_at_end", "neither"):
+    for name in ("own_from_smem", "per_source", "store_at_end"):
         assert not any(k.startswith("ablate=") for k in fused.VARIANTS[name][0])   # checked
 
 

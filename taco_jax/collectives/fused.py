@@ -18,10 +18,9 @@ Schedules, by axis size P:
     with `exchange` (an all-gather or all-to-all by remote stores) carrying the bytes
     between the compress and decode kernels. The two-shot quantizes each element at most
     twice, as the xla transport does; codec "none" is the exact one-shot. A two-shot in
-    one kernel exists (`kernels.fused_two_shot.two_shot_allreduce`) but is not selected
-    until its loopback checks pass on a GPU (`python -m bench.fused --kernel two_shot`: on
-    an H200 P = 3 and 4 pass but for one call of P = 4, f32, 16 MiB whose error exceeded
-    the reference's by 17%; P = 8 has not run).
+    one kernel exists (`kernels.fused_two_shot.two_shot_allreduce`); its loopback checks
+    pass on an H200 at P = 3, 4 and 8 (`python -m bench.fused --kernel two_shot`), but it is
+    not selected until timed against this path (`bash bench/gpu_run.sh fused_two_shot_time`).
 
 XLA zeroes a kernel's semaphores and runs a cross-device barrier before it (the kernels
 never set `skip_device_barrier`), so no store reaches a peer whose previous call is still

@@ -53,6 +53,12 @@ differs from the per-source decode's).
 its P tiles are summed, so a finished part is not held in registers while the next one is
 decoded (the same values). With sum_first it is the FP8 codecs' default (`FP8_DECODE`).
 
+`FusedConfig.own_from_smem` (P = 2): this device's own wire tile is decoded from the
+shared-memory staging it was encoded into, one step later, instead of being stored to its
+own receive slot and loaded back (per device, 2 × the wire's bytes less HBM traffic; the
+staging slots become three, the receive slots none). Lowered and tested on CPU; to be
+checked and timed on a GPU (`bash bench/gpu_run.sh fused_levers`), an option until then.
+
 `FusedConfig.ablate` is a measurement knob (`ABLATIONS`: a stage of the per-tile work left
 out or done twice; wrong results) for `python -m bench.fused --ablate`, which times the
 variants side by side to attribute the kernel's time.
@@ -142,6 +148,11 @@ class FusedConfig:
     # part's accumulator and its sum; a finished part kept until the end adds its 64 f32
     # registers a thread to that peak, at 255 registers with spills.
     store_parts: bool = False
+    # True (P = 2): this device's own wire tile is decoded from the shared-memory staging it
+    # was encoded into (kept there until its decode, one step later), not stored to its own
+    # receive slot and loaded back: 2 × the wire's bytes less HBM traffic a device, one
+    # receive slot less, and a warpgroup barrier per tile before the staging is rewritten.
+    own_from_smem: bool = False
     # A measurement knob (ABLATIONS), "none" in use.
     ablate: str = "none"
 
@@ -160,6 +171,9 @@ class FusedConfig:
                              f"'registers'")
         if self.per_sm not in (1, 2, 3, 4):
             raise ValueError(f"FusedConfig.per_sm={self.per_sm} must be 1, 2, 3 or 4")
+        if not isinstance(self.own_from_smem, bool):
+            raise ValueError(f"FusedConfig.own_from_smem={self.own_from_smem!r} must be True "
+                             f"or False")
         if not isinstance(self.store_parts, bool):
             raise ValueError(f"FusedConfig.store_parts={self.store_parts!r} must be True or "
                              f"False")
@@ -514,7 +528,7 @@ def _zeros(vec: int, parts: int):
 
 
 def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="none",
-               init=None, emit=None):
+               init=None, emit=None, sources=None):
     """init + Σ_j decode(wire tile j), j = 0 … n_src − 1 in that order, summed in f32:
     `parts` arrays (init: `parts` f32 arrays in the same layout, or None). load(j, slot)
     starts the TMA copy of source j's wire tile into r_smem[slot] (arriving on
@@ -525,20 +539,28 @@ def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="no
     decoded twice / not at all (zeros returned); the copies and their waits are the same.
     `tiles`: the tile codec, `consts` its operands in shared memory. emit(part, values):
     called with each part as soon as its sources are summed (the parts then returned are
-    None), so a finished part is not held while the next is decoded."""
+    None), so a finished part is not held while the next is decoded. sources(j) → (slot,
+    wait): where source j's tile is in r_smem (a traced index) and a callable that waits for
+    it (FusedConfig.own_from_smem: this device's tile in its staging slot, no copy to wait
+    for); None: source j in slot j, on r_bar[j] (or streamed, as above)."""
     if init is not None and getattr(tiles, "sum_first", False):
         raise ValueError("_sum_tiles: an init in the value layout cannot join a sum kept "
                          "before the transform (decode='sum_first')")
     row = tiles.row_bytes
-    resident = n_src <= r_smem.shape[0]
+    resident = sources is not None or n_src <= r_smem.shape[0]
     seq = [(part, j) for part in range(parts) for j in range(n_src)]
     slot_of = (lambda e: seq[e][1]) if resident else (lambda e: e % 2)   # noqa: E731
     reps = {"decode_twice": 2, "no_decode": 0}.get(ablate, 1)
     totals = list(init) if init is not None else [None] * parts
     for e, (part, j) in enumerate(seq):
-        slot = slot_of(e)
-        if not resident or part == 0:
-            plgpu.barrier_wait(r_bar.at[slot])
+        if sources is not None:
+            slot, wait = sources(j)
+            if part == 0:
+                wait()
+        else:
+            slot = slot_of(e)
+            if not resident or part == 0:
+                plgpu.barrier_wait(r_bar.at[slot])
         for rep in range(max(reps, 1)):
             if reps:
                 wire = tiles.load(r_smem.at[slot].reshape(ROWS, row), part, parts)
@@ -575,7 +597,9 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
     tma_out = y_smem is not None
     # Bulk store groups per step, in issue order: the wire stores of tile i (n_wire), then
     # the result store of tile i − 1 (n_res; none when results leave from registers).
-    n_wire = 1 if ablate == "no_peer_stores" else p
+    own = cfg.own_from_smem
+    wire_ks = ([] if ablate == "no_peer_stores" else list(range(1, p))) + ([] if own else [p])
+    n_wire = len(wire_ks)
     n_res = 1 if tma_out else 0
     sync = ablate not in ("no_signal", "no_sync")
 
@@ -584,6 +608,7 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
         plgpu.barrier_wait(h_bar)
 
     x_slots = x_smem.shape[0]
+    r_wire = w_smem if own else r_smem             # where the decode reads wire tiles
 
     def load_x(i):
         slot = i % x_slots
@@ -621,12 +646,16 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
         # of the two staging slots, this one was last read by step i − 2's stores, so all
         # groups issued before step i − 1's wire stores and result store are done reading
         plgpu.wait_smem_to_gmem(n_wire + n_res, wait_read_only=True)
+        if own:
+            # step i − 1 decoded this device's tile i − 2 from this slot by register loads:
+            # every warp is past them before any overwrites it
+            plgpu.commit_smem()
         stage = w_smem.at[i % 2]
         for wire in wires:
             tiles.store(stage.reshape(ROWS, row), wire)
         plgpu.commit_smem()
         rows = pl.ds(tile(i) * lines, lines)
-        for k in range(p + 1 - n_wire, p + 1):   # peers first, this device's own slot last
+        for k in wire_ks:                        # peers first, this device's own slot last
             dst = (me + k) % p
             out = recv_mine if k == p else peers.peer(recv_gmem, me, dst)
             plgpu.copy_smem_to_gmem(stage, out.at[me, rows])
@@ -642,8 +671,27 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
 
         def load(j, slot):
             plgpu.copy_gmem_to_smem(recv_mine.at[j, rows], r_smem.at[slot], r_bar.at[slot])
-        _first_loads(load, r_smem, p)
+        if own:             # P = 2: the peer's tile into the slot after the two staging ones
+            plgpu.copy_gmem_to_smem(recv_mine.at[1 - me, rows], w_smem.at[2], r_bar.at[0])
+        else:
+            _first_loads(load, r_smem, p)
         return load
+
+    def sources(i):
+        """own_from_smem: source j of tile i → (its slot in w_smem, its wait)."""
+        if not own:
+            return None
+
+        def where(j):
+            mine = (me == j).astype(jnp.int32)
+            slot = mine * (i % 2) + (1 - mine) * 2
+
+            def wait():
+                @pl.when(me != j)
+                def _():
+                    plgpu.barrier_wait(r_bar.at[0])
+            return slot, wait
+        return where
 
     def decode(i, load):
         out_rows = pl.ds(tile(i) * ROWS, ROWS)
@@ -654,12 +702,14 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
 
             def emit(part, value):
                 mosaic.store_part(dst, part, parts, value.astype(out_dtype))
-            _sum_tiles(load, r_smem, r_bar, tiles, c_smem, p, vec, parts, ablate, emit=emit)
+            _sum_tiles(load, r_wire, r_bar, tiles, c_smem, p, vec, parts, ablate, emit=emit,
+                       sources=sources(i))
             if tma_out:
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(y_smem, y_mine.at[out_rows])
             return
-        totals = _sum_tiles(load, r_smem, r_bar, tiles, c_smem, p, vec, parts, ablate)
+        totals = _sum_tiles(load, r_wire, r_bar, tiles, c_smem, p, vec, parts, ablate,
+                            sources=sources(i))
         values = [t.astype(out_dtype) for t in totals]
         if tma_out:
             # the last result store has read y_smem (only the wire stores issued after it
@@ -680,7 +730,11 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
             if x_slots == 2:
                 prefetch(i)
             if order == "loads_first":
-                # tile i − 1's loads fly while tile i is encoded
+                # tile i − 1's loads fly while tile i is encoded. They overwrite the slots
+                # step i − 1's decode read: with results stored from registers no barrier
+                # ends that decode, so every warp must pass one first
+                if not tma_out:
+                    plgpu.commit_smem()
                 # tile i − 1 has landed: every group but tile i − 2's result store (the
                 # last one issued) is complete; at i = 1 there is none
                 @pl.when(i == 1)
@@ -723,9 +777,10 @@ def _scratch(p, tiles, in_dtype, out_dtype, cfg, remote: bool):
         (plgpu.SMEM((ROWS, BLOCK), jnp.bfloat16, transforms=mosaic.SMEM_TRANSFORMS)
          if tiles.staged(in_dtype) else None),
         # wire staging: tile i is staged while tile i − 1's stores still read the other slot
-        plgpu.SMEM((2, lines, LINE), jnp.uint8),
+        # (own_from_smem: and while it is decoded; a third slot receives the peer's tile)
+        plgpu.SMEM((3 if cfg.own_from_smem else 2, lines, LINE), jnp.uint8),
         # both wire tiles resident at P = 2; above, the tiles stream through the two slots
-        plgpu.SMEM((2, lines, LINE), jnp.uint8),
+        None if cfg.own_from_smem else plgpu.SMEM((2, lines, LINE), jnp.uint8),
         (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=mosaic.swizzled(out_dtype))
          if tma_out else None),
         tuple(plgpu.SMEM(a.shape, a.dtype, transforms=t) for a, t in tiles.operands(in_dtype)),
@@ -791,6 +846,9 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
             raise ValueError(f"FusedConfig(encode_parts={cfg.encode_parts}): {codec.name}'s "
                              f"encode has no column passes (the FP8 codecs' has)")
         tiles = dataclasses.replace(tiles, encode_parts=cfg.encode_parts)
+    if cfg.own_from_smem and p != 2:
+        raise ValueError(f"FusedConfig(own_from_smem=True) covers P = 2, not P={p} (above 2 "
+                         f"the wire tiles stream through two receive slots)")
     lines = ROWS * tiles.row_bytes // LINE
     in_dtype = blocks.dtype
     _check_resident(p, codec, in_dtype, out_dtype, cfg)

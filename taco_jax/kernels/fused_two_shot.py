@@ -1,6 +1,7 @@
 """The compressed two-shot all-reduce in one Pallas Mosaic GPU kernel (Hopper), for P ≥ 3
-(`two_shot_allreduce`, `loopback_two_shot`; its
-loopback checks do not all pass yet, so no collective selects it): x is cut into P segments
+(`two_shot_allreduce`, `loopback_two_shot`; its loopback checks pass on an H200 at P = 3, 4
+and 8, bench/results/fused_two_shot_checks.json, but it is not yet timed against the
+three-launch two-shot, so no collective selects it): x is cut into P segments
 of whole tiles; program b of every device takes tiles b, b + n, … of each segment.
 
   1. for each owner j ≠ me: encode segment j's tiles, store them into j's first receive
@@ -270,17 +271,19 @@ def _two_shot_cfg(cfg: FusedConfig | None) -> FusedConfig:
     if cfg.ablate != "none" or cfg.per_sm != 1 or cfg.order != "encode_first":
         raise ValueError(f"the two-shot kernel takes no ablate, per_sm or order (got "
                          f"ablate={cfg.ablate!r}, per_sm={cfg.per_sm}, order={cfg.order!r})")
-    if cfg.decode != "per_source" or cfg.encode_parts != 1 or cfg.store_parts:
-        raise ValueError(f"the two-shot kernel takes no decode, encode_parts or store_parts "
-                         f"(got decode={cfg.decode!r}, encode_parts={cfg.encode_parts}, "
-                         f"store_parts={cfg.store_parts})")
+    if (cfg.decode != "per_source" or cfg.encode_parts != 1 or cfg.store_parts
+            or cfg.own_from_smem):
+        raise ValueError(f"the two-shot kernel takes no decode, encode_parts, store_parts or "
+                         f"own_from_smem (got decode={cfg.decode!r}, encode_parts="
+                         f"{cfg.encode_parts}, store_parts={cfg.store_parts}, own_from_smem="
+                         f"{cfg.own_from_smem})")
     return cfg
 
 
 def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
                        cfg: FusedConfig | None = None):
-    """The compressed two-shot all-reduce in one kernel (its loopback checks do not all
-    pass yet, so no collective selects it). x is cut into P segments of whole tiles; device d
+    """The compressed two-shot all-reduce in one kernel (checked in loopback, not yet
+    timed, so no collective selects it). x is cut into P segments of whole tiles; device d
     encodes segment j ≠ d into owner j's receive buffer; owner j adds the P − 1 decoded
     copies to its exact segment in f32 (its own data never quantized there), encodes the
     sum once and stores it into every device's second receive buffer; every device
