@@ -312,7 +312,7 @@ def run_config(a) -> dict:
     row["checked"] = checked
     if not checked:
         row.update(ok=True, reason=None, calls=0)
-        row.update(time_config(fn, p, n, dtype, codec, separate=False) if a.time else {})
+        row.update(time_config(fn, p, n, dtype, codec, separate=None) if a.time else {})
         return row
     worst, why = None, None
     for call in range(a.calls):              # back to back, fresh inputs each time
@@ -327,7 +327,8 @@ def run_config(a) -> dict:
     row.update(worst, calls=a.calls, ok=why is None, reason=why)
     if why is None and a.time:
         row.update(time_mesh(fn, p, n, dtype, codec) if a.impl == "mesh" else
-                   time_config(fn, p, n, dtype, codec, separate=not two))
+                   time_config(fn, p, n, dtype, codec,
+                               separate="two_shot" if two else "one_shot"))
     return row
 
 
@@ -352,10 +353,11 @@ def _us(t: dict) -> tuple[float, str]:
     return (t["us"], "device") if t.get("us") is not None else (t["host_us"], "host")
 
 
-def time_config(fn, p, n, dtype, codec, separate: bool = True) -> dict:
+def time_config(fn, p, n, dtype, codec, separate: str | None = "one_shot") -> dict:
     """Device time of the loopback (all P virtual devices), and (separate) of the
-    three-launch path's kernels for one device (Triton compress of its tensor +
-    decode_sum of P wires)."""
+    three-launch path's kernels for one device: "one_shot", Triton compress of its tensor +
+    decode_sum of P wires; "two_shot", compress of the P − 1 segments it sends + the owner's
+    reduce of P copies of one segment + decompress of the P segments' sums."""
     from bench.common import device_time
     from taco_jax import codecs
     from taco_jax.kernels import compress, decode_sum, echo4
@@ -368,6 +370,8 @@ def time_config(fn, p, n, dtype, codec, separate: bool = True) -> dict:
                                   if "fused" in k), 2)}
     if not separate:
         return out
+    if separate == "two_shot":
+        return {**out, **_two_shot_separate(xs[0], p, dtype, codec, iters)}
     # the Triton kernels on a GPU; their references elsewhere (CPU tests of this logic)
     gpu = jax.default_backend() == "gpu"
     kernels = echo4 if echo4.covers(codec) else None      # echo4's own Triton kernels
@@ -381,6 +385,31 @@ def time_config(fn, p, n, dtype, codec, separate: bool = True) -> dict:
     out.update(separate_us=round(comp + dsum, 2), compress_us=round(comp, 2),
                decode_sum_us=round(dsum, 2))
     return out
+
+
+def _two_shot_separate(x, p, dtype, codec, iters) -> dict:
+    """The three-launch two-shot's kernels for one device, as the xla transport runs them
+    (`kernels.dispatch`: Triton on a GPU, the references elsewhere): compress of the P − 1
+    segments it sends, the owner's reduce (P − 1 decoded copies + its exact segment,
+    encoded once) and decompress of the P sums."""
+    from bench.common import device_time
+    from taco_jax import codecs
+    from taco_jax.kernels import dispatch
+    blocks = codecs.to_blocks(x, codec.block_size)
+    seg = blocks.shape[0] // p
+    if seg == 0:
+        return {}
+    blocks = blocks[:seg * p]
+    comp, _ = _us(device_time(lambda b: dispatch.compress(b, codec), blocks[seg:],
+                              iters=iters))
+    wire = dispatch.compress(blocks, codec)
+    recv = wire.reshape(p, seg, -1)
+    red, _ = _us(device_time(lambda ro: dispatch.reduce(*ro, 0, codec), (recv, blocks[:seg]),
+                             iters=iters))
+    dec, _ = _us(device_time(lambda w: dispatch.decompress(w, codec, dtype), wire,
+                             iters=iters))
+    return {"separate_us": round(comp + red + dec, 2), "compress_us": round(comp, 2),
+            "reduce_us": round(red, 2), "decompress_us": round(dec, 2)}
 
 
 # -- projections and their check on what two GPUs measured -----------------------------------

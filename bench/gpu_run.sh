@@ -47,8 +47,10 @@
 #                  every column part stored at the end; P = 2 loopback, bf16, 16 / 64 /
 #                  256 MiB → bench/results/fused_ablation_store.json (~190 s)
 #   fused_two_shot_time  python -m bench.fused --kernel two_shot --time: the one-launch
-#                  two-shot's loopback device time, P = 4 and 8, bf16, 16 / 64 / 256 MiB
-#                  (checked first) → bench/results/fused_two_shot_loopback.json (~150 s)
+#                  two-shot's loopback device time per device, P = 4 and 8, bf16, 16 / 64 /
+#                  256 MiB (checked first), beside the three-launch two-shot's kernels for
+#                  one device (compress, reduce, decompress)
+#                  → bench/results/fused_two_shot_loopback.json (~150 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash

@@ -222,6 +222,19 @@ def test_two_shot_checks_pass_on_its_model_and_fail_on_a_wrong_exchange(tmp_path
         assert re.search(reason, out.strip().splitlines()[-1])
 
 
+def test_two_shot_times_beside_the_three_launch_two_shots_kernels(tmp_path, capsys):
+    """--time on the two-shot: its loopback time and, beside it, the xla transport's
+    kernels for one device (compress of what it sends, the owner's reduce, decompress)."""
+    rc, res, _ = run(tmp_path, capsys, "--kernel", "two_shot", "--time", "--sizes", "96KiB",
+                     p="3")
+    assert rc == 0
+    for r in res["rows"]:
+        assert r["per_device_us"] > 0 and "decode_sum_us" not in r
+        parts = [r["compress_us"], r["reduce_us"], r["decompress_us"]]
+        assert all(v > 0 for v in parts)
+        assert r["separate_us"] == pytest.approx(sum(parts), abs=0.02)
+
+
 def test_two_shot_is_a_loopback_only_and_takes_no_knobs(tmp_path):
     with pytest.raises(SystemExit, match="loopback only|cannot run here"):
         bench_fused.main(["--kernel", "two_shot", "--impl", "mesh", "--out",
