@@ -96,6 +96,15 @@ def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
         assert "--sizes 16MiB 1KiB 1MiB+5 64MiB" in two
 
 
+def test_fused_own_checks_then_times_own_from_smem(tmp_path):
+    r, calls = run_fake(tmp_path, ["fused_own"], "bench.fused")
+    assert r.returncode == 0 and len(calls) == 2
+    assert all("--config own_from_smem=true" in c and "--p 2" in c for c in calls)
+    timed = [bool(re.search(r"--time(\s|$)", c)) for c in calls]
+    assert "--calls 5" in calls[0] and "1024MiB" in calls[0] and timed == [False, True]
+    assert "fused_loopback_own.json" in calls[1]
+
+
 def test_fused_two_shot_time_times_the_checked_two_shot(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_two_shot_time"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 1
