@@ -31,11 +31,11 @@ and decode_sum at every size, one row per kernel and size, timed as the library 
 
 Fused kernels (P = 2, one launch, through `bench.fused.project` unchanged): each codec's
 one-launch kernel as it runs today, from its per-device loopback time on one H200 at its
-default launch (taco: fused_loopback.json, echo4: fused_echo4_loopback.json). Links: 350 GB/s (2×H200 NVLink, per
-direction, the parameter of bench.fused), 250 GB/s (what lax.psum and NCCL reached there),
-the rate fitted per size to the xla transport's measured 2-GPU times (method_check:
-96-267 GB/s; a pessimistic bound, since it absorbs that transport's fixed costs), and
-50 GB/s (PCIe 5.0 x16, or 400 Gb/s between hosts). fixed_us = 15 µs at every P (checked
+default launch (taco: fused_loopback.json, echo4: fused_echo4_loopback.json). Links:
+350 GB/s (2×H200 NVLink, per direction, the parameter of bench.fused), 250 GB/s (what
+lax.psum and NCCL reached there), the rate fitted per size to the xla transport's measured
+2-GPU times (method_check: 96-267 GB/s; a pessimistic bound, since it absorbs that
+transport's fixed costs), and 50 GB/s (PCIe 5.0 x16, or 400 Gb/s between hosts). fixed_us = 15 µs at every P (checked
 at P = 2 only).
 """
 from __future__ import annotations
