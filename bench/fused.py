@@ -527,6 +527,10 @@ VARIANTS = {
     "own_from_smem": (["own_from_smem=true"],
                       "this device's tile decoded from its staging (no store to its own "
                       "slot, no load back; P = 2)"),
+    "from_own_slot": (["own_from_smem=false"],
+                      "this device's tile stored to its own slot and loaded back (not "
+                      "decoded from its staging)"),
+    "one_part": (["parts=1"], "the decode in one column pass (not two halves)"),
     "halved_encode": (["encode_parts=2"],
                       "the encode in two column halves (three transforms, half the "
                       "accumulator registers)"),

@@ -42,14 +42,16 @@
 #                  default (a stage left out or done twice; timed, not checked), with the
 #                  table of differences to the default (~290 s)
 #   fused_levers   python -m bench.fused --ablate: the one-launch kernel's levers side by
-#                  side with the default, each checked: this device's tile decoded from its
-#                  staging (own_from_smem), the decode per source instead of summed first,
-#                  every column part stored at the end; P = 2 loopback, bf16, 16 / 64 /
-#                  256 MiB → bench/results/fused_ablation_store.json (~190 s)
-#   fused_own      python -m bench.fused --config own_from_smem=true: the P = 2 loopback
-#                  checks (bf16, f32, 1 KiB … 1 GiB, 5 calls) and timing (bf16, 16 / 64 /
-#                  256 MiB) with this device's tile decoded from its staging
-#                  → bench/results/fused_own_checks_p2.json, fused_loopback_own.json (~200 s)
+#                  side with the default, each checked: this device's tile stored to its
+#                  own slot and loaded back (not decoded from its staging), the loads of
+#                  tile i − 1 before the encode of tile i, the encode in two column
+#                  halves, the decode in one column pass; P = 2 loopback, bf16, 16 / 64 /
+#                  256 MiB → bench/results/fused_levers.json (~220 s)
+#   fused_echo4_own  python -m bench.fused --codec echo4 --config own_from_smem=true: echo4's
+#                  P = 2 loopback checks (bf16, f32, 1 KiB … 256 MiB, 5 calls) and timing
+#                  (bf16, 16 / 64 / 256 MiB) with this device's tile decoded from its
+#                  staging → bench/results/fused_echo4_own_checks_p2.json,
+#                  fused_echo4_loopback_own.json (~200 s)
 #   fused_two_shot_time  python -m bench.fused --kernel two_shot --time: the one-launch
 #                  two-shot's loopback device time per device, P = 4 and 8, bf16, 16 / 64 /
 #                  256 MiB (checked first), beside the three-launch two-shot's kernels for
@@ -160,18 +162,20 @@ for s in "$@"; do
                     decode_twice encode_twice --isolate group --timeout 20 \
                     --out bench/results/fused_ablation.json ;;
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
-                    own_from_smem per_source store_at_end --isolate group \
-                    --timeout 30 --out bench/results/fused_ablation_store.json ;;
+                    from_own_slot loads_first halved_encode one_part --isolate group \
+                    --timeout 30 --out bench/results/fused_levers.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
                       --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 45 \
                       --fail-fast --out bench/results/fused_two_shot_checks.json ;;
-    fused_own) step fused_own_checks 240 python -m bench.fused --p 2 --isolate group \
-                 --calls 5 --timeout 80 --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB \
-                 --config own_from_smem=true --out bench/results/fused_own_checks_p2.json \
-               && step fused_own_time 150 python -m bench.fused --p 2 --dtypes bf16 --time \
-                 --sizes 16MiB 64MiB 256MiB --isolate group --calls 1 --timeout 90 \
-                 --config own_from_smem=true --out bench/results/fused_loopback_own.json ;;
+    fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
+                       --p 2 --isolate group --calls 5 --timeout 60 \
+                       --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --config own_from_smem=true \
+                       --out bench/results/fused_echo4_own_checks_p2.json \
+                     && step fused_echo4_own_time 150 python -m bench.fused --codec echo4 \
+                       --p 2 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB --isolate group \
+                       --calls 1 --timeout 90 --config own_from_smem=true \
+                       --out bench/results/fused_echo4_loopback_own.json ;;
     fused_two_shot_time) step fused_two_shot_time 240 python -m bench.fused --kernel two_shot \
                            --p 4 8 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB --calls 1 \
                            --isolate group --timeout 90 \

@@ -142,14 +142,14 @@ def test_default_launch_shape_is_two_slim_programs_per_sm_where_they_fit():
     """The measured default: 2 programs per multiprocessor with half the shared memory for
     the FP8 codecs' 16-bit input; one per multiprocessor for f32 input (its staging does
     not fit twice) and for echo4 (the shape its GPU checks passed with). The FP8 codecs'
-    decode stores each part once summed and sums the P accumulators first; echo4 has no
-    transform to sum before."""
-    slim = dataclasses.replace(fa.SLIM_2_PER_SM, store_parts=True, decode="sum_first")
+    decode stores each part once summed and sums the P accumulators first, and at P = 2
+    decodes this device's tile from its staging; echo4 has no transform to sum before."""
     for p in (2, 4, 8):
+        fp8 = dict(store_parts=True, decode="sum_first", own_from_smem=p == 2)
+        slim = dataclasses.replace(fa.SLIM_2_PER_SM, **fp8)
         for dt in (jnp.bfloat16, jnp.float16):
             assert fa.default_config(TACO, p, dt) == slim
-        assert fa.default_config(TACO, p, jnp.float32) == fa.FusedConfig(
-            store_parts=True, decode="sum_first")
+        assert fa.default_config(TACO, p, jnp.float32) == fa.FusedConfig(**fp8)
         assert fa.default_config(codecs.get("echo4"), p, jnp.bfloat16) == fa.FusedConfig()
 
 
@@ -162,6 +162,7 @@ def test_calls_without_a_config_launch_the_default(monkeypatch):
     assert seen == [fa.default_config(TACO, 2, jnp.bfloat16),
                     fa.default_config(TACO, 2, jnp.float32)]
     assert seen[0].per_sm == 2 and seen[1].per_sm == 1 and seen[0].decode == "sum_first"
+    assert seen[0].own_from_smem and seen[1].own_from_smem
 
 
 @pytest.mark.parametrize("p,dtype,codec,match", [
@@ -576,13 +577,13 @@ def test_own_from_smem_lowers_in_loopback_and_changes_the_kernel(cfg, dtype):
     own = dataclasses.replace(cfg, own_from_smem=True)
     text = lowered_loopback(2, dtype, own)
     assert text.count("taco_fused_allreduce") >= 1
-    assert text != lowered_loopback(2, dtype, cfg)
+    assert text != lowered_loopback(2, dtype, dataclasses.replace(cfg, own_from_smem=False))
 
 
 def test_own_from_smem_takes_one_receive_slot_less():
     for dt in (jnp.bfloat16, jnp.float32):
-        cfg = fa.default_config(TACO, 2, dt)
-        own = dataclasses.replace(cfg, own_from_smem=True)
+        own = fa.default_config(TACO, 2, dt)
+        cfg = dataclasses.replace(own, own_from_smem=False)
         saved = fa.smem_bytes(2, TACO, dt, cfg=cfg) - fa.smem_bytes(2, TACO, dt, cfg=own)
         assert abs(saved - 64 * TACO.row_bytes) < 1024        # one wire tile (1 KiB rounding)
 

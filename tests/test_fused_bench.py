@@ -146,6 +146,9 @@ def test_config_pairs_apply_over_the_kernels_default():
     assert knob == fa.dataclasses.replace(fa.default_config(taco, 2, jnp.bfloat16),
                                           ablate="no_decode")
     assert knob.per_sm == 2 and knob.store_parts and knob.decode == "sum_first"
+    assert knob.own_from_smem
+    assert not bench_fused.fused_config(["own_from_smem=false"], taco, 2,
+                                        jnp.bfloat16).own_from_smem
     assert bench_fused.fused_config(["ablate=no_decode"], taco, 2, jnp.float32).per_sm == 1
     two = bench_fused.fused_config(["programs=8"], taco, 4, jnp.bfloat16, "two_shot")
     assert two == fa.FusedConfig(programs=8)

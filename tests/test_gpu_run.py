@@ -96,13 +96,14 @@ def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
         assert "--sizes 16MiB 1KiB 1MiB+5 64MiB" in two
 
 
-def test_fused_own_checks_then_times_own_from_smem(tmp_path):
-    r, calls = run_fake(tmp_path, ["fused_own"], "bench.fused")
+def test_fused_echo4_own_checks_then_times_echo4_decoding_its_staging(tmp_path):
+    r, calls = run_fake(tmp_path, ["fused_echo4_own"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 2
-    assert all("--config own_from_smem=true" in c and "--p 2" in c for c in calls)
+    assert all("--codec echo4" in c and "--config own_from_smem=true" in c and "--p 2" in c
+               for c in calls)
     timed = [bool(re.search(r"--time(\s|$)", c)) for c in calls]
-    assert "--calls 5" in calls[0] and "1024MiB" in calls[0] and timed == [False, True]
-    assert "fused_loopback_own.json" in calls[1]
+    assert "--calls 5" in calls[0] and "256MiB" in calls[0] and timed == [False, True]
+    assert "fused_echo4_loopback_own.json" in calls[1]
 
 
 def test_fused_two_shot_time_times_the_checked_two_shot(tmp_path):
@@ -112,13 +113,14 @@ def test_fused_two_shot_time_times_the_checked_two_shot(tmp_path):
     assert "--out bench/results/fused_two_shot_loopback.json" in calls[0]
 
 
-def test_fused_levers_time_the_register_levers_checked(tmp_path):
+def test_fused_levers_time_the_levers_checked(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_levers"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 1
-    assert "--ablate --variants default own_from_smem per_source store_at_end" in calls[0]
-    assert "--out bench/results/fused_ablation_store.json" in calls[0]
+    names = ("from_own_slot", "loads_first", "halved_encode", "one_part")
+    assert "--ablate --variants default " + " ".join(names) in calls[0]
+    assert "--out bench/results/fused_levers.json" in calls[0]
     from bench import fused
-    for name in ("own_from_smem", "per_source", "store_at_end"):
+    for name in names:
         assert not any(k.startswith("ablate=") for k in fused.VARIANTS[name][0])   # checked
 
 

@@ -56,8 +56,8 @@ decoded (the same values). With sum_first it is the FP8 codecs' default (`FP8_DE
 `FusedConfig.own_from_smem` (P = 2): this device's own wire tile is decoded from the
 shared-memory staging it was encoded into, one step later, instead of being stored to its
 own receive slot and loaded back (per device, 2 × the wire's bytes less HBM traffic; the
-staging slots become three, the receive slots none). Lowered and tested on CPU; to be
-checked and timed on a GPU (`bash bench/gpu_run.sh fused_levers`), an option until then.
+staging slots become three, the receive slots none). The FP8 codecs' default at P = 2
+(`OWN_FROM_SMEM_P`; measured, see there).
 
 `FusedConfig.ablate` is a measurement knob (`ABLATIONS`: a stage of the per-tile work left
 out or done twice; wrong results) for `python -m bench.fused --ablate`, which times the
@@ -212,18 +212,28 @@ SLIM_2_PER_SM = FusedConfig(x_slots=1, out_store="registers", per_sm=2)
 FP8_DECODE = dict(store_parts=True, decode="sum_first")
 
 
+# P = 2, the FP8 codecs: this device's tile decoded from its staging. Measured side by side
+# in loopback, bf16, on SLIM_2_PER_SM + FP8_DECODE (bench/results/fused_ablation_store.json):
+# 25.8 / 90.3 / 337.5 µs per device at 16 / 64 / 256 MiB against 27.4 / 101.0 / 385.5 from
+# its own receive slot; loopback checks pass, bf16 and f32, 1 KiB … 1 GiB
+# (fused_loopback_checks_p2.json).
+OWN_FROM_SMEM_P = (2,)
+
+
 def default_config(codec, p: int, in_dtype) -> FusedConfig:
     """The one-shot kernel's launch shape when none is given. The FP8 codecs: FP8_DECODE, on
     SLIM_2_PER_SM where two programs fit (16-bit input; f32 input's staging does not fit
-    twice). echo4: FusedConfig(), the shape its loopback checks passed with."""
+    twice), and at P = 2 own_from_smem. echo4: FusedConfig(), the shape its loopback checks
+    passed with."""
     if not isinstance(tile_codec(codec), TacoTiles):
         return FusedConfig()
-    slim = dataclasses.replace(SLIM_2_PER_SM, **FP8_DECODE)
+    fp8 = dict(FP8_DECODE, own_from_smem=p in OWN_FROM_SMEM_P)
+    slim = dataclasses.replace(SLIM_2_PER_SM, **fp8)
     if jnp.dtype(in_dtype).itemsize == 2:
         need = 2 * (smem_bytes(p, codec, in_dtype, cfg=slim) + SMEM_RESERVED)
         if need <= SMEM_PER_SM:
             return slim
-    return FusedConfig(**FP8_DECODE)
+    return FusedConfig(**fp8)
 
 
 # -- how a peer is addressed ------------------------------------------------------------------
