@@ -152,7 +152,10 @@ def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_s
         return None
     base = (fused_allreduce.default_config(codec, p, dtype)
             if codec is not None and kernel == "one_shot" else fused_allreduce.FusedConfig())
-    return dataclasses.replace(base, **kw)
+    try:
+        return dataclasses.replace(base, **kw)
+    except ValueError as e:
+        raise SystemExit(f"bench.fused: --config {' '.join(pairs)} at P={p}: {e}") from None
 
 
 def emulated_two_shot(xs, codec, wrong: str | None = None):
@@ -510,7 +513,10 @@ VARIANTS = {
     "no_peer_stores": (["ablate=no_peer_stores"], "− the P − 1 stores to peers"),
     "no_decode": (["ablate=no_decode"], "− the decode (loads kept)"),
     "no_encode": (["ablate=no_encode"], "− the encode and its staging"),
-    "loads_first": (["order=loads_first"], "loads of tile i − 1 before encoding tile i"),
+    # own_from_smem with loads_first fails its checks (FusedConfig refuses the pair)
+    "loads_first": (["order=loads_first", "own_from_smem=false"],
+                    "loads of tile i − 1 before encoding tile i (this device's tile from its "
+                    "slot)"),
     "one_per_sm": (["x_slots=2", "out_store=tma", "per_sm=1"],
                    "double-buffered input, results by TMA, 1 program per SM"),
     "slim_2_per_sm": (["x_slots=1", "out_store=registers", "per_sm=2"],

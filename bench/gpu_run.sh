@@ -43,10 +43,9 @@
 #                  table of differences to the default (~290 s)
 #   fused_levers   python -m bench.fused --ablate: the one-launch kernel's levers side by
 #                  side with the default, each checked: this device's tile stored to its
-#                  own slot and loaded back (not decoded from its staging), the loads of
-#                  tile i − 1 before the encode of tile i, the encode in two column
-#                  halves, the decode in one column pass; P = 2 loopback, bf16, 16 / 64 /
-#                  256 MiB → bench/results/fused_levers.json (~220 s)
+#                  own slot and loaded back (not decoded from its staging), the encode in
+#                  two column halves, the decode in one column pass; P = 2 loopback, bf16,
+#                  16 / 64 / 256 MiB → bench/results/fused_levers.json (~180 s)
 #   fused_echo4_own  python -m bench.fused --codec echo4 --config own_from_smem=true: echo4's
 #                  P = 2 loopback checks (bf16, f32, 1 KiB … 256 MiB, 5 calls) and timing
 #                  (bf16, 16 / 64 / 256 MiB) with this device's tile decoded from its
@@ -56,7 +55,7 @@
 #                  two-shot's loopback device time per device, P = 4 and 8, bf16, 16 / 64 /
 #                  256 MiB (checked first), beside the three-launch two-shot's kernels for
 #                  one device (compress, reduce, decompress)
-#                  → bench/results/fused_two_shot_loopback.json (~150 s)
+#                  → bench/results/fused_two_shot_loopback.json (~320 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
 #                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
 #                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
@@ -155,14 +154,14 @@ for s in "$@"; do
                 --out bench/results/fused_loopback.json
               step loopback_loads_first 300 python -m bench.fused --p 2 4 --dtypes bf16 \
                 --time --sizes 1MiB+5 16MiB 64MiB 256MiB --isolate group --calls 2 \
-                --timeout 90 --config order=loads_first \
+                --timeout 90 --config order=loads_first own_from_smem=false \
                 --out bench/results/fused_loopback_loads_first.json ;;
     fused_ablate) step fused_ablate "${FUSED_ABLATE_S:-300}" python -m bench.fused --ablate \
                     --variants default no_sync no_signal no_peer_stores no_decode no_encode \
                     decode_twice encode_twice --isolate group --timeout 20 \
                     --out bench/results/fused_ablation.json ;;
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
-                    from_own_slot loads_first halved_encode one_part --isolate group \
+                    from_own_slot halved_encode one_part --isolate group \
                     --timeout 30 --out bench/results/fused_levers.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
@@ -176,7 +175,7 @@ for s in "$@"; do
                        --p 2 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB --isolate group \
                        --calls 1 --timeout 90 --config own_from_smem=true \
                        --out bench/results/fused_echo4_loopback_own.json ;;
-    fused_two_shot_time) step fused_two_shot_time 240 python -m bench.fused --kernel two_shot \
+    fused_two_shot_time) step fused_two_shot_time 420 python -m bench.fused --kernel two_shot \
                            --p 4 8 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB --calls 1 \
                            --isolate group --timeout 90 \
                            --out bench/results/fused_two_shot_loopback.json ;;

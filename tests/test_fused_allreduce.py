@@ -571,7 +571,7 @@ def test_echo4_reference_keeps_non_finite_groups_nan():
     (fa.default_config(TACO, 2, jnp.bfloat16), jnp.bfloat16),
     (fa.default_config(TACO, 2, jnp.float32), jnp.float32),
     (fa.FusedConfig(), jnp.bfloat16),                                   # results by TMA
-    (fa.FusedConfig(order="loads_first", parts=1), jnp.float16),
+    (fa.FusedConfig(parts=1), jnp.float16),
     (fa.FusedConfig(ablate="no_peer_stores"), jnp.bfloat16)])
 def test_own_from_smem_lowers_in_loopback_and_changes_the_kernel(cfg, dtype):
     own = dataclasses.replace(cfg, own_from_smem=True)
@@ -591,6 +591,12 @@ def test_own_from_smem_takes_one_receive_slot_less():
 def test_own_from_smem_is_refused_where_it_has_no_meaning():
     with pytest.raises(ValueError, match="own_from_smem=1"):
         fa.FusedConfig(own_from_smem=1)
+    # the pair failed its GPU checks: refused, not run
+    with pytest.raises(ValueError, match="own_from_smem=True, order='loads_first'"):
+        fa.FusedConfig(own_from_smem=True, order="loads_first")
+    with pytest.raises(ValueError, match="loads_first"):
+        dataclasses.replace(fa.default_config(TACO, 2, jnp.bfloat16), order="loads_first")
+    assert fa.FusedConfig(order="loads_first").order == "loads_first"
     with pytest.raises(ValueError, match="own_from_smem=True.*P=4"):
         fa.loopback_allreduce(jnp.ones((4, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(own_from_smem=True))

@@ -149,6 +149,10 @@ def test_config_pairs_apply_over_the_kernels_default():
     assert knob.own_from_smem
     assert not bench_fused.fused_config(["own_from_smem=false"], taco, 2,
                                         jnp.bfloat16).own_from_smem
+    with pytest.raises(SystemExit, match="order=loads_first at P=2: .*own_from_smem=True"):
+        bench_fused.fused_config(["order=loads_first"], taco, 2, jnp.bfloat16)
+    assert bench_fused.fused_config(["order=loads_first"], taco, 4, jnp.bfloat16).order == \
+        "loads_first"
     assert bench_fused.fused_config(["ablate=no_decode"], taco, 2, jnp.float32).per_sm == 1
     two = bench_fused.fused_config(["programs=8"], taco, 4, jnp.bfloat16, "two_shot")
     assert two == fa.FusedConfig(programs=8)

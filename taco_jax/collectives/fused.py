@@ -19,8 +19,10 @@ Schedules, by axis size P:
     between the compress and decode kernels. The two-shot quantizes each element at most
     twice, as the xla transport does; codec "none" is the exact one-shot. A two-shot in
     one kernel exists (`kernels.fused_two_shot.two_shot_allreduce`); its loopback checks
-    pass on an H200 at P = 3, 4 and 8 (`python -m bench.fused --kernel two_shot`), but it is
-    not selected until timed against this path (`bash bench/gpu_run.sh fused_two_shot_time`).
+    pass on an H200 at P = 3, 4 and 8 (`python -m bench.fused --kernel two_shot`), but its
+    compute is 1.6–3.1 × this path's kernels' at P = 4 and 8 (`bash bench/gpu_run.sh
+    fused_two_shot_time`), and only P GPUs can tell how much of the wire it hides, so it
+    is not selected.
 
 XLA zeroes a kernel's semaphores and runs a cross-device barrier before it (the kernels
 never set `skip_device_barrier`), so no store reaches a peer whose previous call is still

@@ -174,6 +174,12 @@ class FusedConfig:
         if not isinstance(self.own_from_smem, bool):
             raise ValueError(f"FusedConfig.own_from_smem={self.own_from_smem!r} must be True "
                              f"or False")
+        if self.own_from_smem and self.order == "loads_first":
+            # measured: results that differ between the devices in 3 of 12 loopback
+            # configurations (bench/results/fused_loopback_checks_p2_loads_first.json)
+            raise ValueError("FusedConfig(own_from_smem=True, order='loads_first'): this "
+                             "pair failed its GPU checks (the devices' results differ); use "
+                             "order='encode_first' or own_from_smem=False")
         if not isinstance(self.store_parts, bool):
             raise ValueError(f"FusedConfig.store_parts={self.store_parts!r} must be True or "
                              f"False")
