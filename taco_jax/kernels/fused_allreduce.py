@@ -116,7 +116,8 @@ class FusedConfig:
     parts: int = 2
     # "encode_first": per step, encode and store tile i, then wait for tile i − 1, load and
     # decode it (measured, bench/results/fused_loopback.json). "loads_first": signal and
-    # start loading tile i − 1 before encoding tile i, so the loads fly meanwhile.
+    # start loading tile i − 1 before encoding tile i, so the loads fly meanwhile (not with
+    # own_from_smem: that pair failed its GPU checks and is refused).
     order: str = "encode_first"
     # Shared memory per program, so that 2 programs fit per multiprocessor (`per_sm=2`):
     # input tiles staged (None: the tile codec's: 2, double-buffered; 1 for f32 input to
