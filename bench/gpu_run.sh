@@ -46,6 +46,10 @@
 #                  own slot and loaded back (not decoded from its staging), the encode in
 #                  two column halves, the decode in one column pass; P = 2 loopback, bf16,
 #                  16 / 64 / 256 MiB → bench/results/fused_levers.json (~180 s)
+#   fused_p2       python -m bench.fused --p 2: the default launch's P = 2 loopback checks
+#                  (bf16, f32, 1 KiB … 1 GiB, 5 calls) and, if they pass, its timing (bf16,
+#                  16 / 64 / 256 MiB) → bench/results/fused_loopback_checks_p2.json,
+#                  fused_loopback.json (~190 s): what a change to the kernel needs first
 #   fused_echo4_own  python -m bench.fused --codec echo4 --config own_from_smem=true: echo4's
 #                  P = 2 loopback checks (bf16, f32, 1 KiB … 256 MiB, 5 calls) and timing
 #                  (bf16, 16 / 64 / 256 MiB) with this device's tile decoded from its
@@ -167,6 +171,12 @@ for s in "$@"; do
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
                       --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 45 \
                       --fail-fast --out bench/results/fused_two_shot_checks.json ;;
+    fused_p2) step fused_p2_checks 240 python -m bench.fused --p 2 --isolate group --calls 5 \
+                --timeout 80 --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB \
+                --out bench/results/fused_loopback_checks_p2.json \
+              && step fused_p2_time 150 python -m bench.fused --p 2 --dtypes bf16 --time \
+                --sizes 16MiB 64MiB 256MiB --isolate group --calls 1 --timeout 90 \
+                --out bench/results/fused_loopback.json ;;
     fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
                        --p 2 --isolate group --calls 5 --timeout 60 \
                        --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --config own_from_smem=true \

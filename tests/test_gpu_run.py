@@ -96,6 +96,15 @@ def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
         assert "--sizes 16MiB 1KiB 1MiB+5 64MiB" in two
 
 
+def test_fused_p2_checks_the_default_then_times_it(tmp_path):
+    r, calls = run_fake(tmp_path, ["fused_p2"], "bench.fused")
+    assert r.returncode == 0 and len(calls) == 2
+    assert all("--p 2" in c and "--config" not in c for c in calls)
+    timed = [bool(re.search(r"--time(\s|$)", c)) for c in calls]
+    assert "--calls 5" in calls[0] and "1024MiB" in calls[0] and timed == [False, True]
+    assert "fused_loopback_checks_p2.json" in calls[0] and "fused_loopback.json" in calls[1]
+
+
 def test_fused_echo4_own_checks_then_times_echo4_decoding_its_staging(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_echo4_own"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 2
