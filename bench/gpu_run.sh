@@ -42,7 +42,8 @@
 #                  default (a stage left out or done twice; timed, not checked), with the
 #                  table of differences to the default (~290 s)
 #   fused_levers   python -m bench.fused --ablate: the one-launch kernel's levers side by
-#                  side with the default, each checked: this device's tile stored to its
+#                  side with the default, each checked on 3 calls (one call let a race
+#                  through that five showed): this device's tile stored to its
 #                  own slot and loaded back (not decoded from its staging), the encode in
 #                  two column halves, the decode in one column pass; P = 2 loopback, bf16,
 #                  16 / 64 / 256 MiB → bench/results/fused_levers.json (~180 s)
@@ -165,8 +166,8 @@ for s in "$@"; do
                     decode_twice encode_twice --isolate group --timeout 20 \
                     --out bench/results/fused_ablation.json ;;
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
-                    from_own_slot halved_encode one_part --isolate group \
-                    --timeout 30 --out bench/results/fused_levers.json ;;
+                    from_own_slot halved_encode one_part --isolate group --calls 3 \
+                    --timeout 40 --out bench/results/fused_levers.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
                       --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 45 \

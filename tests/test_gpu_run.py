@@ -127,7 +127,7 @@ def test_fused_levers_time_the_levers_checked(tmp_path):
     assert r.returncode == 0 and len(calls) == 1
     names = ("from_own_slot", "halved_encode", "one_part")
     assert "--ablate --variants default " + " ".join(names) in calls[0]
-    assert "--out bench/results/fused_levers.json" in calls[0]
+    assert "--out bench/results/fused_levers.json" in calls[0] and "--calls 3" in calls[0]
     from bench import fused
     for name in names:
         assert not any(k.startswith("ablate=") for k in fused.VARIANTS[name][0])   # checked
