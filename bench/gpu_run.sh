@@ -114,6 +114,19 @@ no_fused() {
   echo "=== the fused transport failed its check: later steps leave it out"
 }
 
+# The one-shot kernel's loopback at its default launch: the checks at P (5 calls on fresh
+# inputs, bf16 and f32, 1 KiB … 1 GiB), and the P = 2 timing.
+loopback_checks() {  # loopback_checks P
+  step "loopback_p$1" 400 python -m bench.fused --p "$1" --isolate group --calls 5 \
+    --timeout 80 --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB \
+    --out "bench/results/fused_loopback_checks_p$1.json"
+}
+loopback_time() {
+  step loopback_time 300 python -m bench.fused --p 2 --dtypes bf16 --time \
+    --sizes 16MiB 64MiB 256MiB --isolate group --calls 1 --timeout 90 \
+    --out bench/results/fused_loopback.json
+}
+
 for s in "$@"; do
   case $s in
     kernels) step kernels 540 python -m bench.kernels --codecs taco echo4 ;;
@@ -151,12 +164,9 @@ for s in "$@"; do
              --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --timeout 100 \
              --out bench/results/fused_2gpu.json || no_fused ;;
     loopback) for P in 2 4 8; do    # all of them took ~9 min on one H200 at 44319c9
-                step loopback_p$P 400 python -m bench.fused --p $P --isolate group \
-                  --calls 5 --timeout 80 --out bench/results/fused_loopback_checks_p$P.json
+                loopback_checks $P
               done
-              step loopback_time 300 python -m bench.fused --p 2 --dtypes bf16 --time \
-                --sizes 16MiB 64MiB 256MiB --isolate group --calls 1 --timeout 90 \
-                --out bench/results/fused_loopback.json
+              loopback_time
               step loopback_loads_first 300 python -m bench.fused --p 2 4 --dtypes bf16 \
                 --time --sizes 1MiB+5 16MiB 64MiB 256MiB --isolate group --calls 2 \
                 --timeout 90 --config order=loads_first own_from_smem=false \
@@ -172,12 +182,7 @@ for s in "$@"; do
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
                       --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 45 \
                       --fail-fast --out bench/results/fused_two_shot_checks.json ;;
-    fused_p2) step fused_p2_checks 240 python -m bench.fused --p 2 --isolate group --calls 5 \
-                --timeout 80 --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB \
-                --out bench/results/fused_loopback_checks_p2.json \
-              && step fused_p2_time 150 python -m bench.fused --p 2 --dtypes bf16 --time \
-                --sizes 16MiB 64MiB 256MiB --isolate group --calls 1 --timeout 90 \
-                --out bench/results/fused_loopback.json ;;
+    fused_p2) loopback_checks 2 && loopback_time ;;
     fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
                        --p 2 --isolate group --calls 5 --timeout 60 \
                        --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --config own_from_smem=true \

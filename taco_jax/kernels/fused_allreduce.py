@@ -57,7 +57,7 @@ decoded (the same values). With sum_first it is the FP8 codecs' default (`FP8_DE
 shared-memory staging it was encoded into, one step later, instead of being stored to its
 own receive slot and loaded back (per device, 2 × the wire's bytes less HBM traffic; the
 staging slots become three, the receive slots none). The FP8 codecs' default at P = 2
-(`OWN_FROM_SMEM_P`; measured, see there).
+(measured, see `default_config`).
 
 `FusedConfig.ablate` is a measurement knob (`ABLATIONS`: a stage of the per-tile work left
 out or done twice; wrong results) for `python -m bench.fused --ablate`, which times the
@@ -212,7 +212,7 @@ SLIM_2_PER_SM = FusedConfig(x_slots=1, out_store="registers", per_sm=2)
 
 # The FP8 codecs' decode: each column part stored once summed, and the P accumulators summed
 # before one butterfly. Measured side by side at P = 2 in loopback, bf16, on SLIM_2_PER_SM
-# (bench/results/fused_ablation_store.json): 27.4 / 100.5 / 386.9 µs per device at 16 / 64 /
+# (bench/results/fused_ablation_store.json as of commit 8aa8ef6): 27.4 / 100.5 / 386.9 µs per device at 16 / 64 /
 # 256 MiB against 31.0 / 110.6 / 420.7 without either, 28.6 / 106.0 / 406.9 with store_parts
 # alone, 29.9 / 108.3 / 412.4 with sum_first alone; loopback checks pass with both at P = 2,
 # 4, 8, bf16 and f32 (fused_loopback_checks_p*.json).
@@ -223,10 +223,7 @@ FP8_DECODE = dict(store_parts=True, decode="sum_first")
 # in loopback, bf16, on SLIM_2_PER_SM + FP8_DECODE (bench/results/fused_ablation_store.json):
 # 25.8 / 90.3 / 337.5 µs per device at 16 / 64 / 256 MiB against 27.4 / 101.0 / 385.5 from
 # its own receive slot; loopback checks pass, bf16 and f32, 1 KiB … 1 GiB
-# (fused_loopback_checks_p2.json).
-OWN_FROM_SMEM_P = (2,)
-
-
+# (fused_loopback_checks_p2.json). Above P = 2 there is no such option.
 def default_config(codec, p: int, in_dtype) -> FusedConfig:
     """The one-shot kernel's launch shape when none is given. The FP8 codecs: FP8_DECODE, on
     SLIM_2_PER_SM where two programs fit (16-bit input; f32 input's staging does not fit
@@ -234,7 +231,7 @@ def default_config(codec, p: int, in_dtype) -> FusedConfig:
     passed with."""
     if not isinstance(tile_codec(codec), TacoTiles):
         return FusedConfig()
-    fp8 = dict(FP8_DECODE, own_from_smem=p in OWN_FROM_SMEM_P)
+    fp8 = dict(FP8_DECODE, own_from_smem=p == 2)
     slim = dataclasses.replace(SLIM_2_PER_SM, **fp8)
     if jnp.dtype(in_dtype).itemsize == 2:
         need = 2 * (smem_bytes(p, codec, in_dtype, cfg=slim) + SMEM_RESERVED)
