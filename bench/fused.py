@@ -536,6 +536,15 @@ VARIANTS = {
     "from_own_slot": (["own_from_smem=false"],
                       "this device's tile stored to its own slot and loaded back (not "
                       "decoded from its staging)"),
+    "own_first": (["own_first=true"],
+                  "this device's tile transformed first, the two parts added once (not in "
+                  "device order)"),
+    "interleaved": (["loopback=interleaved"],
+                    "virtual device d is programs d, d + P, … (not a block of programs)"),
+    "paired": (["loopback=paired"],
+               "virtual devices take consecutive pairs of programs in turn"),
+    "paired_own_first": (["loopback=paired", "own_first=true"], "paired and own_first"),
+    "blocked": (["loopback=blocked"], "virtual device d is programs d·n … d·n + n − 1"),
     "one_part": (["parts=1"], "the decode in one column pass (not two halves)"),
     "halved_encode": (["encode_parts=2"],
                       "the encode in two column halves (three transforms, half the "

@@ -603,3 +603,51 @@ def test_own_from_smem_is_refused_where_it_has_no_meaning():
     with pytest.raises(ValueError, match="own_from_smem=True"):
         fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(own_from_smem=True))
+
+
+# -- loopback placement: which programs make a virtual device ------------------------------------
+@pytest.mark.parametrize("placement", fa.LOOPBACK_PLACEMENTS)
+@pytest.mark.parametrize("p,n", [(2, 132), (2, 7), (4, 66), (8, 33), (3, 1)])
+def test_loopback_placement_is_a_bijection_of_the_grid(placement, p, n):
+    g = np.arange(p * n)
+    d, b = fa.loopback_ids(g, p, n, placement)
+    assert ((0 <= d) & (d < p) & (0 <= b) & (b < n)).all()
+    assert len(set(zip(d.tolist(), b.tolist()))) == p * n
+
+
+def test_loopback_placements_differ_as_documented():
+    g = np.arange(8)
+    assert fa.loopback_ids(g, 2, 4, "blocked")[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert fa.loopback_ids(g, 2, 4, "interleaved")[0].tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    d, b = fa.loopback_ids(g, 2, 4, "paired")
+    assert d.tolist() == [0, 0, 1, 1, 0, 0, 1, 1] and b.tolist() == [0, 1, 0, 1, 2, 3, 2, 3]
+
+
+@pytest.mark.parametrize("placement", ["interleaved", "paired"])
+def test_loopback_placement_lowers_and_changes_the_kernel(placement):
+    cfg = fa.default_config(TACO, 2, jnp.bfloat16)
+    text = lowered_loopback(2, jnp.bfloat16, dataclasses.replace(cfg, loopback=placement))
+    assert text.count("taco_fused_allreduce") >= 1
+    assert text != lowered_loopback(2, jnp.bfloat16, cfg)
+
+
+def test_loopback_placement_is_checked():
+    with pytest.raises(ValueError, match="loopback='spread'"):
+        fa.FusedConfig(loopback="spread")
+
+
+# -- own_first: this device's tile transformed before the peer's ---------------------------------
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_own_first_lowers_and_changes_the_kernel(dtype):
+    cfg = fa.default_config(TACO, 2, dtype)
+    text = lowered_loopback(2, dtype, dataclasses.replace(cfg, own_first=True))
+    assert text.count("taco_fused_allreduce") >= 1
+    assert text != lowered_loopback(2, dtype, cfg)
+
+
+@pytest.mark.parametrize("change", [dict(own_from_smem=False), dict(decode="per_source"),
+                                    dict(store_parts=False), dict(ablate="no_decode")])
+def test_own_first_is_refused_without_what_it_needs(change):
+    cfg = dict(fa.default_config(TACO, 2, jnp.bfloat16).__dict__, own_first=True)
+    with pytest.raises(ValueError, match="own_first=True"):
+        fa.FusedConfig(**{**cfg, **change})

@@ -313,7 +313,7 @@ def loopback_two_shot(xs, codec, cfg: FusedConfig | None = None):
     if xs.size == 0:
         return xs
     blocks, seg_tiles = _segments(xs.reshape(p, -1), p)
-    peers = Loopback(p, cfg.grid(seg_tiles, p), phases=2)
+    peers = Loopback(p, cfg.grid(seg_tiles, p), phases=2, placement=cfg.loopback)
     y = _launch_two_shot(blocks, codec, xs.dtype, peers, cfg)
     return jax.vmap(lambda v: codecs.from_blocks(v, xs.shape[1:]))(y)
 
