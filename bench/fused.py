@@ -177,11 +177,11 @@ def emulated_two_shot(xs, codec, wrong: str | None = None):
 
 
 def implementation(name: str, codec, wrong: str | None, p: int, config=None,
-                   kernel: str = "one_shot"):
+                   kernel: str = "one_shot", dtype=jnp.bfloat16):
     """The all-reduce under test: (P, n) → (P, n), row d what device d computed."""
     if name == "kernel":
         from taco_jax.kernels import fused_allreduce, fused_two_shot
-        fused_config(config)                       # a bad --config fails here, not traced
+        fused_config(config, codec, p, dtype, kernel)   # a bad --config fails here, not traced
         fn = {"one_shot": fused_allreduce.loopback_allreduce,
               "two_shot": fused_two_shot.loopback_two_shot}[kernel]
         return jax.jit(lambda xs: fn(xs, codec, fused_config(config, codec, p, xs.dtype,
@@ -299,7 +299,7 @@ def run_config(a) -> dict:
     n = max(1, nbytes // jnp.dtype(dtype).itemsize)
     kernel = getattr(a, "kernel", "one_shot")
     two = kernel == "two_shot"
-    fn = implementation(a.impl, codec, a.wrong_exchange, p, a.config, kernel)
+    fn = implementation(a.impl, codec, a.wrong_exchange, p, a.config, kernel, dtype)
     ref = xla_transport(p, codec)
     model = None
     if two:
@@ -311,7 +311,8 @@ def run_config(a) -> dict:
            "variant": getattr(a, "variant", None) or "default",
            "kernel": label + "_two_shot" if two else label}
     # a measurement knob makes the results wrong on purpose: such a variant is timed only
-    checked = getattr(fused_config(a.config), "ablate", "none") == "none"   # knobs: any base
+    checked = getattr(fused_config(a.config, codec, p, dtype, kernel), "ablate",
+                      "none") == "none"
     row["checked"] = checked
     if not checked:
         row.update(ok=True, reason=None, calls=0)

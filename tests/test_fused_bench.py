@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
 from bench import fused as bench_fused
+from taco_jax import codecs
 
 SMALL = ["--sizes", "1KiB", "3KiB+5", "--dtypes", "bf16", "--calls", "2",
          "--isolate", "group", "--impl", "emulated"]
@@ -183,10 +185,13 @@ def test_ablation_table_takes_differences_to_the_default():
 
 def test_every_variant_names_fused_config_fields():
     from taco_jax.kernels import fused_allreduce
-    for name, (pairs, _) in bench_fused.VARIANTS.items():
-        cfg = bench_fused.fused_config(pairs) or fused_allreduce.FusedConfig()
+    taco = codecs.get("taco")
+    for name, (pairs, _) in bench_fused.VARIANTS.items():     # as --ablate runs them
+        cfg = (bench_fused.fused_config(pairs, taco, 2, jnp.bfloat16)
+               or fused_allreduce.FusedConfig())
         assert (cfg.ablate != "none") == name.startswith(("no_", "encode_", "decode_"))
-    knobs = {(bench_fused.fused_config(pairs) or fused_allreduce.FusedConfig()).ablate
+    knobs = {(bench_fused.fused_config(pairs, taco, 2, jnp.bfloat16)
+              or fused_allreduce.FusedConfig()).ablate
              for pairs, _ in bench_fused.VARIANTS.values()}
     assert knobs == set(fused_allreduce.ABLATIONS)          # every knob is timed
 
