@@ -36,9 +36,8 @@ transport's reported beside it. `--fail-fast` runs nothing more after a hang or 
 
 `--ablate` times the one-shot kernel's VARIANTS side by side (P = 2, bf16, 16/64/256 MiB
 by default): measurement knobs (`FusedConfig.ablate`: a stage left out or done twice;
-timed, not checked, as their results are wrong on purpose), loads_first, and half the
-shared memory at one and two programs per multiprocessor (checked), then prints each
-variant's per-device time and its difference to the default's ("ablation" in the JSON).
+timed, not checked, as their results are wrong on purpose) and the launch shape's levers
+(checked), then prints each variant's per-device time and its difference to the default's ("ablation" in the JSON).
 
 On CPU (tests) `--impl emulated` stands a jnp model of the kernel's exchange in for the
 kernel, and `--wrong-exchange slot|stale` breaks that exchange, so the checks can be seen
@@ -129,7 +128,7 @@ def on_mesh(p: int, codec):
 
 
 def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_shot"):
-    """["order=loads_first", "programs=32"] → kernels.fused_allreduce.FusedConfig: those
+    """["decode=sum_first", "programs=32"] → kernels.fused_allreduce.FusedConfig: those
     fields over the kernel's own default for this call (`fused_allreduce.default_config`;
     the two-shot's: FusedConfig()); none → None (the kernel's default, as the collectives
     call it)."""
@@ -514,10 +513,6 @@ VARIANTS = {
     "no_peer_stores": (["ablate=no_peer_stores"], "− the P − 1 stores to peers"),
     "no_decode": (["ablate=no_decode"], "− the decode (loads kept)"),
     "no_encode": (["ablate=no_encode"], "− the encode and its staging"),
-    # own_from_smem with loads_first fails its checks (FusedConfig refuses the pair)
-    "loads_first": (["order=loads_first", "own_from_smem=false"],
-                    "loads of tile i − 1 before encoding tile i (this device's tile from its "
-                    "slot)"),
     "one_per_sm": (["x_slots=2", "out_store=tma", "per_sm=1"],
                    "double-buffered input, results by TMA, 1 program per SM"),
     "slim_2_per_sm": (["x_slots=1", "out_store=registers", "per_sm=2"],
@@ -537,15 +532,6 @@ VARIANTS = {
     "from_own_slot": (["own_from_smem=false"],
                       "this device's tile stored to its own slot and loaded back (not "
                       "decoded from its staging)"),
-    "own_first": (["own_first=true"],
-                  "this device's tile transformed first, the two parts added once (not in "
-                  "device order)"),
-    "interleaved": (["loopback=interleaved"],
-                    "virtual device d is programs d, d + P, … (not a block of programs)"),
-    "paired": (["loopback=paired"],
-               "virtual devices take consecutive pairs of programs in turn"),
-    "paired_own_first": (["loopback=paired", "own_first=true"], "paired and own_first"),
-    "blocked": (["loopback=blocked"], "virtual device d is programs d·n … d·n + n − 1"),
     "one_part": (["parts=1"], "the decode in one column pass (not two halves)"),
     "halved_encode": (["encode_parts=2"],
                       "the encode in two column halves (three transforms, half the "
@@ -661,7 +647,7 @@ def main(argv=None) -> int:
                          "taco_jax.psum(transport='fused') over P GPUs; emulated: a jnp "
                          "model of the kernel (default elsewhere)")
     ap.add_argument("--config", nargs="+", metavar="KEY=VALUE", default=None,
-                    help="FusedConfig fields of the loopback kernel, e.g. order=loads_first")
+                    help="FusedConfig fields of the loopback kernel, e.g. programs=66")
     ap.add_argument("--kernel", choices=["one_shot", "two_shot"], default="one_shot",
                     help="one_shot: the one-launch kernel (rows 'one_launch'); two_shot: "
                          "the one-launch two-shot (rows 'one_launch_two_shot'; built, not "

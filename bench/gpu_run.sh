@@ -35,8 +35,7 @@
 #                  timed against lax.psum. Run it first: when it fails, the later steps
 #                  leave the fused transport out (and say so)
 #   loopback       python -m bench.fused: the same kernel on one GPU for P = 2, 4, 8 virtual
-#                  devices (checks), and at P = 2 its device time and two-GPU projection;
-#                  the loads_first order (FusedConfig.order) checked and timed beside it
+#                  devices (checks), and at P = 2 its device time and two-GPU projection
 #   fused_ablate   python -m bench.fused --ablate: the one-launch kernel's stage knobs at
 #                  16, 64 and 256 MiB (P = 2 loopback, bf16) timed side by side with the
 #                  default (a stage left out or done twice; timed, not checked), with the
@@ -166,11 +165,7 @@ for s in "$@"; do
     loopback) for P in 2 4 8; do    # all of them took ~9 min on one H200 at 44319c9
                 loopback_checks $P
               done
-              loopback_time
-              step loopback_loads_first 300 python -m bench.fused --p 2 4 --dtypes bf16 \
-                --time --sizes 1MiB+5 16MiB 64MiB 256MiB --isolate group --calls 2 \
-                --timeout 90 --config order=loads_first own_from_smem=false \
-                --out bench/results/fused_loopback_loads_first.json ;;
+              loopback_time ;;
     fused_ablate) step fused_ablate "${FUSED_ABLATE_S:-300}" python -m bench.fused --ablate \
                     --variants default no_sync no_signal no_peer_stores no_decode no_encode \
                     decode_twice encode_twice --isolate group --timeout 20 \

@@ -126,8 +126,8 @@ def test_mesh_mode_checks_and_times_the_transport(monkeypatch):
 
 
 def test_config_pairs_name_fused_config_fields():
-    cfg = bench_fused.fused_config(["order=loads_first", "programs=8"])
-    assert cfg.order == "loads_first" and cfg.programs == 8 and cfg.parts == 2
+    cfg = bench_fused.fused_config(["decode=sum_first", "programs=8"])
+    assert cfg.decode == "sum_first" and cfg.programs == 8 and cfg.parts == 2
     with pytest.raises(SystemExit, match="'steps=2': not a FusedConfig field"):
         bench_fused.fused_config(["steps=2"])
     assert bench_fused.fused_config([]) is None            # the kernel's own default
@@ -151,10 +151,9 @@ def test_config_pairs_apply_over_the_kernels_default():
     assert knob.own_from_smem
     assert not bench_fused.fused_config(["own_from_smem=false"], taco, 2,
                                         jnp.bfloat16).own_from_smem
-    with pytest.raises(SystemExit, match="order=loads_first at P=2: .*own_from_smem=True"):
-        bench_fused.fused_config(["order=loads_first"], taco, 2, jnp.bfloat16)
-    assert bench_fused.fused_config(["order=loads_first"], taco, 4, jnp.bfloat16).order == \
-        "loads_first"
+    with pytest.raises(SystemExit, match="per_sm=5 at P=2: .*must be 1, 2, 3 or 4"):
+        bench_fused.fused_config(["per_sm=5"], taco, 2, jnp.bfloat16)
+    assert not bench_fused.fused_config(["parts=1"], taco, 4, jnp.bfloat16).own_from_smem
     assert bench_fused.fused_config(["ablate=no_decode"], taco, 2, jnp.float32).per_sm == 1
     two = bench_fused.fused_config(["programs=8"], taco, 4, jnp.bfloat16, "two_shot")
     assert two == fa.FusedConfig(programs=8)

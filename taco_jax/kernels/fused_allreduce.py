@@ -102,7 +102,6 @@ ABLATIONS = {
     "no_signal": "no semaphore signal or wait (stores still waited for)",
     "no_sync": "no semaphore signal or wait, no wait for the stores to land",
 }
-LOOPBACK_PLACEMENTS = ("blocked", "interleaved", "paired")   # FusedConfig.loopback
 SMEM_PER_SM = 228 * 1024     # Hopper: shared memory per multiprocessor …
 SMEM_RESERVED = 1024         # … of which each resident program's runtime takes this
 
@@ -115,11 +114,6 @@ class FusedConfig:
     column passes (2 halves the registers a thread holds while P tiles are summed)."""
     programs: int | None = None
     parts: int = 2
-    # "encode_first": per step, encode and store tile i, then wait for tile i − 1, load and
-    # decode it (measured, bench/results/fused_loopback.json). "loads_first": signal and
-    # start loading tile i − 1 before encoding tile i, so the loads fly meanwhile (not with
-    # own_from_smem: that pair failed its GPU checks and is refused).
-    order: str = "encode_first"
     # Shared memory per program, so that 2 programs fit per multiprocessor (`per_sm=2`):
     # input tiles staged (None: the tile codec's: 2, double-buffered; 1 for f32 input to
     # the FP8 codecs, whose bf16 copy of the tile takes the second slot's room) and
@@ -155,29 +149,12 @@ class FusedConfig:
     # receive slot and loaded back: 2 × the wire's bytes less HBM traffic a device, one
     # receive slot less, and a warpgroup barrier per tile before the staging is rewritten.
     own_from_smem: bool = False
-    # True (with own_from_smem, decode="sum_first", store_parts): per column part, this
-    # device's tile is transformed first, while the peer's copy may still be in flight, and
-    # the two gain-scaled accumulators are added once, rounded to nearest (`_sum_own_first`);
-    # False: the P tiles in device order, so device 1 waits for its peer's copy first.
-    own_first: bool = False
-    # Loopback only (`Loopback.ids`): which of the kernel's programs make virtual device d,
-    # i.e. which programs the block scheduler puts on one multiprocessor together. On GPUs
-    # of their own, the programs sharing a multiprocessor are one device's, on different
-    # tiles; in loopback, programs b of two devices are peers in lockstep (each waits for
-    # the other's signal), so where they share a multiprocessor their waits coincide and
-    # neither hides the other's. "blocked": device d is programs d·n … d·n + n − 1;
-    # "interleaved": programs d, d + P, d + 2P, …; "paired": consecutive pairs of
-    # programs, pair k on device k mod P (n odd: as "interleaved").
-    loopback: str = "blocked"
     # A measurement knob (ABLATIONS), "none" in use.
     ablate: str = "none"
 
     def __post_init__(self):
         if self.parts not in (1, 2):
             raise ValueError(f"FusedConfig.parts={self.parts} must be 1 or 2")
-        if self.order not in ("encode_first", "loads_first"):
-            raise ValueError(f"FusedConfig.order={self.order!r} must be 'encode_first' or "
-                             f"'loads_first'")
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"FusedConfig.programs={self.programs} must be >= 1")
         if self.x_slots not in (None, 1, 2):
@@ -190,16 +167,6 @@ class FusedConfig:
         if not isinstance(self.own_from_smem, bool):
             raise ValueError(f"FusedConfig.own_from_smem={self.own_from_smem!r} must be True "
                              f"or False")
-        if self.own_from_smem and self.order == "loads_first":
-            # measured: results that differ between the devices in 3 of 12 loopback
-            # configurations (bench/results/fused_loopback_checks_p2_loads_first.json)
-            raise ValueError("FusedConfig(own_from_smem=True, order='loads_first'): this "
-                             "pair failed its GPU checks (the devices' results differ); use "
-                             "order='encode_first' or own_from_smem=False")
-        if self.own_first and not (self.own_from_smem and self.decode == "sum_first"
-                                   and self.store_parts and self.ablate == "none"):
-            raise ValueError("FusedConfig(own_first=True) needs own_from_smem=True, "
-                             "decode='sum_first' and store_parts=True (and no ablate knob)")
         if not isinstance(self.store_parts, bool):
             raise ValueError(f"FusedConfig.store_parts={self.store_parts!r} must be True or "
                              f"False")
@@ -208,9 +175,6 @@ class FusedConfig:
         if self.decode not in ("per_source", "sum_first"):
             raise ValueError(f"FusedConfig.decode={self.decode!r} must be 'per_source' or "
                              f"'sum_first'")
-        if self.loopback not in LOOPBACK_PLACEMENTS:
-            raise ValueError(f"FusedConfig.loopback={self.loopback!r} must be one of "
-                             f"{', '.join(LOOPBACK_PLACEMENTS)}")
         if self.ablate not in ABLATIONS:
             raise ValueError(f"FusedConfig.ablate={self.ablate!r} must be one of "
                              f"{', '.join(ABLATIONS)}")
@@ -296,26 +260,13 @@ class Remote:
         pl.semaphore_wait(sems.at[phase * self.p + src], 1)
 
 
-def loopback_ids(g, p: int, n: int, placement: str):
-    """Program g of a loopback grid of P·n → (virtual device, its program b): a bijection
-    onto [0, P) × [0, n) for each placement (FusedConfig.loopback); g an int, array or
-    traced index."""
-    if placement == "blocked":
-        return g // n, g % n
-    if placement == "paired" and n % 2 == 0:
-        return (g // 2) % p, (g // (2 * p)) * 2 + g % 2
-    return g % p, g // p
-
-
 @dataclasses.dataclass(frozen=True)
 class Loopback:
-    """P virtual devices on this GPU, nprog programs each, numbered by `placement`
-    (FusedConfig.loopback); `phases` handshakes per program (one semaphore per (phase,
-    receiver, sender, program))."""
+    """P virtual devices on this GPU: device d is programs d·nprog … (d+1)·nprog − 1;
+    `phases` handshakes per program (one semaphore per (phase, receiver, sender, program))."""
     p: int
     nprog: int
     phases: int = 1
-    placement: str = "blocked"
 
     @property
     def devices_here(self):
@@ -325,7 +276,8 @@ class Loopback:
         return self.p * self.nprog
 
     def ids(self):
-        return loopback_ids(lax.axis_index("prog"), self.p, self.nprog, self.placement)
+        g = lax.axis_index("prog")
+        return g // self.nprog, g % self.nprog
 
     def local(self, ref, me):
         return ref.at[me]
@@ -626,57 +578,13 @@ def _sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="no
     return [_zeros(vec, parts) if t is None else tiles.finish(t, vec, parts) for t in totals]
 
 
-@functools.cache
-def _add_rn_fn(parts: int):
-    """a + b of two column parts in the WGMMA layout (f32), each element by add.rn.f32:
-    never fused with the product that made either (so a + b and b + a are the same bits)."""
-    wgmma = plgpu.Layout.WGMMA
-    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.float32, wgmma)
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma), return_type=out)
-    def add_rn(ctx, a, b):
-        del ctx
-        f32 = ir.F32Type.get()
-        res = np.empty_like(a.registers)
-        for idx in np.ndindex(res.shape):
-            u, v = a.registers[idx], b.registers[idx]
-            n = ir.VectorType(u.type).shape[0]
-            res[idx] = vector.from_elements(u.type, [
-                mosaic.mgpu_utils.inline_ptx("add.rn.f32 $0, $1, $2;", mosaic._elem(u, k),
-                                             mosaic._elem(v, k), result_types=f32)
-                for k in range(n)])
-        return _jax_private.fragmented_array(res, a.layout, is_signed=None)
-    return add_rn
-
-
-def _sum_own_first(r_wire, tiles, consts, vec, parts, own_slot, peer, emit):
-    """P = 2, decode="sum_first" (FusedConfig.own_first): emit(part, Σ of the two wire
-    tiles' decoded part). Per column part this device's tile (r_wire[own_slot], nothing to
-    wait for) is transformed and scaled first, then the peer's (peer: (slot, wait), waited
-    for before the first part); the two are added once by add.rn. IEEE addition commutes
-    and neither product is fused into the sum, so every device gets the bits of the
-    device-order sum v₀ + v₁."""
-    row = tiles.row_bytes
-    peer_slot, peer_wait = peer
-
-    def scaled(slot, part):
-        wire = tiles.load(r_wire.at[slot].reshape(ROWS, row), part, parts)
-        return tiles.decode_add(wire, consts, vec, part, parts)
-
-    for part in range(parts):
-        mine = scaled(own_slot, part)
-        if part == 0:
-            peer_wait()
-        emit(part, tiles.finish(_add_rn_fn(parts)(mine, scaled(peer_slot, part)), vec, parts))
-
-
 # -- the kernel ---------------------------------------------------------------------------------
 def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_smem, y_smem,
                  c_smem, x_bar, h_bar, r_bar, sem_scratch, *, peers, tiles, n_tiles, out_dtype,
                  cfg):
     """c_gmem, c_smem: the tile codec's constant operands and their shared-memory copies."""
     p, nprog = peers.p, peers.nprog
-    parts, order, ablate = cfg.parts, cfg.order, cfg.ablate
+    parts, ablate = cfg.parts, cfg.ablate
     me, b = peers.ids()
     sems = peers.semaphores(sem_scratch, me, b)
     x_mine, y_mine = peers.local(x_gmem, me), peers.local(y_gmem, me)
@@ -794,13 +702,8 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
 
             def emit(part, value):
                 mosaic.store_part(dst, part, parts, value.astype(out_dtype))
-            if cfg.own_first:
-                where = sources(i)
-                _sum_own_first(r_wire, tiles, c_smem, vec, parts, where(me)[0], where(1 - me),
-                               emit)
-            else:
-                _sum_tiles(load, r_wire, r_bar, tiles, c_smem, p, vec, parts, ablate,
-                           emit=emit, sources=sources(i))
+            _sum_tiles(load, r_wire, r_bar, tiles, c_smem, p, vec, parts, ablate, emit=emit,
+                       sources=sources(i))
             if tma_out:
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(y_smem, y_mine.at[out_rows])
@@ -826,37 +729,13 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
         def _(i):
             if x_slots == 2:
                 prefetch(i)
-            if order == "loads_first":
-                # tile i − 1's loads fly while tile i is encoded. They overwrite the slots
-                # step i − 1's decode read: with results stored from registers no barrier
-                # ends that decode, so every warp must pass one first
-                if not tma_out:
-                    plgpu.commit_smem()
-                # tile i − 1 has landed: every group but tile i − 2's result store (the
-                # last one issued) is complete; at i = 1 there is none
-                @pl.when(i == 1)
-                def _():
-                    landed(0)
-                    arrive(i - 1)
+            encode_and_push(i)
 
-                @pl.when(i > 1)
-                def _():
-                    landed(n_res)
-                    arrive(i - 1)
-                encode_and_push(i)
-
-                @pl.when(i > 0)
-                def _():
-                    decode(i - 1, _loader(recv_mine, r_smem, r_bar, tile(i - 1) * lines,
-                                          lines))
-            else:
-                encode_and_push(i)
-
-                @pl.when(i > 0)
-                def _():
-                    # all but this step's wire stores complete: tile i − 1 has landed
-                    landed(n_wire)
-                    decode(i - 1, arrive(i - 1))
+            @pl.when(i > 0)
+            def _():
+                # all but this step's wire stores complete: tile i − 1 has landed
+                landed(n_wire)
+                decode(i - 1, arrive(i - 1))
 
         plgpu.wait_smem_to_gmem(0)
         decode(count - 1, arrive(count - 1))
@@ -1044,7 +923,7 @@ def loopback_allreduce(xs, codec, cfg: FusedConfig | None = None):
     if xs.size == 0:
         return xs
     blocks = _tiles(xs.reshape(p, -1))
-    peers = Loopback(p, cfg.grid(blocks.shape[1] // ROWS, p), placement=cfg.loopback)
+    peers = Loopback(p, cfg.grid(blocks.shape[1] // ROWS, p))
     y = _launch(blocks, codec, xs.dtype, peers, cfg)
     return jax.vmap(lambda v: codecs.from_blocks(v, xs.shape[1:]))(y)
 

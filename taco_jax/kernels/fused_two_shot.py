@@ -267,11 +267,11 @@ def _segments(flat, p: int):
 
 def _two_shot_cfg(cfg: FusedConfig | None) -> FusedConfig:
     """The two-shot kernel reads `programs`, `parts`, `x_slots` and `out_store`; the
-    measurement knobs, per_sm, order and decode are the one-shot kernel's."""
+    measurement knobs, per_sm and decode are the one-shot kernel's."""
     cfg = cfg or FusedConfig()
-    if cfg.ablate != "none" or cfg.per_sm != 1 or cfg.order != "encode_first":
-        raise ValueError(f"the two-shot kernel takes no ablate, per_sm or order (got "
-                         f"ablate={cfg.ablate!r}, per_sm={cfg.per_sm}, order={cfg.order!r})")
+    if cfg.ablate != "none" or cfg.per_sm != 1:
+        raise ValueError(f"the two-shot kernel takes no ablate or per_sm (got "
+                         f"ablate={cfg.ablate!r}, per_sm={cfg.per_sm})")
     if (cfg.decode != "per_source" or cfg.encode_parts != 1 or cfg.store_parts
             or cfg.own_from_smem):
         raise ValueError(f"the two-shot kernel takes no decode, encode_parts, store_parts or "
@@ -313,7 +313,7 @@ def loopback_two_shot(xs, codec, cfg: FusedConfig | None = None):
     if xs.size == 0:
         return xs
     blocks, seg_tiles = _segments(xs.reshape(p, -1), p)
-    peers = Loopback(p, cfg.grid(seg_tiles, p), phases=2, placement=cfg.loopback)
+    peers = Loopback(p, cfg.grid(seg_tiles, p), phases=2)
     y = _launch_two_shot(blocks, codec, xs.dtype, peers, cfg)
     return jax.vmap(lambda v: codecs.from_blocks(v, xs.shape[1:]))(y)
 
