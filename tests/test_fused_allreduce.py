@@ -595,3 +595,13 @@ def test_own_from_smem_is_refused_where_it_has_no_meaning():
         fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(own_from_smem=True))
 
+
+
+# -- signals: release semantics ------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["psum", "loopback"])
+def test_signals_are_released_increments(gpu_here, kind):
+    """Each per-tile signal is red.release (the landed stores ordered before it), never a
+    relaxed increment (plgpu.semaphore_signal_parallel's, fenced only after it)."""
+    text = (lowered_psum((2,), ("tp",), "tp", False) if kind == "psum" else
+            lowered_loopback(2, jnp.bfloat16, fa.default_config(TACO, 2, jnp.bfloat16)))
+    assert "red.release.sys.global.add" in text and "red.relaxed" not in text

@@ -129,8 +129,7 @@ def _exchange_body(send_ref, recv_ref, smem, bar, sem, *, axis, p, gather, tiles
             plgpu.copy_smem_to_gmem(smem, out.at[me, rows])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # smem reusable
     plgpu.wait_smem_to_gmem(0)            # every store has landed before the signals
-    plgpu.semaphore_signal_parallel(*[
-        plgpu.SemaphoreSignal(sem, device_id={axis: (me + k) % p}) for k in range(1, p)])
+    fused_allreduce.signal_released([(sem, {axis: (me + k) % p}) for k in range(1, p)])
     pl.semaphore_wait(sem, p - 1)
 
 

@@ -227,6 +227,16 @@ def default_config(codec, p: int, in_dtype) -> FusedConfig:
 
 
 # -- how a peer is addressed ------------------------------------------------------------------
+def signal_released(signals):
+    """Increment each (semaphore, device_id) of `signals` by 1 with release semantics
+    (red.release.sys after a warpgroup barrier): called once the stores it announces have
+    landed, so the peer that acquires the count sees them. Not
+    `plgpu.semaphore_signal_parallel`: its increment is relaxed and its release fence comes
+    after it, which does not order the stores before the signal."""
+    for sem, device_id in signals:
+        pl.semaphore_signal(sem, 1, device_id=device_id)
+
+
 @dataclasses.dataclass(frozen=True)
 class Remote:
     """One device per member of mesh axis `axis` (inside shard_map)."""
@@ -252,9 +262,7 @@ class Remote:
         return scratch
 
     def signal(self, sems, me, b, dsts, phase=0):
-        plgpu.semaphore_signal_parallel(*[
-            plgpu.SemaphoreSignal(sems.at[phase * self.p + me], device_id={self.axis: d})
-            for d in dsts])
+        signal_released([(sems.at[phase * self.p + me], {self.axis: d}) for d in dsts])
 
     def wait(self, sems, me, b, src, phase=0):
         pl.semaphore_wait(sems.at[phase * self.p + src], 1)
@@ -294,9 +302,7 @@ class Loopback:
         return sems.at[((phase * self.p + dst) * self.p + src) * self.nprog + b]
 
     def signal(self, sems, me, b, dsts, phase=0):
-        plgpu.semaphore_signal_parallel(*[
-            plgpu.SemaphoreSignal(self._sem(sems, d, me, b, phase), device_id=None)
-            for d in dsts])
+        signal_released([(self._sem(sems, d, me, b, phase), None) for d in dsts])
 
     def wait(self, sems, me, b, src, phase=0):
         pl.semaphore_wait(self._sem(sems, me, src, b, phase), 1)
