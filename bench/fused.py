@@ -532,6 +532,9 @@ VARIANTS = {
     "from_own_slot": (["own_from_smem=false"],
                       "this device's tile stored to its own slot and loaded back (not "
                       "decoded from its staging)"),
+    "warp_specialized": (["warp_specialized=true", "per_sm=1"],
+                         "one program per SM of four warpgroups: two tile streams, each of a "
+                         "math and a transport warpgroup"),
     "one_part": (["parts=1"], "the decode in one column pass (not two halves)"),
     "halved_encode": (["encode_parts=2"],
                       "the encode in two column halves (three transforms, half the "

@@ -605,3 +605,42 @@ def test_signals_are_released_increments(gpu_here, kind):
     text = (lowered_psum((2,), ("tp",), "tp", False) if kind == "psum" else
             lowered_loopback(2, jnp.bfloat16, fa.default_config(TACO, 2, jnp.bfloat16)))
     assert "red.release.sys.global.add" in text and "red.relaxed" not in text
+
+
+# -- warp_specialized: math and transport in warpgroups of their own ----------------------------
+WS = dataclasses.replace(fa.default_config(TACO, 2, jnp.bfloat16), warp_specialized=True,
+                         per_sm=1)
+
+
+@pytest.mark.parametrize("n", [17, 64 * 256 * 3 + 17, 64 * 256 * 301])
+def test_warp_specialized_lowers_in_loopback(n):
+    """One launch of four warpgroups whose register budgets move (setmaxnreg), a different
+    kernel from the one-warpgroup default; 1 tile, 3, and more than two streams per SM."""
+    text = lowered_loopback(2, jnp.bfloat16, WS, n=n)
+    assert text.count("taco_fused_allreduce") >= 1 and "setmaxnreg" in text
+    assert "red.release.sys" in text and "red.relaxed" not in text
+    if n == 17:
+        assert text != lowered_loopback(2, jnp.bfloat16, fa.default_config(TACO, 2,
+                                                                           jnp.bfloat16), n=n)
+
+
+def test_warp_specialized_lowers_on_a_three_axis_mesh():
+    mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
+    names = ("data", "pipe", "tp")
+    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=WS)[None],
+                      mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
+    x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
+
+
+def test_warp_specialized_is_refused_where_it_has_no_meaning():
+    with pytest.raises(ValueError, match="warp_specialized=True"):
+        fa.FusedConfig(warp_specialized=True, per_sm=1)               # not own_from_smem
+    with pytest.raises(ValueError, match="per_sm=1"):
+        dataclasses.replace(WS, per_sm=2)
+    with pytest.raises(ValueError, match="float32 input"):
+        fa.loopback_allreduce(jnp.ones((2, 512), jnp.float32), TACO, WS)
+    with pytest.raises(ValueError, match="echo4"):
+        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
+                              dataclasses.replace(WS, decode="per_source", store_parts=False))
