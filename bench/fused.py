@@ -506,18 +506,21 @@ def annotate(payload: dict, row_bytes: int, block: int = 256) -> dict:
 # knobs (wrong results, timed only); the others are checked as usual. The most telling
 # first, so a run cut short keeps them; a variant that hangs (2 per SM, if its programs are
 # not all resident) costs only its own time limit.
+# The one-warpgroup kernel (FusedConfig(warp_specialized=False) on two programs per SM, the
+# P = 2 default before the warp-specialized one): the base of its stage knobs and levers,
+# which the warp-specialized kernel does not take (`--base one_warpgroup` compares to it).
+ONE_WG = ["warp_specialized=false", "x_slots=1", "out_store=registers", "per_sm=2"]
 VARIANTS = {
     "default": ([], "the kernel as it is"),
-    "no_sync": (["ablate=no_sync"], "− signal, wait and the stores' landing wait"),
-    "no_signal": (["ablate=no_signal"], "− signal and wait on the semaphores"),
-    "no_peer_stores": (["ablate=no_peer_stores"], "− the P − 1 stores to peers"),
-    "no_decode": (["ablate=no_decode"], "− the decode (loads kept)"),
-    "no_encode": (["ablate=no_encode"], "− the encode and its staging"),
-    "one_per_sm": (["x_slots=2", "out_store=tma", "per_sm=1"],
+    "one_warpgroup": (ONE_WG, "one warpgroup per program, two programs per SM"),
+    "no_sync": (ONE_WG + ["ablate=no_sync"], "− signal, wait and the stores' landing wait"),
+    "no_signal": (ONE_WG + ["ablate=no_signal"], "− signal and wait on the semaphores"),
+    "no_peer_stores": (ONE_WG + ["ablate=no_peer_stores"], "− the P − 1 stores to peers"),
+    "no_decode": (ONE_WG + ["ablate=no_decode"], "− the decode (loads kept)"),
+    "no_encode": (ONE_WG + ["ablate=no_encode"], "− the encode and its staging"),
+    "one_per_sm": (ONE_WG[:1] + ["x_slots=2", "out_store=tma", "per_sm=1"],
                    "double-buffered input, results by TMA, 1 program per SM"),
-    "slim_2_per_sm": (["x_slots=1", "out_store=registers", "per_sm=2"],
-                      "half the shared memory, 2 programs per SM"),
-    "slim": (["x_slots=1", "out_store=registers", "per_sm=1"],
+    "slim": (ONE_WG[:1] + ["x_slots=1", "out_store=registers", "per_sm=1"],
              "half the shared memory, 1 per SM"),
     "per_source": (["decode=per_source"],
                    "each source's accumulator through its own butterfly (not summed first)"),
@@ -526,32 +529,26 @@ VARIANTS = {
                      "held in registers)"),
     "neither": (["store_parts=false", "decode=per_source"],
                 "per_source and store_at_end: the decode before the FP8 default"),
-    "own_from_smem": (["own_from_smem=true"],
-                      "this device's tile decoded from its staging (no store to its own "
-                      "slot, no load back; P = 2)"),
-    "from_own_slot": (["own_from_smem=false"],
-                      "this device's tile stored to its own slot and loaded back (not "
-                      "decoded from its staging)"),
-    "warp_specialized": (["warp_specialized=true", "per_sm=1"],
-                         "one program per SM of four warpgroups: two tile streams, each of a "
-                         "math and a transport warpgroup"),
+    "from_own_slot": (ONE_WG + ["own_from_smem=false"],
+                      "one warpgroup, this device's tile stored to its own slot and loaded "
+                      "back (not decoded from its staging)"),
     "one_part": (["parts=1"], "the decode in one column pass (not two halves)"),
     "halved_encode": (["encode_parts=2"],
                       "the encode in two column halves (three transforms, half the "
                       "accumulator registers)"),
-    "encode_twice": (["ablate=encode_twice"], "+ one encode and its staging"),
-    "decode_twice": (["ablate=decode_twice"], "+ one decode of the P tiles"),
+    "encode_twice": (ONE_WG + ["ablate=encode_twice"], "+ one encode and its staging"),
+    "decode_twice": (ONE_WG + ["ablate=decode_twice"], "+ one decode of the P tiles"),
 }
 ABLATE_SIZES = ["16MiB", "64MiB", "256MiB"]
 
 
-def ablation_table(rows: list[dict]) -> list[dict]:
+def ablation_table(rows: list[dict], base_variant: str = "default") -> list[dict]:
     """Timed rows of several variants → one row per (P, dtype, MiB, variant): its
-    per-device µs, the difference to the default variant's (µs and fraction of it), the
+    per-device µs, the difference to the base variant's (µs and fraction of it), the
     separate kernels' µs where measured, and what the difference estimates."""
     key = lambda r: (r["p"], r["dtype"], r["mib"])               # noqa: E731
     base = {key(r): r for r in rows
-            if r.get("variant", "default") == "default" and r.get("per_device_us")}
+            if r.get("variant", "default") == base_variant and r.get("per_device_us")}
     out = []
     for r in rows:
         b = base.get(key(r))
@@ -663,6 +660,8 @@ def main(argv=None) -> int:
                     help="time the variants of --variants side by side (default sizes "
                          f"{' '.join(ABLATE_SIZES)}, P = 2, bf16, 1 checked call) and "
                          "print their differences to the default")
+    ap.add_argument("--base", choices=list(VARIANTS), default="default",
+                    help="--ablate: the variant the others are compared with")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                     help="with --ablate: the variants, in order (default first)")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
@@ -698,6 +697,8 @@ def main(argv=None) -> int:
         if a.config:
             raise SystemExit("bench.fused: --ablate takes its configurations from "
                              "--variants, not --config")
+        if a.base not in a.variants:
+            raise SystemExit(f"bench.fused: --base {a.base} is not among --variants")
     if a.impl is None:
         a.impl = "kernel" if jax.default_backend() == "gpu" else "emulated"
     if a.impl in ("kernel", "mesh") and jax.default_backend() != "gpu":
@@ -747,7 +748,7 @@ def main(argv=None) -> int:
     result = annotate(payload(rows), codec.row_bytes, codec.block_size)
     rows = result["rows"]
     if a.ablate:
-        result["ablation"] = ablation_table(rows)
+        result["ablation"] = ablation_table(rows, a.base)
         print("per-device time of each variant, and its difference to the default's:")
         print_table(result["ablation"], ["p", "dtype", "mib", "variant", "checked", "ok",
                                          "per_device_us", "delta_us", "delta_frac",

@@ -36,16 +36,16 @@
 #                  leave the fused transport out (and say so)
 #   loopback       python -m bench.fused: the same kernel on one GPU for P = 2, 4, 8 virtual
 #                  devices (checks), and at P = 2 its device time and two-GPU projection
-#   fused_ablate   python -m bench.fused --ablate: the one-launch kernel's stage knobs at
-#                  16, 64 and 256 MiB (P = 2 loopback, bf16) timed side by side with the
-#                  default (a stage left out or done twice; timed, not checked), with the
-#                  table of differences to the default (~290 s)
+#   fused_ablate   python -m bench.fused --ablate --base one_warpgroup: the one-warpgroup
+#                  kernel's stage knobs at 16, 64 and 256 MiB (P = 2 loopback, bf16) timed
+#                  side by side with it (a stage left out or done twice; timed, not
+#                  checked), with the table of differences to it (~290 s)
 #   fused_levers   python -m bench.fused --ablate: the one-launch kernel's levers side by
-#                  side with the default, each checked on 3 calls (one call let a race
-#                  through that five showed): this device's tile stored to its
-#                  own slot and loaded back (not decoded from its staging), the encode in
-#                  two column halves, the decode in one column pass; P = 2 loopback, bf16,
-#                  16 / 64 / 256 MiB → bench/results/fused_levers.json (~180 s)
+#                  side with the default (warp-specialized at P = 2), each checked on 3
+#                  calls (one call let a race through that five showed): one warpgroup per
+#                  program, the encode in two column halves, the decode in one column pass;
+#                  P = 2 loopback, bf16, 16 / 64 / 256 MiB → bench/results/fused_levers.json
+#                  (~180 s)
 #   fused_p2       python -m bench.fused --p 2: the default launch's P = 2 loopback checks
 #                  (bf16, f32, 1 KiB … 1 GiB, 5 calls) and, if they pass, its timing (bf16,
 #                  16 / 64 / 256 MiB) → bench/results/fused_loopback_checks_p2.json,
@@ -167,11 +167,11 @@ for s in "$@"; do
               done
               loopback_time ;;
     fused_ablate) step fused_ablate "${FUSED_ABLATE_S:-300}" python -m bench.fused --ablate \
-                    --variants default no_sync no_signal no_peer_stores no_decode no_encode \
-                    decode_twice encode_twice --isolate group --timeout 20 \
-                    --out bench/results/fused_ablation.json ;;
+                    --variants one_warpgroup no_sync no_signal no_peer_stores no_decode \
+                    no_encode decode_twice encode_twice --base one_warpgroup --isolate group \
+                    --timeout 20 --out bench/results/fused_ablation.json ;;
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
-                    from_own_slot halved_encode one_part --isolate group --calls 3 \
+                    one_warpgroup halved_encode one_part --isolate group --calls 3 \
                     --timeout 40 --out bench/results/fused_levers.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
                       --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \

@@ -138,16 +138,18 @@ def test_two_programs_per_multiprocessor_fit_when_slim(p):
 
 
 def test_default_launch_shape_is_two_slim_programs_per_sm_where_they_fit():
-    """The measured default: 2 programs per multiprocessor with half the shared memory for
-    the FP8 codecs' 16-bit input; one per multiprocessor for f32 input (its staging does
-    not fit twice) and for echo4 (the shape its GPU checks passed with). The FP8 codecs'
-    decode stores each part once summed and sums the P accumulators first, and at P = 2
-    decodes this device's tile from its staging; echo4 has no transform to sum before."""
+    """The measured default: at P = 2 for the FP8 codecs' 16-bit input the warp-specialized
+    kernel; above, 2 programs per multiprocessor with half the shared memory; one per
+    multiprocessor for f32 input (its staging does not fit twice) and for echo4 (the shape
+    its GPU checks passed with). The FP8 codecs' decode stores each part once summed and
+    sums the P accumulators first, and at P = 2 decodes this device's tile from its
+    staging; echo4 has no transform to sum before."""
     for p in (2, 4, 8):
         fp8 = dict(store_parts=True, decode="sum_first", own_from_smem=p == 2)
         slim = dataclasses.replace(fa.SLIM_2_PER_SM, **fp8)
         for dt in (jnp.bfloat16, jnp.float16):
-            assert fa.default_config(TACO, p, dt) == slim
+            ws = fa.FusedConfig(**fp8, warp_specialized=True, per_sm=1) if p == 2 else None
+            assert fa.default_config(TACO, p, dt) == (ws or slim)
         assert fa.default_config(TACO, p, jnp.float32) == fa.FusedConfig(**fp8)
         assert fa.default_config(codecs.get("echo4"), p, jnp.bfloat16) == fa.FusedConfig()
 
@@ -160,8 +162,8 @@ def test_calls_without_a_config_launch_the_default(monkeypatch):
         lowered_loopback(2, dt, None)
     assert seen == [fa.default_config(TACO, 2, jnp.bfloat16),
                     fa.default_config(TACO, 2, jnp.float32)]
-    assert seen[0].per_sm == 2 and seen[1].per_sm == 1 and seen[0].decode == "sum_first"
-    assert seen[0].own_from_smem and seen[1].own_from_smem
+    assert seen[0].warp_specialized and not seen[1].warp_specialized
+    assert seen[0].decode == "sum_first" and seen[0].own_from_smem and seen[1].own_from_smem
 
 
 @pytest.mark.parametrize("p,dtype,codec,match", [
@@ -565,7 +567,8 @@ def test_echo4_reference_keeps_non_finite_groups_nan():
 
 # -- own_from_smem: this device's tile decoded from its staging -------------------------------
 @pytest.mark.parametrize("cfg,dtype", [
-    (fa.default_config(TACO, 2, jnp.bfloat16), jnp.bfloat16),
+    (dataclasses.replace(fa.default_config(TACO, 2, jnp.bfloat16), warp_specialized=False,
+                         x_slots=1, out_store="registers", per_sm=2), jnp.bfloat16),
     (fa.default_config(TACO, 2, jnp.float32), jnp.float32),
     (fa.FusedConfig(), jnp.bfloat16),                                   # results by TMA
     (fa.FusedConfig(parts=1), jnp.float16),
@@ -579,7 +582,7 @@ def test_own_from_smem_lowers_in_loopback_and_changes_the_kernel(cfg, dtype):
 
 def test_own_from_smem_takes_one_receive_slot_less():
     for dt in (jnp.bfloat16, jnp.float32):
-        own = fa.default_config(TACO, 2, dt)
+        own = dataclasses.replace(fa.default_config(TACO, 2, dt), warp_specialized=False)
         cfg = dataclasses.replace(own, own_from_smem=False)
         saved = fa.smem_bytes(2, TACO, dt, cfg=cfg) - fa.smem_bytes(2, TACO, dt, cfg=own)
         assert abs(saved - 64 * TACO.row_bytes) < 1024        # one wire tile (1 KiB rounding)

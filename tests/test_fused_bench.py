@@ -144,13 +144,17 @@ def test_config_pairs_apply_over_the_kernels_default():
     from taco_jax import codecs
     from taco_jax.kernels import fused_allreduce as fa
     taco = codecs.get("taco")
-    knob = bench_fused.fused_config(["ablate=no_decode"], taco, 2, jnp.bfloat16)
-    assert knob == fa.dataclasses.replace(fa.default_config(taco, 2, jnp.bfloat16),
+    knob = bench_fused.fused_config(["ablate=no_decode"], taco, 4, jnp.bfloat16)
+    assert knob == fa.dataclasses.replace(fa.default_config(taco, 4, jnp.bfloat16),
                                           ablate="no_decode")
     assert knob.per_sm == 2 and knob.store_parts and knob.decode == "sum_first"
-    assert knob.own_from_smem
-    assert not bench_fused.fused_config(["own_from_smem=false"], taco, 2,
-                                        jnp.bfloat16).own_from_smem
+    assert bench_fused.fused_config(["parts=1"], taco, 2, jnp.bfloat16).warp_specialized
+    # the warp-specialized P = 2 default takes no knob: named with it, the reason
+    with pytest.raises(SystemExit, match="ablate=no_decode at P=2: .*warp_specialized"):
+        bench_fused.fused_config(["ablate=no_decode"], taco, 2, jnp.bfloat16)
+    one_wg = bench_fused.fused_config(bench_fused.ONE_WG + ["own_from_smem=false"], taco, 2,
+                                      jnp.bfloat16)
+    assert not one_wg.own_from_smem and not one_wg.warp_specialized and one_wg.per_sm == 2
     with pytest.raises(SystemExit, match="per_sm=5 at P=2: .*must be 1, 2, 3 or 4"):
         bench_fused.fused_config(["per_sm=5"], taco, 2, jnp.bfloat16)
     assert not bench_fused.fused_config(["parts=1"], taco, 4, jnp.bfloat16).own_from_smem
@@ -168,7 +172,7 @@ def test_ablation_table_takes_differences_to_the_default():
              "checked": False, "ok": True, "per_device_us": 48.0},
             {"p": 2, "dtype": "bf16", "mib": 64.0, "variant": "no_sync", "checked": False,
              "ok": True, "per_device_us": 90.0},           # no default at 64 MiB
-            {"p": 2, "dtype": "bf16", "mib": 16.0, "variant": "slim_2_per_sm", "ok": False,
+            {"p": 2, "dtype": "bf16", "mib": 16.0, "variant": "one_warpgroup", "ok": False,
              "reason": "timed out after 90 s"}]
     got = {(r["mib"], r["variant"]): r for r in bench_fused.ablation_table(rows)}
     assert got[16.0, "default"]["delta_us"] == 0.0
@@ -177,8 +181,8 @@ def test_ablation_table_takes_differences_to_the_default():
     assert got[16.0, "no_sync"]["delta_frac"] == pytest.approx(-0.25)
     assert got[16.0, "encode_twice"]["delta_us"] == 8.0
     assert "delta_us" not in got[64.0, "no_sync"]
-    assert not got[16.0, "slim_2_per_sm"]["ok"] and "delta_us" not in got[16.0,
-                                                                          "slim_2_per_sm"]
+    assert not got[16.0, "one_warpgroup"]["ok"] and "delta_us" not in got[16.0,
+                                                                          "one_warpgroup"]
     assert all(r["estimates"] for r in got.values())
 
 
@@ -200,20 +204,24 @@ def test_ablate_times_variants_and_checks_only_the_unablated(tmp_path, capsys):
     child per variant, the knob variants timed unchecked, the table of differences."""
     out = tmp_path / "ablate.json"
     rc = bench_fused.main(["--ablate", "--impl", "emulated", "--sizes", "1KiB",
-                           "--variants", "default", "no_sync", "--out", str(out)])
+                           "--variants", "one_warpgroup", "no_sync", "--base", "one_warpgroup",
+                           "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0 and res["config"] == "ablation"
     rows = {r["variant"]: r for r in res["rows"]}
-    assert rows["default"]["checked"] and rows["default"]["same_on_every_device"]
+    base = rows["one_warpgroup"]
+    assert base["checked"] and base["same_on_every_device"]
     assert not rows["no_sync"]["checked"] and "rel_err" not in rows["no_sync"]
-    assert rows["no_sync"]["config"] == "ablate=no_sync"
-    assert "separate_us" in rows["default"] and "separate_us" not in rows["no_sync"]
+    assert rows["no_sync"]["config"] == " ".join(bench_fused.ONE_WG + ["ablate=no_sync"])
+    assert "separate_us" in base and "separate_us" not in rows["no_sync"]
     table = {r["variant"]: r for r in res["ablation"]}
     assert table["no_sync"]["delta_us"] == pytest.approx(
-        rows["no_sync"]["per_device_us"] - rows["default"]["per_device_us"], abs=0.02)
+        rows["no_sync"]["per_device_us"] - base["per_device_us"], abs=0.02)
     assert "per-device time of each variant" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--variants, not --config"):
         bench_fused.main(["--ablate", "--impl", "emulated", "--config", "parts=1"])
+    with pytest.raises(SystemExit, match="--base default is not among --variants"):
+        bench_fused.main(["--ablate", "--impl", "emulated", "--variants", "no_sync"])
 
 
 @pytest.mark.parametrize("wrong,reason", [(None, None),
@@ -306,3 +314,11 @@ def test_echo4_projection_counts_its_wire():
                                                   abs=0.01)
     assert bench_fused.annotate({"rows": [row]}, 72, 128)["rows"][0]["wire_us_nvlink"] \
         == got["wire_us_nvlink"]
+
+
+def test_ablation_table_takes_differences_to_the_base_named():
+    rows = [{"p": 2, "dtype": "bf16", "mib": 16.0, "variant": v, "ok": True,
+             "per_device_us": us} for v, us in [("default", 25.0), ("one_warpgroup", 30.0),
+                                                 ("no_sync", 27.0)]]
+    got = {r["variant"]: r for r in bench_fused.ablation_table(rows, "one_warpgroup")}
+    assert got["no_sync"]["delta_us"] == -3.0 and got["default"]["delta_us"] == -5.0

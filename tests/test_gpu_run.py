@@ -125,7 +125,7 @@ def test_fused_two_shot_time_times_the_checked_two_shot(tmp_path):
 def test_fused_levers_time_the_levers_checked(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_levers"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 1
-    names = ("from_own_slot", "halved_encode", "one_part")
+    names = ("one_warpgroup", "halved_encode", "one_part")
     assert "--ablate --variants default " + " ".join(names) in calls[0]
     assert "--out bench/results/fused_levers.json" in calls[0] and "--calls 3" in calls[0]
     from bench import fused

@@ -221,14 +221,25 @@ FP8_DECODE = dict(store_parts=True, decode="sum_first")
 # 25.8 / 90.3 / 337.5 µs per device at 16 / 64 / 256 MiB against 27.4 / 101.0 / 385.5 from
 # its own receive slot; loopback checks pass, bf16 and f32, 1 KiB … 1 GiB
 # (fused_loopback_checks_p2.json). Above P = 2 there is no such option.
+#
+# P = 2, the FP8 codecs, 16-bit input: warp_specialized. Measured side by side in loopback,
+# bf16 (bench/results/fused_ws_levers.json, 5889904): 24.9 / 81.1 / 295.0 µs per device at 16
+# / 64 / 256 MiB against 26.3 / 93.2 / 352.4 for one warpgroup per program (SLIM_2_PER_SM,
+# FP8_DECODE, own_from_smem); loopback checks pass, bf16, 1 KiB … 1 GiB, 5 calls
+# (fused_ws_checks_p2.json, fused_ws_checks_p2_1gib.json).
+WARP_SPECIALIZED = dict(warp_specialized=True, per_sm=1)
+
+
 def default_config(codec, p: int, in_dtype) -> FusedConfig:
-    """The one-shot kernel's launch shape when none is given. The FP8 codecs: FP8_DECODE, on
-    SLIM_2_PER_SM where two programs fit (16-bit input; f32 input's staging does not fit
-    twice), and at P = 2 own_from_smem. echo4: FusedConfig(), the shape its loopback checks
-    passed with."""
+    """The one-shot kernel's launch shape when none is given. The FP8 codecs: FP8_DECODE; at
+    P = 2 own_from_smem, and for 16-bit input WARP_SPECIALIZED; otherwise SLIM_2_PER_SM
+    where two programs fit (16-bit input; f32 input's staging does not fit twice). echo4:
+    FusedConfig(), the shape its loopback checks passed with."""
     if not isinstance(tile_codec(codec), TacoTiles):
         return FusedConfig()
     fp8 = dict(FP8_DECODE, own_from_smem=p == 2)
+    if p == 2 and jnp.dtype(in_dtype).itemsize == 2:
+        return FusedConfig(**fp8, **WARP_SPECIALIZED)
     slim = dataclasses.replace(SLIM_2_PER_SM, **fp8)
     if jnp.dtype(in_dtype).itemsize == 2:
         need = 2 * (smem_bytes(p, codec, in_dtype, cfg=slim) + SMEM_RESERVED)
