@@ -59,6 +59,15 @@ own receive slot and loaded back (per device, 2 × the wire's bytes less HBM tra
 staging slots become three, the receive slots none). The FP8 codecs' default at P = 2
 (measured, see `default_config`).
 
+`FusedConfig.warp_specialized` (P = 2, the FP8 codecs' 16-bit input, the default there): one
+program per multiprocessor of four warpgroups, two tile streams; in each, a math warpgroup
+encodes, stages and decodes, and a transport warpgroup stores the staged tile to the peer,
+waits for it to land, signals, waits for the peer's signal and loads the peer's tile, the
+two handing tiles over through shared-memory barriers (`_ws_body`). The system-scope fence
+of each signal, the semaphore spin and the peer tile's load latency leave the math's path,
+and the peer's tile i − 1 is loaded while tile i is encoded. Registers move to the math
+(setmaxnreg: 224 a thread there, 32 in transport).
+
 `FusedConfig.ablate` is a measurement knob (`ABLATIONS`: a stage of the per-tile work left
 out or done twice; wrong results) for `python -m bench.fused --ablate`, which times the
 variants side by side to attribute the kernel's time.
