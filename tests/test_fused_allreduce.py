@@ -208,8 +208,12 @@ def test_sum_first_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
     assert text != lowered_loopback(p, dtype, dataclasses.replace(cfg, decode="per_source"))
 
 
-@pytest.mark.parametrize("cfg", [SUM_FIRST, fa.FusedConfig(encode_parts=2)],
-                         ids=["sum_first", "encode_parts=2"])
+WS = dataclasses.replace(fa.default_config(TACO, 2, jnp.bfloat16), warp_specialized=True,
+                         per_sm=1)
+
+
+@pytest.mark.parametrize("cfg", [SUM_FIRST, fa.FusedConfig(encode_parts=2), WS],
+                         ids=["sum_first", "encode_parts=2", "warp_specialized"])
 def test_options_lower_on_a_three_axis_mesh(cfg):
     mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
     names = ("data", "pipe", "tp")
@@ -611,10 +615,6 @@ def test_signals_are_released_increments(gpu_here, kind):
 
 
 # -- warp_specialized: math and transport in warpgroups of their own ----------------------------
-WS = dataclasses.replace(fa.default_config(TACO, 2, jnp.bfloat16), warp_specialized=True,
-                         per_sm=1)
-
-
 @pytest.mark.parametrize("n", [17, 64 * 256 * 3 + 17, 64 * 256 * 301])
 def test_warp_specialized_lowers_in_loopback(n):
     """One launch of four warpgroups whose register budgets move (setmaxnreg), a different
@@ -623,18 +623,9 @@ def test_warp_specialized_lowers_in_loopback(n):
     assert text.count("taco_fused_allreduce") >= 1 and "setmaxnreg" in text
     assert "red.release.sys" in text and "red.relaxed" not in text
     if n == 17:
-        assert text != lowered_loopback(2, jnp.bfloat16, fa.default_config(TACO, 2,
-                                                                           jnp.bfloat16), n=n)
-
-
-def test_warp_specialized_lowers_on_a_three_axis_mesh():
-    mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
-    names = ("data", "pipe", "tp")
-    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=WS)[None],
-                      mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
-    x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
-    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
+        one_wg = dataclasses.replace(WS, warp_specialized=False, x_slots=1,
+                                     out_store="registers", per_sm=2)
+        assert text != lowered_loopback(2, jnp.bfloat16, one_wg, n=n)
 
 
 def test_warp_specialized_is_refused_where_it_has_no_meaning():

@@ -845,9 +845,6 @@ def _check_resident(p, codec, in_dtype, out_dtype, cfg):
 def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     """blocks: (n_rows, 256) or, in loopback, (P, n_rows, 256); n_rows % 64 == 0."""
     p = peers.p
-    n_rows = blocks.shape[-2]
-    n_tiles = n_rows // ROWS
-    lead = blocks.shape[:-2]
     tiles = tile_codec(codec)
     if cfg.decode == "sum_first":
         if not isinstance(tiles, TacoTiles):
@@ -862,11 +859,21 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     if cfg.own_from_smem and p != 2:
         raise ValueError(f"FusedConfig(own_from_smem=True) covers P = 2, not P={p} (above 2 "
                          f"the wire tiles stream through two receive slots)")
-    lines = ROWS * tiles.row_bytes // LINE
     in_dtype = blocks.dtype
     if cfg.warp_specialized:
         return _launch_ws(blocks, tiles, out_dtype, peers, cfg, mat)
     _check_resident(p, codec, in_dtype, out_dtype, cfg)
+    scratch = _scratch(p, tiles, in_dtype, out_dtype, cfg, isinstance(peers, Remote))
+    return _call(_kernel_body, blocks, tiles, out_dtype, peers, cfg, scratch, mat)
+
+
+def _call(kernel_body, blocks, tiles, out_dtype, peers, cfg, scratch, mat, **mesh):
+    """Launch kernel_body(x, consts, y, recv, *scratch refs, …) over `peers.grid()` programs
+    (`mesh`: plgpu.kernel's warpgroup arguments): returns y, (…, n_rows, 256)."""
+    n_rows = blocks.shape[-2]
+    n_tiles = n_rows // ROWS
+    lead = blocks.shape[:-2]
+    lines = ROWS * tiles.row_bytes // LINE
 
     def struct(shape, dtype):
         if mat is None:
@@ -874,20 +881,19 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
     out_type = (struct((*lead, n_rows, BLOCK), out_dtype),
-                struct((*lead, p, n_tiles * lines, LINE), jnp.uint8))   # receive buffers
-    scratch = _scratch(p, tiles, in_dtype, out_dtype, cfg, isinstance(peers, Remote))
-    operands = [a for a, _ in tiles.operands(in_dtype)]
+                struct((*lead, peers.p, n_tiles * lines, LINE), jnp.uint8))   # receive buffers
+    operands = [a for a, _ in tiles.operands(blocks.dtype)]
     n_ops = len(operands)
 
     def body(x, *refs):
         consts, (y, recv), refs = refs[:n_ops], refs[n_ops:n_ops + 2], refs[n_ops + 2:]
-        _kernel_body(x, consts, y, recv, *_unflatten(scratch, refs), peers=peers, tiles=tiles,
-                     n_tiles=n_tiles, out_dtype=out_dtype, cfg=cfg)
+        kernel_body(x, consts, y, recv, *_unflatten(scratch, refs), peers=peers, tiles=tiles,
+                    n_tiles=n_tiles, out_dtype=out_dtype, cfg=cfg)
 
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=_flat(scratch),
         grid=(peers.grid(),), grid_names=("prog",), kernel_name="taco_fused_allreduce",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=mosaic.LANE))
+        compiler_params=plgpu.CompilerParams(lowering_semantics=mosaic.LANE), **mesh)
     y, _ = kernel(blocks, *operands)
     return y
 
@@ -1068,10 +1074,7 @@ def _launch_ws(blocks, tiles, out_dtype, peers, cfg, mat=None):
     why = ws_unsupported(p, tiles, in_dtype)
     if why is not None:
         raise ValueError(f"FusedConfig(warp_specialized=True): {why}")
-    n_rows = blocks.shape[-2]
-    n_tiles = n_rows // ROWS
-    lead = blocks.shape[:-2]
-    lines = ROWS * tiles.row_bytes // LINE
+    n_tiles = blocks.shape[-2] // ROWS
     remote = isinstance(peers, Remote)
     nprog = max(1, min(-(-n_tiles // 2), mosaic.sm_count() // peers.devices_here))
     if cfg.programs is not None:
@@ -1085,29 +1088,8 @@ def _launch_ws(blocks, tiles, out_dtype, peers, cfg, mat=None):
     if need > SMEM_PER_SM:
         raise ValueError(f"FusedConfig(warp_specialized=True): {need // 1024} KiB of shared "
                          f"memory per program; a multiprocessor has {SMEM_PER_SM // 1024}")
-
-    def struct(shape, dtype):
-        if mat is None:
-            return jax.ShapeDtypeStruct(shape, dtype)
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-
-    out_type = (struct((*lead, n_rows, BLOCK), out_dtype),
-                struct((*lead, p, n_tiles * lines, LINE), jnp.uint8))
-    operands = [a for a, _ in tiles.operands(in_dtype)]
-    n_ops = len(operands)
-
-    def body(x, *refs):
-        consts, (y, recv), refs = refs[:n_ops], refs[n_ops:n_ops + 2], refs[n_ops + 2:]
-        _ws_body(x, consts, y, recv, *_unflatten(scratch, refs), peers=peers, tiles=tiles,
-                 n_tiles=n_tiles, out_dtype=out_dtype, cfg=cfg)
-
-    kernel = plgpu.kernel(
-        body, out_type=out_type, scratch_types=_flat(scratch),
-        grid=(peers.grid(),), grid_names=("prog",), num_threads=4, thread_name="wg",
-        kernel_name="taco_fused_allreduce",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=mosaic.LANE))
-    y, _ = kernel(blocks, *operands)
-    return y
+    return _call(_ws_body, blocks, tiles, out_dtype, peers, cfg, scratch, mat, num_threads=4,
+                 thread_name="wg")
 
 
 # -- wrappers ------------------------------------------------------------------------------------
