@@ -37,7 +37,8 @@ transport's reported beside it. `--fail-fast` runs nothing more after a hang or 
 `--ablate` times the one-shot kernel's VARIANTS side by side (P = 2, bf16, 16/64/256 MiB
 by default): measurement knobs (`FusedConfig.ablate`: a stage left out or done twice;
 timed, not checked, as their results are wrong on purpose) and the launch shape's levers
-(checked), then prints each variant's per-device time and its difference to the default's ("ablation" in the JSON).
+(checked), then prints each variant's per-device time and its difference to the `--base`
+variant's ("ablation" in the JSON).
 
 On CPU (tests) `--impl emulated` stands a jnp model of the kernel's exchange in for the
 kernel, and `--wrong-exchange slot|stale` breaks that exchange, so the checks can be seen
@@ -749,7 +750,7 @@ def main(argv=None) -> int:
     rows = result["rows"]
     if a.ablate:
         result["ablation"] = ablation_table(rows, a.base)
-        print("per-device time of each variant, and its difference to the default's:")
+        print(f"per-device time of each variant, and its difference to {a.base}'s:")
         print_table(result["ablation"], ["p", "dtype", "mib", "variant", "checked", "ok",
                                          "per_device_us", "delta_us", "delta_frac",
                                          "vs_separate", "estimates"])

@@ -544,6 +544,22 @@ def _finish_fn(vec: int, parts: int):
     return finish
 
 
+def _own_or_peer(me, i, peer_bar):
+    """P = 2, this device's tile decoded from its staging (own_from_smem): `_sum_tiles`'
+    sources for tile i: source j → (its wire slot: staging i % 2 for this device's, 2 for
+    the peer's; a callable that waits for it: the peer's copy on peer_bar, nothing for this
+    device's)."""
+    def where(j):
+        mine = (me == j).astype(jnp.int32)
+
+        def wait():
+            @pl.when(me != j)
+            def _():
+                plgpu.barrier_wait(peer_bar)
+        return mine * (i % 2) + (1 - mine) * 2, wait
+    return where
+
+
 def _first_loads(load, r_smem, n_src):
     """The copies `_sum_tiles` starts with: every tile when all n_src fit, else the
     first's."""
@@ -716,19 +732,7 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
 
     def sources(i):
         """own_from_smem: source j of tile i → (its slot in w_smem, its wait)."""
-        if not own:
-            return None
-
-        def where(j):
-            mine = (me == j).astype(jnp.int32)
-            slot = mine * (i % 2) + (1 - mine) * 2
-
-            def wait():
-                @pl.when(me != j)
-                def _():
-                    plgpu.barrier_wait(r_bar.at[0])
-            return slot, wait
-        return where
+        return _own_or_peer(me, i, r_bar.at[0]) if own else None
 
     def decode(i, load):
         out_rows = pl.ds(tile(i) * ROWS, ROWS)
@@ -823,13 +827,15 @@ def smem_bytes(p: int, codec, in_dtype, out_dtype=None, cfg: FusedConfig | None 
     swizzled TMA buffer needs), plus 1 KiB for the barriers, for `FusedConfig.per_sm`'s
     check."""
     out_dtype = in_dtype if out_dtype is None else out_dtype
-    total = 0
-    for s in _flat(_scratch(p, tile_codec(codec), in_dtype, out_dtype, cfg or FusedConfig(),
-                            False)):
-        if hasattr(s, "shape"):                              # the SMEM buffers
-            nbytes = int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-            total += -(-nbytes // 1024) * 1024
-    return total + 1024                                              # barriers
+    return _buffer_bytes(_scratch(p, tile_codec(codec), in_dtype, out_dtype,
+                                  cfg or FusedConfig(), False)) + 1024      # barriers
+
+
+def _buffer_bytes(scratch) -> int:
+    """The shared-memory buffers of a scratch list (semaphores left out), each rounded up to
+    1 KiB."""
+    return sum(-(-int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize // 1024) * 1024
+               for s in _flat(scratch) if hasattr(s, "shape"))
 
 
 def _check_resident(p, codec, in_dtype, out_dtype, cfg):
@@ -983,14 +989,7 @@ def _ws_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, w_smem, c_smem, x_bar, h
         def decode(i):
             out = y_mine.at[pl.ds(tile(i) * ROWS, ROWS)]
 
-            def where(j):
-                mine = (me == j).astype(jnp.int32)
-
-                def wait():
-                    @pl.when(me != j)
-                    def _():
-                        plgpu.barrier_wait(peer_full.at[c])
-                return mine * (i % 2) + (1 - mine) * 2, wait
+            where = _own_or_peer(me, i, peer_full.at[c])
 
             def emit(part, value):
                 mosaic.store_part(out, part, parts, value.astype(out_dtype))
@@ -1082,9 +1081,8 @@ def _launch_ws(blocks, tiles, out_dtype, peers, cfg, mat=None):
     peers = (dataclasses.replace(peers, nprog=nprog) if remote else
              Loopback(p, nprog, phases=2))
     scratch = _ws_scratch(tiles, in_dtype, remote)
-    need = sum(-(-int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize // 1024) * 1024
-               for s in _flat(_ws_scratch(tiles, in_dtype, False)) if hasattr(s, "shape")
-               ) + 2048 + SMEM_RESERVED                        # + barriers, + the runtime's
+    need = (_buffer_bytes(_ws_scratch(tiles, in_dtype, False))
+            + 2048 + SMEM_RESERVED)                             # + barriers, + the runtime's
     if need > SMEM_PER_SM:
         raise ValueError(f"FusedConfig(warp_specialized=True): {need // 1024} KiB of shared "
                          f"memory per program; a multiprocessor has {SMEM_PER_SM // 1024}")
