@@ -64,10 +64,11 @@ def test_one_launch_lowers_for_f32_and_f16(gpu_here, dtype):
 
 
 def test_uncovered_calls_take_the_three_launch_schedules(gpu_here):
-    """P = 4 (two-shot) and codec none (exact one-shot): compress/exchange/decode kernels,
-    or the exchange alone, never the one-launch kernel."""
-    text = lowered_psum((4,), ("tp",), "tp", False)
-    assert "taco_fused_allreduce" not in text and "taco_fused_exchange" in text
+    """echo4 at P = 4 (the two-shot kernel has the FP8 codecs' tile math only) and an int8
+    codec: compress/exchange/decode kernels, never a one-launch kernel."""
+    text = lowered_psum((4,), ("tp",), "tp", False, codec="echo4")
+    assert "taco_fused_allreduce" not in text and "taco_fused_two_shot" not in text
+    assert "taco_fused_exchange" in text
     assert "taco_fused_allreduce" not in lowered_psum((2,), ("tp",), "tp", False,
                                                       codec="taco-int8")
 
@@ -415,10 +416,16 @@ def test_two_shot_loopback_lowers_and_fits_shared_memory(p, dtype):
     assert text.count("taco_fused_two_shot") >= 1
 
 
-def test_two_shot_is_not_selected_by_the_collectives(gpu_here):
-    """Until it passes its loopback checks on a GPU, P ≥ 3 takes the three-launch schedule."""
-    text = lowered_psum((4,), ("tp",), "tp", False)
-    assert "taco_fused_two_shot" not in text and "taco_fused_exchange" in text
+@pytest.mark.parametrize("shape,names,vma", [
+    ((3,), ("tp",), False), ((4,), ("tp",), True), ((1, 4), ("data", "tp"), False),
+    ((1, 1, 4), ("data", "pipe", "tp"), True), ((8,), ("tp",), False),
+    ((1, 8), ("data", "tp"), True), ((1, 1, 8), ("data", "pipe", "tp"), False)])
+def test_the_collectives_select_the_two_shot_kernel_from_p3(gpu_here, shape, names, vma):
+    """Its loopback checks passed on a GPU (taco, P = 3, 4, 8): a fused psum over P ≥ 3
+    devices of a 1-, 2- or 3-axis mesh lowers for CUDA to one launch of it, no exchange
+    kernel."""
+    text = lowered_psum(shape, names, "tp", vma)
+    assert text.count("taco_fused_two_shot") >= 1 and "taco_fused_exchange" not in text
 
 
 def test_two_shot_refuses_what_it_does_not_cover():

@@ -19,12 +19,12 @@ from taco_jax.collectives.two_shot import one_shot, two_shot
 
 def allreduce(x, axis, codec, p: int, vma: bool, transport: str):
     """The compressed psum over one transport: the xla transport's two-shot; the fused
-    transport's one-shot at P = 2 in one kernel where it covers the codec and dtype (else
-    three: compress, exchange, decode_sum; and for exact sums, codec "none"), two-shot
-    beyond."""
-    move = transport_move(transport)
+    transport's one-launch kernel where it covers the codec and dtype (the one-shot at
+    P = 2, the two-shot beyond; under jax.vmap its loopback), else its separate kernels:
+    the one-shot at P = 2 (and for exact sums, codec "none"), the two-shot beyond."""
     if transport == "fused" and fused.one_launch_reason(codec, p, x.dtype) is None:
         return fused.one_launch(x, axis, codec, p, vma)
+    move = transport_move(transport, axis)
     if transport == "fused" and (p == 2 or codec.is_identity):
         return one_shot(x, axis, codec, p, vma, move)
     return two_shot(x, axis, codec, p, vma, move=move)

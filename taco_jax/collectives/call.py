@@ -14,9 +14,11 @@ from taco_jax.collectives.two_shot import lax_exchange
 DEFAULT_MIN_BYTES = 256 << 20
 
 
-def transport_move(transport: str):
-    """The exchange function of a transport ("xla" or "fused")."""
-    return fused.exchange if transport == "fused" else lax_exchange
+def transport_move(transport: str, axis):
+    """The exchange function of a transport ("xla" or "fused") over `axis`. Under jax.vmap
+    the members' bytes are already on this device: the vmap's own exchange moves them."""
+    emulated = axes_lib.emulated(axes_lib.as_tuple(axis))
+    return fused.exchange if transport == "fused" and not emulated else lax_exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +87,18 @@ class Call:
         (telemetry.sites)."""
         route, why = self._route(v, invariant)
         telemetry.note_site(self.op, v.shape, v.dtype, self.axes, self.codec.name, why,
-                            self.p, route, self.vma)
+                            self.p, self._label(route, v), self.vma)
         return route
+
+    def _label(self, route: str, v) -> str:
+        """The transport as telemetry names it: under jax.vmap the fused transport runs its
+        one-launch kernels as their loopback, and its other kernels with the exchange left
+        to the vmap."""
+        if route != "fused" or not axes_lib.emulated(self.axes):
+            return route
+        one_launch = (self.op in ("psum", "pvary")
+                      and fused.one_launch_reason(self.codec, self.p, v.dtype) is None)
+        return "fused (loopback)" if one_launch else "fused (exchange emulated)"
 
     def _route(self, v, invariant: bool) -> tuple[str, str | None]:
         why = self.plain_reason(v, invariant)
@@ -104,7 +116,7 @@ class Call:
         else:
             candidates = ("xla", "fused")
         cal = None
-        if self.min_bytes is None and not axes_lib.emulated(self.axes):
+        if self.min_bytes is None and (fused_why is None or not axes_lib.emulated(self.axes)):
             cal = routes.lookup(self.p, self.codec.name)
         if cal is not None:                  # the measured routes of this machine
             route = cal.route(nbytes, candidates)

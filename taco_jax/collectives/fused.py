@@ -7,22 +7,22 @@ used (never NVLink multicast). Peers are addressed by mesh axis name, so the axi
 a mesh with other axes (a (data, pipe, tp) mesh); Mosaic needs the mesh's devices listed as
 0..n−1 in order.
 
-Schedules, by axis size P:
-  * P = 2 (`one_launch`): one kernel per all-reduce (`kernels.fused_allreduce`): each device
-    encodes its tiles, stores them into its own and the peer's receive buffers, signals per
-    tile, and decodes both contributions in device order as they arrive: one quantization
-    per element, bit-identical results on both devices.
-    The codecs: taco's FP8 family and echo4 (`kernels.mosaic_echo4`'s 4-bit tile math);
-    both passed their loopback checks on a GPU (`python -m bench.fused [--codec echo4]`).
-  * P ≥ 3, and codecs the one-launch kernel does not cover: the schedules of `two_shot`
-    with `exchange` (an all-gather or all-to-all by remote stores) carrying the bytes
-    between the compress and decode kernels. The two-shot quantizes each element at most
-    twice, as the xla transport does; codec "none" is the exact one-shot. A two-shot in
-    one kernel exists (`kernels.fused_two_shot.two_shot_allreduce`); its loopback checks
-    pass on an H200 at P = 3, 4 and 8 (`python -m bench.fused --kernel two_shot`), but its
-    compute is 1.6–3.1 × this path's kernels' at P = 4 and 8 (`bash bench/gpu_run.sh
-    fused_two_shot_time`), and only P GPUs can tell how much of the wire it hides, so it
-    is not selected.
+Schedules, by axis size P (`allreduce`):
+  * one launch (`one_launch`), where its kernel covers the codec and dtype and its
+    loopback checks passed on a GPU: at P = 2 the one-shot (`kernels.fused_allreduce`:
+    each device encodes its tiles, stores them into its own and the peer's receive
+    buffers, signals per tile and decodes both contributions in device order; one
+    quantization per element), at P ≥ 3 the two-shot (`kernels.fused_two_shot`: segments
+    to their owners, the owners' sums encoded once and stored to every device; at most
+    two quantizations). Every device decodes the same bytes: bit-identical results.
+  * otherwise the schedules of `two_shot` with `exchange` (an all-gather or all-to-all by
+    remote stores) carrying the bytes between the compress and decode kernels; codec
+    "none" is the exact one-shot.
+Under `jax.vmap` (emulated tensor parallelism) on a GPU the one-launch kernels run as their
+loopback (`loopback`): the vmap members are the virtual devices of one launch, so an
+emulated step runs the same kernels and protocol; the other schedules keep their kernels
+and leave the exchange to the vmap (telemetry names the transport "fused (loopback)" and
+"fused (exchange emulated)").
 
 XLA zeroes a kernel's semaphores and runs a cross-device barrier before it (the kernels
 never set `skip_device_barrier`), so no store reaches a peer whose previous call is still
@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax import telemetry
 from taco_jax.collectives import axes as axes_lib
-from taco_jax.kernels import fused_allreduce, mosaic
+from taco_jax.kernels import fused_allreduce, fused_two_shot, mosaic
 
 LINE = 256                   # bytes per row of the byte view (TMA copies ≤ 256 per dim)
 TILE_ROWS = 128              # rows per TMA copy: 32 KiB of shared memory per program
@@ -62,11 +62,14 @@ def _platform_reason() -> str | None:
 def unavailable_reason(axes: tuple) -> str | None:
     """Why the fused transport cannot run over `axes` here (None: it can). Trace time.
     The device order of the mesh is checked where the mesh is concrete
-    (`mesh_unavailable_reason`; Mosaic's lowering refuses any other order)."""
-    if axes_lib.emulated(axes):
-        return "axis bound by jax.vmap, not by a mesh"
+    (`mesh_unavailable_reason`; Mosaic's lowering refuses any other order). An axis bound
+    by `jax.vmap` (emulated tensor parallelism) takes the loopback: the members are the
+    virtual devices of one launch on this GPU (`loopback`)."""
     if len(axes) != 1:
         return "a tuple of axes (the fused kernels address peers along one axis)"
+    if axes_lib.emulated(axes) and jax.default_backend() != "gpu":
+        return (f"axis bound by jax.vmap on platform {jax.default_backend()!r} (the "
+                f"loopback over vmap members needs a GPU)")
     return _platform_reason()
 
 
@@ -80,13 +83,20 @@ def mesh_unavailable_reason(mesh) -> str | None:
 
 
 # -- one launch ---------------------------------------------------------------------------
+def one_launch_kernel(p: int) -> str:
+    """The one-launch all-reduce at axis size P: the one-shot at P = 2 (each element
+    quantized once), the two-shot beyond (at most twice, 2(P − 1)/P of the codes sent)."""
+    return "one_shot" if p == 2 else "two_shot"
+
+
 def one_launch_reason(codec, p: int, dtype) -> str | None:
     """Why `one_launch` does not cover this all-reduce (None: it does). A codec whose tile
     math the kernel has but whose loopback checks have not passed on a GPU
     (`checked_on_gpu` of its tile codec) is not selected."""
-    if p != 2:
-        return f"P={p} (the one-launch schedule is the one-shot of P = 2)"
-    why = fused_allreduce.unsupported(codec, p, dtype)
+    if p < 2:
+        return f"P={p}"
+    kernel = one_launch_kernel(p)
+    why = fused_allreduce.unsupported(codec, p, dtype, kernel)
     if why is None and not fused_allreduce.tile_codec(codec).checked_on_gpu:
         why = (f"{codec.name}: the one-launch kernel's tile math for it is built and "
                f"lowered, not yet checked on a GPU (python -m bench.fused --codec "
@@ -94,17 +104,57 @@ def one_launch_reason(codec, p: int, dtype) -> str | None:
     return why
 
 
+def one_launch_wire_bytes(codec, p: int, n: int) -> int:
+    """Bytes one device sends in one call of `one_launch` on n values: the one-shot sends
+    its codes to its peer; the two-shot P − 1 of its P segments, then its owned segment's
+    codes to P − 1 peers (whole tiles of 64 blocks per segment)."""
+    n_blocks = -(-n // codec.block_size)
+    if one_launch_kernel(p) == "one_shot":
+        return (p - 1) * n_blocks * codec.row_bytes
+    seg_rows = -(-max(n, 1) // (p * fused_allreduce.ROWS * fused_allreduce.BLOCK)) * \
+        fused_allreduce.ROWS
+    return 2 * (p - 1) * seg_rows * codec.row_bytes
+
+
 def one_launch(x, axis, codec, p: int, vma: bool):
-    """The compressed one-shot all-reduce of x over mesh axis `axis` in one kernel."""
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    if mat is not None and vma:       # every device holds the same bits after it
-        mat = mat.update(varying=frozenset(mat.varying) - {axis})
-    y = fused_allreduce.fused_allreduce(x, axis, p, codec, out_mat=mat)
+    """The compressed all-reduce of x over `axis` in one kernel (`one_launch_kernel`): over
+    a mesh axis, the peers' memory by remote stores; over a jax.vmap axis, the loopback
+    (`loopback`)."""
+    if axes_lib.emulated(axes_lib.as_tuple(axis)):
+        y = loopback(x, axis, codec, p, vma)
+    else:
+        mat = getattr(jax.typeof(x), "manual_axis_type", None)
+        if mat is not None and vma:       # every device holds the same bits after it
+            mat = mat.update(varying=frozenset(mat.varying) - {axis})
+        kernel = (fused_allreduce.fused_allreduce if one_launch_kernel(p) == "one_shot"
+                  else fused_two_shot.two_shot_allreduce)
+        y = kernel(x, axis, p, codec, out_mat=mat)
     if telemetry.enabled():
-        n_blocks = -(-x.size // codec.block_size)
         telemetry.report("psum", x, y, axis, codec,
-                         wire_bytes=(p - 1) * n_blocks * codec.row_bytes)
+                         wire_bytes=one_launch_wire_bytes(codec, p, x.size))
     return y
+
+
+# -- the loopback over the members of a jax.vmap axis --------------------------------------
+def loopback(x, axis, codec, p: int, vma: bool):
+    """`one_launch` for emulated tensor parallelism: the P members of the vmap axis `axis`
+    are the P virtual devices of one launch of the same kernel on this GPU (its loopback:
+    device d's receive buffers and semaphores are slices of one buffer), so an emulated
+    step runs the kernels, tile math and protocol a P-GPU step runs. Under vmap x is every
+    member's input; the members' inputs travel as one (P, …) array. Member d gets row d of
+    the kernel's (P, …) result; under the check_vma convention (vma) the result is one
+    value shared by the members, as a psum's is there, so its cotangent arrives summed:
+    row 0 (the kernel's loopback checks assert all rows are the same bits)."""
+    xs = lax.all_gather(x, axis)          # under vmap: the members' inputs, one array
+    kernel = (fused_allreduce.loopback_allreduce if one_launch_kernel(p) == "one_shot"
+              else fused_two_shot.loopback_two_shot)
+    ys = LOOPBACK_KERNELS.get(kernel, kernel)(xs, codec)
+    return ys[0] if vma else ys[lax.axis_index(axis)]
+
+
+# The loopback's kernels by the function a test may stand in for them (a CPU test runs the
+# same collective code with the kernels' jnp models, which Mosaic GPU cannot interpret).
+LOOPBACK_KERNELS: dict = {}
 
 
 # -- the exchange kernel -------------------------------------------------------------------

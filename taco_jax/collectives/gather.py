@@ -24,7 +24,7 @@ def _gathered(x, axis, codec, p, dim: int, tiled: bool, transport: str, invarian
     blocks = codecs.to_blocks(x, codec.block_size)                   # (nb, B)
     wire = dispatch.compress(blocks, codec)
     dec = gather_decoded(wire, axis, codec, p, x.dtype, vma=invariant,
-                         move=transport_move(transport))
+                         move=transport_move(transport, axis))
     parts = jax.vmap(lambda b: codecs.from_blocks(b, x.shape))(
         dec.reshape(p, blocks.shape[0], codec.block_size))           # (P, *x.shape)
     y = jnp.moveaxis(parts, 0, dim) if not tiled else jnp.concatenate(list(parts), axis=dim)
@@ -74,7 +74,7 @@ def _scatter(x, axis, codec, p, dim: int, tiled: bool, transport: str):
     m = segs.shape[1]
     nb = max(1, -(-m // codec.block_size))
     blocks = jnp.pad(segs, ((0, 0), (0, nb * codec.block_size - m))).reshape(p * nb, -1)
-    total, _ = scatter_sum(blocks, nb, axis, codec, p, transport_move(transport))
+    total, _ = scatter_sum(blocks, nb, axis, codec, p, transport_move(transport, axis))
     out = total.reshape(-1)[:m].astype(x.dtype).reshape(seg_shape)  # (k, *rest) or rest
     out = jnp.moveaxis(out, 0, dim) if tiled else out
     if telemetry.enabled():   # against the exact reduce-scatter, in f32
