@@ -5,6 +5,7 @@
         ...                                    # the recipe for everything traced here
 """
 import importlib
+import importlib.metadata
 
 from taco_jax import codecs, telemetry
 from taco_jax.collectives import (DEFAULT_MIN_BYTES, UnboundAxisError, all_gather, feedback,
@@ -12,6 +13,11 @@ from taco_jax.collectives import (DEFAULT_MIN_BYTES, UnboundAxisError, all_gathe
 from taco_jax.collectives.feedback import (FeedbackState, psum_with_feedback,
                                            pvary_with_feedback)
 from taco_jax.recipe import Recipe, config
+
+try:     # one source: pyproject.toml's version, as the installed distribution records it
+    __version__ = importlib.metadata.version("taco_jax")
+except importlib.metadata.PackageNotFoundError:    # imported from a checkout not installed
+    __version__ = "0+unknown"
 
 __all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "psum_two_level", "psum_with_feedback",
            "pvary_with_feedback", "FeedbackState", "feedback", "config", "Recipe", "codecs",
