@@ -5,6 +5,7 @@ import contextlib
 from typing import Hashable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import _jax_private
@@ -41,13 +42,41 @@ def size(axes: tuple, op: str) -> int:
     for a in axes:
         try:
             p *= lax.axis_size(a)
-        except NameError as e:
-            # jax's own first sentence (as lax.psum words it), then where to call it from
+        except NameError:
             raise UnboundAxisError(
-                f"Found an unbound axis name: {a}. taco_jax.{op}: axis_name={a!r} is not a "
-                f"mesh axis bound here; call it inside jax.shard_map over a mesh with that "
+                f"{_lax_unbound_message(op, axes, a)} taco_jax.{op}: axis_name={a!r} is not "
+                f"a mesh axis bound here; call it inside jax.shard_map over a mesh with that "
                 f"axis (or jax.vmap with axis_name={a!r})") from None
     return p
+
+
+# The lax collective of the same name as a taco_jax op, called on a probe value (a jax
+# array: lax.psum answers a NumPy constant by another path, with another message).
+_LAX_PROBES = {
+    "psum": lambda axis: lax.psum(jnp.zeros((), jnp.float32), axis),
+    "all_gather": lambda axis: lax.all_gather(jnp.zeros(1, jnp.float32), axis),
+    "psum_scatter": lambda axis: lax.psum_scatter(jnp.zeros(1, jnp.float32), axis, tiled=True),
+    "ppermute": lambda axis: lax.ppermute(jnp.zeros((), jnp.float32), axis, [(0, 0)]),
+}
+
+
+def _lax_unbound_message(op: str, axes: tuple, a) -> str:
+    """What jax says for an unbound axis where `op`'s lax namesake is called here, whole, so
+    code matching jax's message keeps matching; its wording differs by context and jax
+    version, so it is asked, not copied. Where jax says only "unbound axis name: a" (or
+    fails otherwise, or op has no lax namesake): lax.psum's first sentence, which holds it."""
+    sentence = f"Found an unbound axis name: {a}."
+    probe = _LAX_PROBES.get(op)
+    try:
+        if probe is not None:
+            probe(name(axes))
+    except NameError as e:
+        message = str(e)
+        if message and message not in sentence:
+            return message if message.endswith(".") else message + "."
+    except Exception:    # noqa: BLE001 (inside shard_map lax.psum fails an assertion)
+        pass
+    return sentence
 
 
 def _mat(x):
