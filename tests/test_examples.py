@@ -1,5 +1,5 @@
-"""The README's drop-in snippet and every examples/*.py run, each in its own process with
-4 simulated CPU devices."""
+"""The README's drop-in snippet and every examples/*.py run as pasted, each in its own
+process on the simulated CPU devices it sets up itself."""
 import os
 import re
 import subprocess
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PRELUDE = "import jax\njax.config.update('jax_num_cpu_devices', 4)\n"
 
 
 def _run(code_or_path, tmp_path):
@@ -28,16 +27,24 @@ def test_example_runs(example, tmp_path):
     assert "compressed (taco" in r.stdout, r.stdout
 
 
+def _use_snippet(readme: str) -> str:
+    """The README's "Use" snippet: the first python block under "## Use"."""
+    return re.search(r"```python\n(.*?)```", readme.split("## Use", 1)[1], re.S).group(1)
+
+
 def test_readme_snippet_runs(tmp_path):
-    """The "Use" snippet as pasted: it places its own sharded inputs and compresses its psum;
+    """The "Use" snippet as pasted, on its own: it sets up its simulated devices, places its
+    sharded inputs, compresses its psum and prints the site report its last comment shows;
     the result is the product within the codec's error."""
-    readme = (ROOT / "README.md").read_text()
-    use = readme.split("## Use", 1)[1]
-    snippet = re.search(r"```python\n(.*?)```", use, re.S).group(1)
+    snippet = _use_snippet((ROOT / "README.md").read_text())
+    shown = re.search(r"print\(taco_jax\.telemetry\.site_report\(\)\)\s*# (.*)", snippet)
+    assert shown, "the snippet's site_report print carries what it prints as its comment"
     check = ("\nexact = np.asarray(x) @ np.asarray(w)\n"
              "err = np.linalg.norm(np.asarray(y) - exact) / np.linalg.norm(exact)\n"
              "assert y.shape == exact.shape and 1e-4 < err < 0.05, err\n"
              "print('ok', err)\n")
-    r = _run(PRELUDE + snippet + check, tmp_path)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
-    assert re.search(r"psum\[tp\] float32\[512, 256\].*: compressed \(taco", r.stdout), r.stdout
+    r = _run(snippet + check, tmp_path)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("ok"), r.stderr[-3000:]
+    report = r.stdout.splitlines()[:-1]
+    assert [line.strip() for line in report] == [shown.group(1).strip()], r.stdout
+    assert ": compressed (taco" in shown.group(1)
