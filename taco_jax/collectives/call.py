@@ -10,8 +10,10 @@ from taco_jax import codecs, recipe, routes, telemetry
 from taco_jax.collectives import axes as axes_lib, fused
 from taco_jax.collectives.two_shot import lax_exchange
 
-# Uncalibrated threshold: the measured break-even per device on 2×H200 NVLink (docs/results.md)
-DEFAULT_MIN_BYTES = 256 << 20
+# Uncalibrated threshold, per device: what `python -m taco_jax.calibrate` answers on 2×H200
+# NVLink (bench/results/calibrate.json: taco / lax.psum 0.98 at 256 MiB, inside its margin
+# of 0.97; 0.95 at 1 GiB), so min_bytes=None means the same there with or without a cache.
+DEFAULT_MIN_BYTES = 1 << 30
 
 
 def transport_move(transport: str, axis):

@@ -1,0 +1,24 @@
+"""The figures the docs and the code quote agree with the committed measurements they cite,
+and docs/results.md stays a short table of current numbers, each with its command."""
+import json
+import re
+from pathlib import Path
+
+import taco_jax
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def _mib(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
+
+def test_default_min_bytes_is_the_calibrations_answer():
+    """Without a calibration cache the threshold is what `python -m taco_jax.calibrate`
+    answered on the pair it was measured on (calibrate.json), and the README says so."""
+    cal = json.loads((RESULTS / "calibrate.json").read_text())
+    assert not cal["never"]
+    assert taco_jax.DEFAULT_MIN_BYTES == cal["min_bytes"]
+    readme = (ROOT / "README.md").read_text()
+    assert f"{_mib(cal['min_bytes'])} per device" in readme
