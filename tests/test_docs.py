@@ -22,3 +22,20 @@ def test_default_min_bytes_is_the_calibrations_answer():
     assert taco_jax.DEFAULT_MIN_BYTES == cal["min_bytes"]
     readme = (ROOT / "README.md").read_text()
     assert f"{_mib(cal['min_bytes'])} per device" in readme
+
+
+def _signed(v: float) -> str:
+    return f"{v:+.2f}".replace("-", "−")
+
+
+def test_fidelity_intervals_are_the_jsons():
+    """The TP8 intervals docs/fidelity.md quotes are fidelity_tp8.json's, rounded, and no
+    wording puts a bound outside its own interval."""
+    doc = (ROOT / "docs" / "fidelity.md").read_text()
+    paired = {r["config"]: r for r in
+              json.loads((RESULTS / "fidelity_tp8.json").read_text())["paired"]}
+    for config in ("taco", "echo4", "echo4+feedback"):
+        lo, hi = paired[config]["ci90_pct"]
+        assert f"[{_signed(lo)}, {_signed(hi)}]" in doc, config
+        for bound in (lo, hi):
+            assert f"excludes {_signed(bound)}" not in doc, (config, bound)
