@@ -115,13 +115,16 @@ def kernel_time(events: list[dict], calls: int, device: int = 0) -> dict:
                         sorted(per_name.items(), key=lambda kv: -kv[1])}}
 
 
-def device_time(fn, x, iters: int = 10, batches: int = 3, repeats: int = 5) -> dict:
+def device_time(fn, x, iters: int = 10, batches: int = 3, repeats: int = 5,
+                trace: bool | None = None) -> dict:
     """fn(x) timed two ways on one compiled program: `iters` copies of x (so a call does
     not find its input in L2) through `jit_calls`. "host_us": the host timer, median over
     `repeats` of `batches` executions queued back to back (as `time_calls`); "us": device
     time, the GPU kernel events of `batches` executions under jax.profiler.trace, summed,
     per call; "kernels": that per kernel name. The host timer adds launch gaps and
-    dispatch; device time does not. Raises ValueError where the trace has no GPU."""
+    dispatch; device time does not. Where the trace has no GPU, "us" is None and "error"
+    says why. `trace` None: trace only where the default backend is a GPU (a trace of a
+    CPU run costs about a second and can hold no GPU kernel)."""
     xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
     calls = jit_calls(fn)
     jax.block_until_ready(calls(xs))                    # compile + warm up
@@ -132,13 +135,18 @@ def device_time(fn, x, iters: int = 10, batches: int = 3, repeats: int = 5) -> d
         jax.block_until_ready(outs)
         times.append((time.perf_counter() - t0) / (iters * batches) * 1e6)
         del outs
+    out = {"host_us": statistics.median(times)}
+    if trace is None:
+        trace = jax.default_backend() == "gpu"
+    if not trace:
+        return {**out, "us": None, "error": "no GPU kernels: not traced on the "
+                                            f"{jax.default_backend()} backend"}
     with tempfile.TemporaryDirectory(prefix="taco_devtime_") as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             outs = [calls(xs) for _ in range(batches)]
             jax.block_until_ready(outs)
         del outs
         events = read_trace(d)
-    out = {"host_us": statistics.median(times)}
     try:
         out.update(kernel_time(events, iters * batches))
     except ValueError as e:

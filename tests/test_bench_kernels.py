@@ -62,10 +62,14 @@ def test_read_trace_prefers_the_perfetto_file(tmp_path):
 
 
 def test_device_time_on_cpu_reports_why():
-    """On CPU the trace has no GPU: the host timer still runs, device time is None."""
+    """On CPU the trace has no GPU: the host timer still runs, device time is None; by
+    default no trace is taken there, and one asked for is read back and found empty."""
     import jax.numpy as jnp
-    out = common.device_time(lambda v: v + 1, jnp.ones(128), iters=2, batches=1, repeats=1)
-    assert out["host_us"] > 0 and out["us"] is None and "GPU" in out["error"]
+    for trace in (None, True):
+        out = common.device_time(lambda v: v + 1, jnp.ones(128), iters=2, batches=1,
+                                 repeats=1, trace=trace)
+        assert out["host_us"] > 0 and out["us"] is None and "GPU" in out["error"], trace
+    assert "in the trace" in out["error"] and "/host:CPU" in out["error"]
 
 
 def test_kernels_stage_copy_kernel():
