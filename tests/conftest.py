@@ -1,5 +1,7 @@
 """Shared pytest setup. Keep small: only what several test files need."""
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -17,13 +19,19 @@ jax.config.update("jax_num_cpu_devices", 8)
 # Compile time is most of the suite's time: XLA:CPU's backend optimizations are skipped
 # (~20% of the suite; every program a test compares is compiled alike), and identical
 # programs compiled by several tests (the same tiny step, rebuilt) come from a compilation
-# cache kept for this run. Set before the backend starts; child processes inherit the flags.
+# cache kept for this run, shared by the xdist workers and removed at its end by the process
+# that made it. Every program is cached, however quick to compile: the child processes the
+# bench and train tests start (a fresh jax each, compiling the same small programs again)
+# read them back. Set before the backend starts; child processes inherit the flags.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
-_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxcc-"))
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxcc-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+_MIN = os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+jax.config.update("jax_persistent_cache_min_compile_time_secs", float(_MIN))
 
 # Start the backend now, with the 8 devices: a test that asks for fewer through
 # train.loop.setup_backend (a preset's parallel.cpu_devices) then leaves them, whatever
