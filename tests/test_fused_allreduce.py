@@ -7,6 +7,7 @@ one-GPU loopback for P = 2, 4, 8. Its numerics run on a Hopper GPU (`python -m
 bench.fused`); the reference it is checked against is tested here.
 """
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -24,7 +25,12 @@ from meshes import per_device
 
 TACO = codecs.get("taco")
 
+# A lowering is computed once per run (several tests lower the same call: each a second or
+# more of Mosaic GPU lowering); a test that patches what a lowering reads calls `__wrapped__`.
+cached = functools.lru_cache(maxsize=None)
 
+
+@cached
 def lowered_psum(shape, names, axis, vma, dtype=jnp.bfloat16, codec="taco"):
     """HLO text of taco_jax.psum(transport="fused") over `axis` of a mesh `names` → shape,
     lowered for CUDA; every other axis shards the input too."""
@@ -83,6 +89,7 @@ def test_loopback_lowers_and_fits_shared_memory(p, dtype):
     assert lowered_loopback(p, dtype, cfg).count("taco_fused_allreduce") >= 1
 
 
+@cached
 def lowered_loopback(p, dtype, cfg, n=64 * 256 * 3 + 17):
     x = jax.ShapeDtypeStruct((p, n), dtype)
     return jax.jit(lambda v: fa.loopback_allreduce(v, TACO, cfg)).trace(x).lower(
@@ -160,7 +167,7 @@ def test_calls_without_a_config_launch_the_default(monkeypatch):
     launch = fa._launch
     monkeypatch.setattr(fa, "_launch", lambda *a, **k: seen.append(a[4]) or launch(*a, **k))
     for dt in (jnp.bfloat16, jnp.float32):
-        lowered_loopback(2, dt, None)
+        lowered_loopback.__wrapped__(2, dt, None)
     assert seen == [fa.default_config(TACO, 2, jnp.bfloat16),
                     fa.default_config(TACO, 2, jnp.float32)]
     assert seen[0].warp_specialized and not seen[1].warp_specialized
@@ -487,6 +494,7 @@ def test_echo4_lowers_on_meshes_of_one_two_three_axes(shape, names, dtype):
     assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
 
 
+@cached
 def lowered_echo4_loopback(p, dtype, cfg=None, n=64 * 256 * 3 + 17):
     x = jax.ShapeDtypeStruct((p, n), dtype)
     return jax.jit(lambda v: fa.loopback_allreduce(v, ECHO4, cfg)).trace(x).lower(
@@ -532,7 +540,7 @@ def test_a_tile_codec_unchecked_on_gpu_is_not_selected(gpu_here, monkeypatch):
     why = fused.one_launch_reason(ECHO4, 2, jnp.bfloat16)
     assert why is not None and "not yet checked on a GPU" in why
     assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is None
-    text = lowered_psum((2,), ("tp",), "tp", False, codec="echo4")
+    text = lowered_psum.__wrapped__((2,), ("tp",), "tp", False, codec="echo4")
     assert "taco_fused_allreduce" not in text and "taco_fused_exchange" in text
 
 
