@@ -323,18 +323,21 @@ def two_shot_reference(xs, codec):
     Segment j (T whole tiles, `_segments`) of the sum is owner j's exact f32 segment plus
     decode(encode(x_k's segment j)) for k = j + 1, …, j + P − 1 (mod P) in that order
     (f32 inputs encoded from bf16, as the kernel does), encoded once from f32 and
-    decoded into xs's dtype."""
+    decoded into xs's dtype. The codec is blockwise, so every device's segments are
+    encoded in one call and the P owners' sums in another (two codec calls to compile
+    whatever P is)."""
     p = xs.shape[0]
     blocks, seg_tiles = _segments(xs.reshape(p, -1), p)        # (P, P·T·64, 256)
-    seg = seg_tiles * ROWS
-    out = []
-    for j in range(p):
-        acc = blocks[j, j * seg:(j + 1) * seg].astype(jnp.float32)
-        for k in range(1, p):
-            v = blocks[(j + k) % p, j * seg:(j + 1) * seg]
-            v = v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v
-            acc = acc + codec.decompress_reference(codec.compress_reference(v)).astype(
-                jnp.float32)
-        out.append(codec.decompress_reference(codec.compress_reference(acc)))
-    y = jnp.concatenate(out).astype(xs.dtype)
-    return codecs.from_blocks(y, xs.shape[1:])
+    segs = blocks.reshape(p, p, seg_tiles * ROWS, BLOCK)       # [device, segment]
+    sent = segs.astype(jnp.bfloat16) if segs.dtype == jnp.float32 else segs
+
+    def roundtrip(v):                                          # (…, 256) → f32, blockwise
+        w = codec.compress_reference(v.reshape(-1, BLOCK))
+        return codec.decompress_reference(w).reshape(v.shape)
+    dec = roundtrip(sent)
+    owners = jnp.arange(p)
+    acc = segs[owners, owners].astype(jnp.float32)             # (P, T·64, 256): own, exact
+    for k in range(1, p):
+        acc = acc + dec[(owners + k) % p, owners]              # senders j + k, in order
+    y = roundtrip(acc).astype(xs.dtype)
+    return codecs.from_blocks(y.reshape(p * seg_tiles * ROWS, BLOCK), xs.shape[1:])
