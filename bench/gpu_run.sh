@@ -29,8 +29,9 @@
 #                  and bench/results/calibrate.json
 #   psum           python -m bench.profile psum: device profile of the all-reduce per transport
 #   train          python -m bench.profile train + python -m bench.train_step (TP=2 step)
-#   fused          python -m bench.fused --impl mesh: taco_jax.psum(transport="fused") (one
-#                  kernel per all-reduce at P = 2) on this process's GPUs, checked against
+#   fused          python -m bench.fused --impl mesh --p <GPUs>: taco_jax.psum(transport=
+#                  "fused") (one kernel per all-reduce: the one-shot at P = 2, the two-shot
+#                  at P = 3..8) on all of this process's GPUs, checked against
 #                  the exact sum and the xla transport (NaN blocks, fresh inputs, 5 calls),
 #                  timed against lax.psum. Run it first: when it fails, the later steps
 #                  leave the fused transport out (and say so)
@@ -61,10 +62,11 @@
 #                  one device (compress, reduce, decompress)
 #                  → bench/results/fused_two_shot_loopback.json (~320 s)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
-#                  checks, P = 8, 4, 3 in that order (the least run first), f32 then bf16,
-#                  16 MiB first, 1 KiB to 64 MiB, 3 calls; stops at the first hang or crash
-#                  (45 s per configuration: P = 8's first group needed more than 20; ≤ 420 s,
-#                  FUSED_TWO_SHOT_S sets the limit)
+#                  checks, P = 8, 4, 3, 5, 6, 7 in that order (FUSED_TWO_SHOT_P), bf16 then
+#                  f32, 16 MiB first, 1 KiB to 256 MiB (FUSED_TWO_SHOT_SIZES), 5 calls on
+#                  fresh inputs with NaN and Inf blocks; stops at the first hang or crash
+#                  (60 s per configuration; ≤ 580 s, FUSED_TWO_SHOT_S sets the limit) →
+#                  bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG}.json
 #   fused_echo4    echo4 over the one-launch kernel (selected at P = 2 since these passed):
 #                  the byte checks of its Mosaic tile kernels (pytest -k gpu), the loopback
 #                  checks (P = 2, 4, 8; bf16, f32; 1 KiB, 1 MiB + 5 B, 16, 64 MiB; stops at
@@ -93,6 +95,7 @@ export TACO_JAX_CALIBRATION=${TACO_JAX_CALIBRATION:-/tmp/taco_jax_calibration.js
 : "${GIT_COMMIT:?set GIT_COMMIT (the copy of the tree on the GPU machine has no git history)}"
 export GIT_COMMIT
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 JAXV=$(python -c 'import jax; print(jax.__version__)')
 
 step() {  # step NAME TIMEOUT_S CMD...
@@ -159,9 +162,9 @@ for s in "$@"; do
              --out bench/results/profile_train.json
            step train_step 240 python -m bench.train_step --presets comm_heavy small 350m \
              --variants none taco ;;
-    fused) step fused 540 python -m bench.fused --impl mesh --p 2 --time --isolate group \
+    fused) step fused 540 python -m bench.fused --impl mesh --p "$NGPU" --time --isolate group \
              --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --timeout 100 \
-             --out bench/results/fused_2gpu.json || no_fused ;;
+             --out "bench/results/fused_${NGPU}gpu.json" || no_fused ;;
     loopback) for P in 2 4 8; do    # all of them took ~9 min on one H200 at 44319c9
                 loopback_checks $P
               done
@@ -173,10 +176,11 @@ for s in "$@"; do
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
                     one_warpgroup halved_encode one_part --isolate group --calls 3 \
                     --timeout 40 --out bench/results/fused_levers.json ;;
-    fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-420}" python -m bench.fused \
-                      --kernel two_shot --p 8 4 3 --dtypes f32 bf16 \
-                      --sizes 16MiB 1KiB 1MiB+5 64MiB --calls 3 --isolate group --timeout 45 \
-                      --fail-fast --out bench/results/fused_two_shot_checks.json ;;
+    fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-580}" python -m bench.fused \
+                      --kernel two_shot --p ${FUSED_TWO_SHOT_P:-8 4 3 5 6 7} --dtypes bf16 f32 \
+                      --sizes ${FUSED_TWO_SHOT_SIZES:-16MiB 1KiB 1MiB+5 64MiB 256MiB} \
+                      --calls 5 --isolate group --timeout 60 --fail-fast \
+                      --out "bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG:-}.json" ;;
     fused_p2) loopback_checks 2 && loopback_time ;;
     fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
                        --p 2 --isolate group --calls 5 --timeout 60 \
