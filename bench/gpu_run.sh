@@ -65,7 +65,7 @@
 #                  checks, P = 8, 4, 3, 5, 6, 7 in that order (FUSED_TWO_SHOT_P), bf16 then
 #                  f32, 16 MiB first, 1 KiB to 256 MiB (FUSED_TWO_SHOT_SIZES), 5 calls on
 #                  fresh inputs with NaN and Inf blocks; stops at the first hang or crash
-#                  (60 s per configuration; ≤ 580 s, FUSED_TWO_SHOT_S sets the limit) →
+#                  (60 s per configuration; ≤ 540 s, FUSED_TWO_SHOT_S sets the limit) →
 #                  bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG}.json
 #   fused_echo4    echo4 over the one-launch kernel (selected at P = 2 since these passed):
 #                  the byte checks of its Mosaic tile kernels (pytest -k gpu), the loopback
@@ -176,7 +176,7 @@ for s in "$@"; do
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
                     one_warpgroup halved_encode one_part --isolate group --calls 3 \
                     --timeout 40 --out bench/results/fused_levers.json ;;
-    fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-580}" python -m bench.fused \
+    fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-540}" python -m bench.fused \
                       --kernel two_shot --p ${FUSED_TWO_SHOT_P:-8 4 3 5 6 7} --dtypes bf16 f32 \
                       --sizes ${FUSED_TWO_SHOT_SIZES:-16MiB 1KiB 1MiB+5 64MiB 256MiB} \
                       --calls 5 --isolate group --timeout 60 --fail-fast \

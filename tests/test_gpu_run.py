@@ -92,8 +92,8 @@ def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
         assert flag in call and "--out bench/results/fused_" in call
     if "--kernel two_shot" in want:
         two = calls[want.index("--kernel two_shot")]
-        assert "--p 8 4 3" in two and "--dtypes f32 bf16" in two and "--fail-fast" in two
-        assert "--sizes 16MiB 1KiB 1MiB+5 64MiB" in two
+        assert "--p 8 4 3 5 6 7" in two and "--dtypes bf16 f32" in two and "--fail-fast" in two
+        assert "--sizes 16MiB 1KiB 1MiB+5 64MiB 256MiB" in two and "--calls 5" in two
 
 
 def test_fused_p2_checks_the_default_then_times_it(tmp_path):
@@ -270,3 +270,19 @@ def test_ncu_fused_profiles_one_checked_call_of_the_loopback_kernel(tmp_path):
     assert "regex:fused_allreduce" in profile and "-c 1" in profile
     assert f"bench.fused --one 2 {16 << 20} bf16 --impl kernel --calls 1" in profile
     assert any("bench/results/ncu_src_fused.json" in c for c in calls)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fused_step_runs_over_every_gpu_of_the_machine(tmp_path, n):
+    """The fused step checks and times the fused psum over all the machine's GPUs: the
+    one-shot kernel on 2, the two-shot on 4 or 8, each into its own results file."""
+    env = fake_python(tmp_path, 0)
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.write_text("#!/usr/bin/env bash\n" + "echo 'NVIDIA H200'\n" * n)
+    smi.chmod(0o755)
+    r = run(env, "fused")
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines()
+             if "bench.fused" in c]
+    assert r.returncode == 0 and len(calls) == 1
+    assert f"--impl mesh --p {n} " in calls[0] and "--time" in calls[0]
+    assert f"--out bench/results/fused_{n}gpu.json" in calls[0]
