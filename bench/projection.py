@@ -37,6 +37,21 @@ lax.psum and NCCL reached there), the rate fitted per size to the xla transport'
 2-GPU times (method_check: 96-267 GB/s; a pessimistic bound, since it absorbs that
 transport's fixed costs), and 50 GB/s (PCIe 5.0 x16, or 400 Gb/s between hosts). fixed_us = 15 µs at every P (checked
 at P = 2 only).
+
+Fused two-shot at P ≥ 3 ("fused_two_shot" in the JSON), at 350 and 250 GB/s: fixed_us +
+max(per-device compute, wire / link), wire = 2 (P − 1)/P · the codec's bytes of the tensor
+(the reduce-scatter and all-gather of codes: taco 264 bytes per 256 values, echo4 72 per
+128, from the codec objects), beside the uncompressed bf16 ring all-reduce under the same
+link model (fixed_us + 2 (P − 1)/P · 2 bytes per value / link); ratio = projected / ring.
+Per-device compute, per codec: the one-launch two-shot's loopback per-device time
+(fused_two_shot_loopback.json, every checked bf16 row of its default variant, a row's
+codec its own field or the file's), and beside it that file's three-launch kernels of one
+device at the same P ("separate kernels, measured": the one-launch kernel at the separate
+kernels' speed); a codec with no loopback row at P = 4 or 8 (echo4 today): its separate
+kernels modelled from kernels.json's device times (`two_shot_compute_us`: compress of the
+P − 1 segments it sends at the measured per-byte throughput of the tensor's compress, the
+owner's reduce by `owner_reduce_us`, decompress of the P sums). Goals reported, not
+enforced: at P = 8, 64 and 256 MiB, taco ≤ 0.55 and echo4 ≤ 0.35 of the bf16 ring.
 """
 from __future__ import annotations
 
@@ -55,13 +70,23 @@ PS = (2, 4, 8)
 SLOW_GBPS = 50.0
 ITEMSIZE = 2                                          # bf16
 INPUTS = {"kernels": "kernels.json", "taco_loopback": "fused_loopback.json",
-          "echo4_fused": "fused_echo4_loopback.json", "lax_psum": "collectives.json"}
+          "echo4_fused": "fused_echo4_loopback.json", "lax_psum": "collectives.json",
+          "two_shot_loopback": "fused_two_shot_loopback.json"}
 CODECS = ("taco", "echo4")
 ONE_SHOT_KERNELS = ("compress", "decode_sum")
 TWO_SHOT_KERNELS = ("compress", "reduce", "decompress")
 ECHO4_KERNELS = ("compress", "decompress", "reduce", "decode_sum")
 # Each codec's fused kernel as it runs today: (input, the variant of its default shape).
 FUSED_INPUTS = {"taco": ("taco_loopback", "default"), "echo4": ("echo4_fused", "default")}
+# The fused two-shot at P ≥ 3: the links it is projected at, and the goals it is reported
+# against (projected / bf16 ring at P = GOAL_P and the GOAL_MIB sizes).
+TWO_SHOT_LINKS = ("nvlink", "nvlink_measured")                   # 350 and 250 GB/s
+TWO_SHOT_GOALS = {"taco": 0.55, "echo4": 0.35}
+GOAL_P, GOAL_MIB = 8, (64, 256)
+# What a two-shot row's per-device compute is
+LOOPBACK = "one-launch loopback"              # the fused kernel's loopback, per device
+SEPARATE = "separate kernels, measured"       # the three-launch kernels of one device at P
+MODEL = "separate kernels, modelled"          # kernels.json throughputs (`two_shot`)
 
 
 def links(fitted: dict[float, float]) -> dict[str, object]:
@@ -176,6 +201,89 @@ def fused_kernels(results: str = RESULTS) -> dict:
     return out
 
 
+def two_shot_loopback(results: str = RESULTS) -> list[dict]:
+    """The one-launch two-shot kernel's loopback rows (fused_two_shot_loopback.json): every
+    checked bf16 row of the default variant at P ≥ 3, one per (codec, P, size):
+    [{"codec", "p", "mib", "per_device_us", "separate_us", "source"}]. A row's codec is its
+    own "codec" field, else the file's "codec" (taco where neither says): echo4 rows of
+    the same schema are read as they appear."""
+    name = "two_shot_loopback"
+    doc = _load(name, results)
+    src = f"{INPUTS[name]}@{str(doc.get('commit'))[:7]}"
+    out, seen = [], set()
+    for r in _rows({name: doc}, name, results):
+        if not (isinstance(r.get("p"), int) and r["p"] >= 3 and r.get("dtype") == "bf16"
+                and r.get("ok") and r.get("checked", True)
+                and r.get("variant", "default") == "default"
+                and r.get("per_device_us") is not None):
+            continue
+        codec = r.get("codec") or doc.get("codec") or "taco"
+        key = (codec, r["p"], r.get("mib"))
+        if key in seen:
+            _fail(name, results, f"has two checked bf16 rows of {codec} at P = {r['p']}, "
+                                 f"{r.get('mib')} MiB (one needed)")
+        seen.add(key)
+        sep = r.get("separate_us")
+        out.append({"codec": codec, "p": r["p"], "mib": r.get("mib"),
+                    "per_device_us": _number(r, "per_device_us", name, results),
+                    "separate_us": sep if isinstance(sep, (int, float)) and sep > 0 else None,
+                    "source": src})
+    return out
+
+
+def two_shot_compute(times: dict, loopback: list[dict], codecs: dict,
+                     ps=tuple(p for p in PS if p > 2)) -> list[dict]:
+    """Per-device compute of the two-shot all-reduce at P ≥ 3, per codec and size:
+    [{"codec", "p", "mib", "compute", "compute_us", "source"}]. Where the one-launch
+    kernel's loopback has a row: its per-device time (LOOPBACK) and, beside it, the
+    three-launch two-shot's kernels for one device at that P from the same file
+    (SEPARATE: the one-launch kernel at the separate kernels' speed). A codec with no
+    loopback row at a P in `ps`: its separate kernels modelled from kernels.json
+    (MODEL, `two_shot_compute_us`) at every size it has there."""
+    out = []
+    for r in loopback:
+        if r["codec"] not in codecs:
+            continue
+        base = {"codec": r["codec"], "p": r["p"], "mib": r["mib"], "source": r["source"]}
+        out.append({**base, "compute": LOOPBACK, "compute_us": r["per_device_us"]})
+        if r["separate_us"] is not None:
+            out.append({**base, "compute": SEPARATE, "compute_us": r["separate_us"]})
+    have = {(e["codec"], e["p"]) for e in out}
+    for name, codec in codecs.items():
+        for p in ps:
+            if (name, p) in have:
+                continue
+            for mib, t in sorted(times.get(name, {}).items()):
+                if all(k in t for k in TWO_SHOT_KERNELS):
+                    out.append({"codec": name, "p": p, "mib": mib, "compute": MODEL,
+                                "compute_us": round(two_shot_compute_us(codec, t, p), 2),
+                                "source": t["source"]})
+    return out
+
+
+def fused_compute(results: str = RESULTS, codecs: dict | None = None) -> dict:
+    """Each codec's fused all-reduce, per-device compute by P and size, as the projections
+    price it: {codec: {p: {"mib_us": {mib: µs}, "compute": what it is, "source"}}}.
+    P = 2: the one-shot kernel's loopback (`fused_kernels`); P ≥ 3: the one-launch
+    two-shot's loopback (LOOPBACK), else the modelled separate kernels (MODEL)."""
+    if codecs is None:
+        from taco_jax import codecs as registry
+        codecs = {c: registry.get(c) for c in CODECS}
+    times, _ = kernel_times(results)
+    out: dict = {c: {} for c in codecs}
+    for name, k in fused_kernels(results).items():
+        if name in codecs:
+            out[name][2] = {"mib_us": {r["mib"]: r["per_device_us"] for r in k["rows"]},
+                            "compute": "one-shot " + LOOPBACK, "source": k["source"]}
+    for e in two_shot_compute(times, two_shot_loopback(results), codecs):
+        if e["compute"] == SEPARATE:
+            continue
+        t = out[e["codec"]].setdefault(e["p"], {"mib_us": {}, "compute": e["compute"],
+                                                "source": e["source"]})
+        t["mib_us"][e["mib"]] = e["compute_us"]
+    return out
+
+
 # -- the arithmetic ---------------------------------------------------------------------------
 def wire_bytes(codec, n: int) -> int:
     """Bytes on the wire for n values: the codec's rows (its own block size and scales)."""
@@ -220,14 +328,22 @@ def one_shot(codec, t: dict, mib: float, gbps: float, fixed_us: float) -> dict |
             "wire_bytes": wire_bytes(codec, nbytes // ITEMSIZE)}
 
 
+def two_shot_compute_us(codec, t: dict, p: int) -> float:
+    """The separate kernels of one device in a two-shot over P: compress of the P − 1
+    segments it sends ((P−1)/P of the measured compress of the tensor: its per-byte
+    throughput at this size), the owner's reduce (`owner_reduce_us`), decompress of the P
+    sums (the measured decompress of the tensor)."""
+    return ((p - 1) / p * t["compress"]
+            + owner_reduce_us(t["reduce"], p, codec.row_bytes, codec.block_size)
+            + t["decompress"])
+
+
 def two_shot(codec, t: dict, mib: float, p: int, gbps: float, fixed_us: float) -> dict | None:
     """P ≥ 2 two-shot: (P−1)/P compress + owner reduce + decompress; 2 (P−1)/P · W."""
     if not all(k in t for k in TWO_SHOT_KERNELS):
         return None
     n = int(mib * MIB) // ITEMSIZE
-    compute = ((p - 1) / p * t["compress"]
-               + owner_reduce_us(t["reduce"], p, codec.row_bytes, codec.block_size)
-               + t["decompress"])
+    compute = two_shot_compute_us(codec, t, p)
     w = 2 * (p - 1) / p * wire_bytes(codec, n)
     return {**_times(compute, w / gbps / 1e3, fixed_us, 2), "wire_bytes": round(w)}
 
@@ -250,7 +366,9 @@ def project_rows(times: dict, codecs: dict, link_rates: dict, sizes=SIZES_MIB, p
                 gbps = rate.get(mib) if isinstance(rate, dict) else rate
                 if gbps is None:
                     continue
-                row = {"p": p, "mib": mib, "link": link, "link_gbps": gbps,
+                row = {"projection": "projected from one H200's kernel times and a link "
+                                     "rate, not measured",
+                       "p": p, "mib": mib, "link": link, "link_gbps": gbps,
                        "method": "one-shot" if p == 2 else "two-shot",
                        "bf16": bf16_allreduce(mib, p, gbps, fixed_us)}
                 for name, codec in codecs.items():
@@ -309,6 +427,52 @@ def _ratios(row: dict, names: list[str]) -> dict:
     return row
 
 
+def fused_two_shot_rows(compute: list[dict], codecs: dict, link_rates: dict,
+                        fixed_us: float = fused.FIXED_US) -> list[dict]:
+    """The fused two-shot at P ≥ 3, one row per `two_shot_compute` entry and link of
+    TWO_SHOT_LINKS: fixed + max(per-device compute, wire / link), wire = 2 (P − 1)/P · the
+    codec's bytes of the tensor (reduce-scatter and all-gather of codes), beside the bf16
+    ring all-reduce at the same link and fixed cost; ratio = projected / ring. At P =
+    GOAL_P and the GOAL_MIB sizes, the codec's goal (TWO_SHOT_GOALS) and whether the
+    ratio meets it."""
+    rows = []
+    for e in compute:
+        codec = codecs[e["codec"]]
+        n = int(e["mib"] * MIB) // ITEMSIZE
+        w = 2 * (e["p"] - 1) / e["p"] * wire_bytes(codec, n)
+        for link in TWO_SHOT_LINKS:
+            gbps = link_rates[link]
+            wire_us = w / gbps / 1e3
+            projected = fixed_us + max(e["compute_us"], wire_us)
+            ring = bf16_allreduce(e["mib"], e["p"], gbps, fixed_us)["us"]
+            row = {"projection": "fused two-shot, projected: fixed + max(compute, 2 (P-1)/P "
+                                 "codes / link); bf16 ring: fixed + 2 (P-1)/P bf16 / link",
+                   "codec": e["codec"], "p": e["p"], "mib": e["mib"], "link": link,
+                   "link_gbps": gbps, "compute": e["compute"], "source": e["source"],
+                   "compute_us": round(e["compute_us"], 2), "wire_bytes": round(w),
+                   "wire_us": round(wire_us, 2), "fixed_us": fixed_us,
+                   "projected_us": round(projected, 2), "ring_bf16_us": ring,
+                   "ratio": round(projected / ring, 3),
+                   "bound": "compute" if e["compute_us"] > wire_us else "wire"}
+            if e["p"] == GOAL_P and e["mib"] in GOAL_MIB and e["codec"] in TWO_SHOT_GOALS:
+                row["goal"] = TWO_SHOT_GOALS[e["codec"]]
+                row["meets_goal"] = row["ratio"] <= row["goal"]
+            rows.append(row)
+    order = {LOOPBACK: 0, SEPARATE: 1, MODEL: 2}
+    return sorted(rows, key=lambda r: (r["p"], r["mib"], TWO_SHOT_LINKS.index(r["link"]),
+                                       r["codec"] != "taco", order.get(r["compute"], 3)))
+
+
+def flat_two_shot(row: dict) -> dict:
+    goal = row.get("goal")
+    return {"P": row["p"], "MiB": f"{row['mib']:g}", "GB/s": row["link_gbps"], "codec": row["codec"],
+            "compute from": row["compute"], "compute": row["compute_us"],
+            "wire": row["wire_us"], "projected": row["projected_us"],
+            "bf16 ring": row["ring_bf16_us"], "ratio": row["ratio"],
+            "goal": "" if goal is None else f"<= {goal} " + ("met" if row["meets_goal"]
+                                                             else "not met")}
+
+
 # -- the program ------------------------------------------------------------------------------
 def flat(row: dict) -> dict:
     """A table row: µs (one launch), compute / wire µs, ratios."""
@@ -349,7 +513,13 @@ def main(argv=None) -> int:
     print_table([flat(r) for r in rows], list(flat(rows[0])))
     print("PROJECTED, not measured (one H200's kernel device times + a link rate); "
           "µs = one launch; c/w = compute / wire µs; sep = separate launches; kernel = the "
-          "codec's one-launch fused kernel as it runs today (P = 2)")
+          "codec's one-launch fused kernel as it runs today (P = 2)\n")
+    two_shot_rows = fused_two_shot_rows(
+        two_shot_compute(times, two_shot_loopback(), codecs), codecs, rates)
+    print_table([flat_two_shot(r) for r in two_shot_rows], list(flat_two_shot(two_shot_rows[0])))
+    print("PROJECTED fused two-shot at P >= 3, not measured: fixed + max(per-device compute, "
+          "2 (P-1)/P codes / link) beside a bf16 ring all-reduce (fixed + 2 (P-1)/P bf16 / "
+          "link); µs; goal: at P = 8, 64 and 256 MiB")
     payload = {"projected": True, "device": devices.pop(),
                "jax": versions.pop(),
                "commit": env_facts()["commit"], "inputs": facts,
@@ -366,7 +536,11 @@ def main(argv=None) -> int:
                    c: {"source": k["source"],
                        **{f"{r['mib']:g}": r["per_device_us"] for r in k["rows"]}}
                    for c, k in kernels.items()},
-               "method_check": checks, "rows": rows}
+               "method_check": checks, "rows": rows,
+               "fused_two_shot": {"links": list(TWO_SHOT_LINKS),
+                                  "goals": {"p": GOAL_P, "mib": list(GOAL_MIB),
+                                            "ratio_at_most": TWO_SHOT_GOALS},
+                                  "rows": two_shot_rows}}
     write_json(a.out, payload)
     return 0
 

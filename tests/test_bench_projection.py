@@ -153,6 +153,11 @@ FAKE = {
         loop_row(16, 20.0, "encode_twice", checked=False)]},
     "fused_echo4_loopback.json": {**facts(), "rows": [loop_row(16, 25.0, "default")]},
     "collectives.json": {**facts(n_devices=2), "rows": []},
+    "fused_two_shot_loopback.json": {**facts(), "codec": "taco", "rows": [
+        {**loop_row(16, 40.0, "default"), "p": 4, "separate_us": 25.0},
+        {**loop_row(16, 10.0, "encode_twice"), "p": 4},                 # not the default
+        {**loop_row(16, 60.0, "default"), "p": 8, "ok": False},          # failed its check
+        {**loop_row(16, 30.0, "default"), "p": 8, "codec": "echo4"}]},   # a row's own codec
 }
 
 
@@ -244,3 +249,86 @@ def test_corrupt_input_names_the_file(tmp_path, name, doc, why):
     with pytest.raises(SystemExit, match=re.escape(name) + ".*" + why):
         proj.kernel_times(d)
         proj.fused_kernels(d)
+
+
+# -- the fused two-shot at P >= 3 ------------------------------------------------------------
+TACO = codecs.get("taco")
+
+
+def test_two_shot_rows_by_hand():
+    """fixed + max(compute, 2 (P-1)/P codes / link) against the bf16 ring at the same link;
+    the goal only at P = 8, 64 and 256 MiB."""
+    compute = [{"codec": "taco", "p": 8, "mib": 64, "compute": proj.LOOPBACK,
+                "compute_us": 100.0, "source": "hand"},
+               {"codec": "echo4", "p": 4, "mib": 16, "compute": proj.MODEL,
+                "compute_us": 500.0, "source": "hand"}]
+    rows = proj.fused_two_shot_rows(compute, {"taco": TACO, "echo4": ECHO4},
+                                    {"nvlink": 100.0, "nvlink_measured": 50.0}, fixed_us=15.0)
+    assert len(rows) == 4 and all("projected" in r["projection"] for r in rows)
+    by = {(r["codec"], r["link_gbps"]): r for r in rows}
+    n64 = 64 * proj.MIB // 2
+    t = by["taco", 100.0]
+    assert t["wire_bytes"] == round(1.75 * n64 // 256 * 264)       # 1 + 8/256 bytes a value
+    assert t["wire_us"] == pytest.approx(1.75 * n64 * 264 / 256 / 1e5, abs=0.01)
+    assert t["projected_us"] == pytest.approx(15 + t["wire_us"], abs=0.01)
+    assert t["bound"] == "wire"
+    assert t["ring_bf16_us"] == pytest.approx(15 + 1.75 * 2 * n64 / 1e5, abs=0.01)
+    assert t["ratio"] == round(t["projected_us"] / t["ring_bf16_us"], 3)
+    assert t["goal"] == 0.55 and t["meets_goal"] is (t["ratio"] <= 0.55)
+    e = by["echo4", 50.0]                                            # compute-bound
+    assert e["projected_us"] == 515.0 and e["bound"] == "compute" and "goal" not in e
+    assert e["wire_bytes"] == round(1.5 * W16)
+    assert e["ring_bf16_us"] == pytest.approx(15 + 1.5 * 2 * N16 / 5e4, abs=0.01)
+
+
+def test_two_shot_compute_from_a_small_results_dir(tmp_path):
+    """taco at P = 4 from its loopback row (and the separate kernels beside it); echo4 at
+    P = 8 from the row naming echo4; echo4 at P = 4, and taco at P = 8 (its only row
+    failed), from kernels.json's separate kernels."""
+    d = fake_results(tmp_path)
+    loop = proj.two_shot_loopback(d)
+    assert [(r["codec"], r["p"], r["per_device_us"]) for r in loop] == [
+        ("taco", 4, 40.0), ("echo4", 8, 30.0)]
+    times, _ = proj.kernel_times(d)
+    got = proj.two_shot_compute(times, loop, {"taco": TACO, "echo4": ECHO4})
+    kinds = {(e["codec"], e["p"], e["mib"], e["compute"]): e["compute_us"] for e in got}
+    assert kinds["taco", 4, 16, proj.LOOPBACK] == 40.0
+    assert kinds["taco", 4, 16, proj.SEPARATE] == 25.0
+    assert kinds["echo4", 8, 16, proj.LOOPBACK] == 30.0
+    assert not any(k[:2] == ("echo4", 8) and k[3] == proj.MODEL for k in kinds)
+    t = ECHO4_US[16]
+    assert kinds["echo4", 4, 16, proj.MODEL] == pytest.approx(
+        0.75 * t["compress"] + t["reduce"] / 2 + t["decompress"], abs=0.01)
+    assert kinds["taco", 8, 16, proj.MODEL] == pytest.approx(7 / 8 * 5 + 2.5 + 5, abs=0.01)
+    table = proj.fused_compute(d, {"taco": TACO, "echo4": ECHO4})
+    assert table["taco"][2]["mib_us"] == {16: 30.0}
+    assert table["taco"][4] == {"mib_us": {16: 40.0}, "compute": proj.LOOPBACK,
+                                "source": "fused_two_shot_loopback.json@fffffff"}
+    assert table["echo4"][8]["compute"] == proj.LOOPBACK
+    assert table["echo4"][4]["compute"] == proj.MODEL
+    assert set(table["echo4"][4]["mib_us"]) == set(proj.SIZES_MIB)
+
+
+def test_two_shot_loopback_refuses_two_rows_of_one_size(tmp_path):
+    doc = json.loads(json.dumps(FAKE["fused_two_shot_loopback.json"]))
+    doc["rows"].append(doc["rows"][0])
+    d = fake_results(tmp_path, **{"fused_two_shot_loopback.json": doc})
+    with pytest.raises(SystemExit, match=r"fused_two_shot_loopback\.json.*two checked bf16 "
+                                         r"rows of taco at P = 4, 16 MiB"):
+        proj.two_shot_loopback(d)
+
+
+def test_fused_two_shot_on_the_committed_results(tmp_path):
+    out = tmp_path / "projection.json"
+    assert proj.main(["--out", str(out)]) == 0
+    res = json.loads(out.read_text())["fused_two_shot"]
+    loop = json.loads((pathlib.Path(proj.RESULTS) / "fused_two_shot_loopback.json").read_text())
+    for r in loop["rows"]:
+        mine = [x for x in res["rows"] if (x["codec"], x["p"], x["mib"], x["compute"]) ==
+                ("taco", r["p"], r["mib"], proj.LOOPBACK)]
+        assert [x["compute_us"] for x in mine] == [r["per_device_us"]] * 2
+        assert {x["link_gbps"] for x in mine} == {350.0, 250.0}
+    goals = [x for x in res["rows"] if "goal" in x]
+    assert {(x["codec"], x["mib"]) for x in goals} == {
+        (c, m) for c in ("taco", "echo4") for m in (64, 256)}
+    assert all(x["p"] == 8 for x in goals)
