@@ -18,15 +18,31 @@ runs 2 warm-up steps, then `--steps` timed steps on fixed random tokens (speed d
 depend on the text). `--mesh` (default: the preset's parallel.*; `--tp N` sets tp alone)
 and `--microbatches` (default: the preset's) apply to every variant.
 
+A variant may name the transport of its compressed collectives after a colon,
+`SPEC:TRANSPORT[@min_bytes]` (`taco:xla`, `taco:fused`, `echo4:fused`): the run is traced
+under `taco_jax.config(transport=TRANSPORT)`; without one, the library's default.
+
 Writes bench/results/train_step.json: per row tokens/s, step time, speedup against the
 "none" row of the same preset, the pipeline's bubble fraction, the bytes each device sends
 per step (`telemetry.wire_bytes` over the step's call sites) and the compiled step's
 temporary memory per device (`temp_mib`: activations kept for the backward pass and work
 buffers, from XLA's memory analysis).
+
+Emulated tensor parallelism, `--emulate-tp N [N ...]` (with `--mesh 1,1,1`): each preset at
+each N, `parallel.emulate_tp=N` (the N tensor-parallel members under jax.vmap on one device:
+N members' compute, the all-reduces sums over the vmapped axis), every variant side by side.
+Rows add `emulate_tp`, `transport`, `added_ms` (the step minus the "none" row of the same
+preset and N) and `sites`: per call site of the step its op, axes, shape, dtype, bytes per
+device, calls per step, compressed or plain (codec, transport), and the all-reduces it runs
+per step (`allreduces_per_step`: a psum's forward, a pvary's backward, and a psum's
+transpose where it was traced under check_vma=False). A variant that fails (a transport
+this device lacks, out of memory) is a row with its `error`; the others still run. Writes
+bench/results/train_step_emulated.json, the input of `python -m bench.step_projection`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -42,6 +58,10 @@ from train.loop import (build_mesh, make_train_step, setup_backend, step_memory,
 
 AXES = ("tp", "pp", "dp")
 ALIASES = {"2d": ("dp", "pp"), "3d": ("dp", "pp", "tp")}
+OUT = "bench/results/train_step.json"
+EMULATED_OUT = "bench/results/train_step_emulated.json"
+# the ops whose call runs one all-reduce (psum forward, pvary backward)
+ALLREDUCE_OPS = ("psum", "pvary", "psum_with_feedback", "pvary_with_feedback")
 
 
 def variant_codecs(spec: str, codec_tp: str, codec_pp: str, codec_dp: str) -> dict:
@@ -67,6 +87,39 @@ def split_variant(variant: str) -> tuple[str, bool, str]:
     return spec, sp, min_bytes
 
 
+def split_transport(variant: str) -> tuple[str, str | None]:
+    """'taco:fused@default' -> ('taco@default', 'fused'): the variant without its transport,
+    and the transport (None: the library's default)."""
+    head, at, min_bytes = variant.partition("@")
+    spec, colon, transport = head.partition(":")
+    if not colon:
+        return variant, None
+    try:
+        taco_jax.Recipe(transport=transport)
+    except ValueError as e:
+        raise ValueError(f"variant {variant!r}: {e}") from None
+    return spec + at + min_bytes, transport
+
+
+def allreduces_per_step(site: taco_jax.telemetry.Site, calls: int) -> int:
+    """All-reduces one step runs through a site: a psum's forward (and its transpose, an
+    all-reduce too, where traced under check_vma=False), a pvary's backward; 0 for the other
+    ops and for an axis of one device."""
+    if site.p <= 1 or site.op not in ALLREDUCE_OPS:
+        return 0
+    return calls * (2 if site.op in taco_jax.telemetry.PSUM_OPS and not site.vma else 1)
+
+
+def site_rows(sites: list) -> list[dict]:
+    """[(site, calls)] -> what a projection of the step needs of each call site."""
+    return [{"op": s.op, "axes": list(s.axes), "p": s.p, "shape": list(s.shape),
+             "dtype": s.dtype, "bytes": s.bytes_per_device, "calls": n,
+             "compressed": s.compressed, "codec": s.codec, "transport": s.transport or None,
+             "reason": s.reason, "vma": s.vma, "allreduces_per_step": allreduces_per_step(s, n),
+             "wire_bytes_per_step": step_wire_bytes([(s, n)])}
+            for s, n in sorted(sites, key=lambda sn: (sn[0].op, sn[0].shape, sn[0].codec))]
+
+
 def variant_overrides(variant: str, codecs: dict) -> list[str]:
     """Config overrides of one variant: its codecs per axis, the model's fields following
     the TP one, sequence parallelism, and its min_bytes for every collective."""
@@ -78,7 +131,18 @@ def variant_overrides(variant: str, codecs: dict) -> list[str]:
             f"recipe.min_bytes={'null' if min_bytes == 'default' else int(min_bytes or 0)}"]
 
 
-def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str]) -> dict:
+def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str],
+            transport: str | None = None, sites_out: list | None = None) -> dict:
+    """One variant's row. `variant` without its transport; `transport` the taco_jax
+    transport it is traced under (None: the default). `sites_out` receives the step's
+    [(site, calls)]."""
+    recipe = (taco_jax.config(transport=transport) if transport
+              else contextlib.nullcontext())
+    with recipe:
+        return _measure(preset, variant, codecs, steps, extra, sites_out)
+
+
+def _measure(preset, variant, codecs, steps, extra, sites_out) -> dict:
     overrides = ["train.progress=false", *extra, *variant_overrides(variant, codecs)]
     cfg = config_lib.load_config(preset, overrides)
     setup_backend(cfg)   # parallel.cpu_devices on CPU (before JAX starts; later: kept)
@@ -92,6 +156,8 @@ def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str
     t0 = time.perf_counter()
     (state, m), sites = taco_jax.telemetry.traced_sites(step, state, x, y)
     jax.block_until_ready(m)
+    if sites_out is not None:
+        sites_out.extend(sites)
     compile_s = time.perf_counter() - t0
     memory = step_memory(step, state, x, y) or {}
     for _ in range(2):
@@ -137,6 +203,24 @@ def mesh_overrides(mesh: str, tp: int | None) -> list[str]:
     return out
 
 
+def emulated_row(preset: str, n: int, variant: str, plain: str, transport, codecs,
+                 steps: int, extra: list[str]) -> dict:
+    """One variant at emulate_tp=n: measure's row with the step's sites, or its error."""
+    head = {"preset": preset, "emulate_tp": n, "variant": variant,
+            "transport": transport or "default"}
+    sites: list = []
+    try:
+        row = measure(preset, plain, codecs, steps, [*extra, f"parallel.emulate_tp={n}"],
+                      transport, sites)
+    except Exception as e:       # noqa: BLE001 -- recorded; the other variants still run
+        return {**head, "codec_tp": codecs["tp"], "step_ms": None,
+                "error": f"{type(e).__name__}: {str(e)[:500]}"}
+    row = {**head, **row, "variant": variant}
+    row["allreduces_per_step"] = sum(allreduces_per_step(s, k) for s, k in sites)
+    row["sites"] = site_rows(sites)
+    return row
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["comm_heavy", "small", "350m"])
@@ -148,28 +232,54 @@ def main(argv=None):
     ap.add_argument("--codec-tp", default="taco", help="codec of the TP sites in axis variants")
     ap.add_argument("--codec-pp", default="tah4", help="codec of the pipeline hand-offs")
     ap.add_argument("--codec-dp", default="taco", help="codec of the data-parallel gradients")
+    ap.add_argument("--emulate-tp", type=int, nargs="+", default=None, metavar="N",
+                    help="tensor parallelism emulated on one device, each preset at each N")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides")
-    ap.add_argument("--out", default="bench/results/train_step.json")
+    ap.add_argument("--out", default=None,
+                    help=f"default {OUT}, with --emulate-tp {EMULATED_OUT}")
     args = ap.parse_args(argv)
     extra = mesh_overrides(args.mesh, args.tp)
     if args.microbatches is not None:
         extra.append(f"parallel.microbatches={args.microbatches}")
     extra += args.set
-    plans = [(v, variant_codecs(split_variant(v)[0], args.codec_tp, args.codec_pp,
-                                args.codec_dp)) for v in args.variants]   # bad names: now
+    if args.emulate_tp and min(args.emulate_tp) < 1:
+        raise ValueError(f"--emulate-tp {args.emulate_tp}: each N must be >= 1")
+    plans = []
+    for v in args.variants:                                          # bad names: now
+        plain, transport = split_transport(v)
+        plans.append((v, plain, transport, variant_codecs(
+            split_variant(plain)[0], args.codec_tp, args.codec_pp, args.codec_dp)))
     rows = []
     for preset in args.presets:
-        base = None
-        for variant, codecs in plans:
-            row = measure(preset, variant, codecs, args.steps, extra)
-            if base is None and set(codecs.values()) == {"none"}:
-                base = row["step_ms"]
-            row["speedup_vs_none"] = round(base / row["step_ms"], 3) if base else None
-            rows.append(row)
-            print_table(rows[-1:], list(row))
-    print_table(rows, list(rows[0]))
-    write_json(args.out, {**env_facts(), "rows": rows})
+        for n in args.emulate_tp or [None]:
+            base = None
+            for variant, plain, transport, codecs in plans:
+                if n is None:
+                    row = measure(preset, plain, codecs, args.steps, extra, transport)
+                    row["variant"] = variant
+                    if transport:
+                        row["transport"] = transport
+                else:
+                    row = emulated_row(preset, n, variant, plain, transport, codecs,
+                                       args.steps, extra)
+                step = row["step_ms"]
+                if base is None and step and set(codecs.values()) == {"none"}:
+                    base = step
+                row["speedup_vs_none"] = round(base / step, 3) if base and step else None
+                if n is not None:
+                    row["added_ms"] = round(step - base, 2) if base and step else None
+                rows.append(row)
+                print_table(rows[-1:], [k for k in row if k != "sites"])
+    cols = list(dict.fromkeys(k for r in rows for k in r if k != "sites"))
+    print_table(rows, cols)
+    payload = {**env_facts(), "rows": rows}
+    if args.emulate_tp:
+        payload = {**env_facts(), "mode": "emulated tensor parallelism (parallel.emulate_tp)",
+                   "emulate_tp": args.emulate_tp, "presets": args.presets,
+                   "variants": args.variants, "steps": args.steps, "overrides": extra,
+                   "rows": rows}
+    write_json(args.out or (EMULATED_OUT if args.emulate_tp else OUT), payload)
 
 
 if __name__ == "__main__":
