@@ -1,0 +1,241 @@
+"""bench.step_projection on CPU: its arithmetic on a synthetic emulated file (the schema
+bench.train_step --emulate-tp writes) beside the committed one-GPU inputs, the method check
+against the committed 2×H200 steps, its refusal without its inputs, and bench.train_step's
+emulated rows (transports named per variant, call sites recorded) on a tiny preset."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from bench import fused, projection
+from bench import step_projection as sp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+MIB = 1 << 20
+HBM = 4000.0                                   # GB/s, the synthetic roofline
+
+
+def site(op, calls, shape=(16, 1024, 1024), codec="none", transport=None, p=2):
+    n = 1
+    for d in shape:
+        n *= d
+    return {"op": op, "axes": ["tp"], "p": p, "shape": list(shape), "dtype": "bfloat16",
+            "bytes": 2 * n, "calls": calls, "compressed": codec != "none", "codec": codec,
+            "transport": transport, "reason": "" if codec != "none" else "codec 'none'",
+            "vma": True, "allreduces_per_step": calls, "wire_bytes_per_step": 0}
+
+
+def emu_row(preset, n, variant, step_ms, codec="none", transport="default", error=None,
+            shape=(16, 1024, 1024)):
+    row = {"preset": preset, "emulate_tp": n, "variant": variant, "transport": transport,
+           "codec_tp": codec, "step_ms": step_ms}
+    if error:
+        return {**row, "step_ms": None, "error": error}
+    t = None if codec == "none" else ("xla" if transport == "default" else transport)
+    return {**row, "sites": [site("psum", 48, shape, codec, t, n),
+                             site("pvary", 49, shape, codec, t, n)]}
+
+
+def emulated(rows, platform="gpu"):
+    return {"device": "NVIDIA H200", "platform": platform, "n_devices": 1, "jax": "0.11.2",
+            "commit": "e" * 40, "mode": "emulated", "rows": rows}
+
+
+ROWS = [emu_row("350m", 2, "none", 150.0), emu_row("350m", 2, "taco:xla", 170.0, "taco", "xla"),
+        emu_row("350m", 2, "taco:fused", None, "taco", "fused", error="ValueError: no GPU"),
+        emu_row("350m", 8, "none", 160.0),
+        emu_row("350m", 8, "echo4:fused", 165.0, "echo4", "fused")]
+
+
+def results(tmp_path, rows=ROWS, platform="gpu", drop=()):
+    """A results dir: the committed one-GPU inputs, a synthetic emulated file, and a
+    kernels.json whose roofline is HBM."""
+    for name in {*projection.INPUTS.values(), *sp.INPUTS.values()} - {sp.INPUTS["emulated"]}:
+        if name not in drop:
+            shutil.copy(RESULTS / name, tmp_path / name)
+    k = json.loads((RESULTS / "kernels.json").read_text())
+    k["roofline"] = {"device_gbs": HBM}
+    (tmp_path / "kernels.json").write_text(json.dumps(k))
+    if "train_step_emulated.json" not in drop:
+        (tmp_path / "train_step_emulated.json").write_text(json.dumps(emulated(rows, platform)))
+    return tmp_path
+
+
+def test_interp():
+    pts = {1.0: 10.0, 3.0: 30.0, 5.0: 40.0}
+    assert sp.interp(pts, 2.0) == (20.0, False) and sp.interp(pts, 4.0) == (35.0, False)
+    assert sp.interp(pts, 0.5) == (5.0, True) and sp.interp(pts, 10.0) == (80.0, True)
+    assert sp.interp(pts, 5.0) == (40.0, False)
+
+
+def test_compute_subtracts_the_emulated_reductions():
+    none = emu_row("350m", 8, "none", 160.0)
+    b = 32 * MIB                                            # 16 × 1024 × 1024 bf16
+    reduce_ms = 97 * 9 * b / HBM / 1e6                      # (N + 1) · bytes per all-reduce
+    c = sp.compute_ms(none, HBM)
+    assert c["emulated_reduce_ms"] == pytest.approx(reduce_ms, abs=1e-3)
+    assert c["compute_ms_per_device"] == pytest.approx((160.0 - reduce_ms) / 8, abs=1e-3)
+
+
+def test_only_allreduces_are_priced():
+    s = {**site("all_gather", 2), "allreduces_per_step": 0}
+    with pytest.raises(ValueError, match="all_gather.*only all-reduces"):
+        sp.allreduce_sites([s])
+    assert sp.allreduce_sites([{**site("psum", 3), "p": 1}]) == []
+
+
+def test_projection_on_synthetic_emulated_rows(tmp_path, capsys):
+    d = results(tmp_path)
+    out = tmp_path / "step_projection.json"
+    assert sp.main(["--results", str(d), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "PROJECTED" in printed and "method check" in printed
+    res = json.loads(out.read_text())
+    assert res["projected"] is True and res["device"] == "NVIDIA H200"
+    assert res["inputs"]["emulated"]["commit"] == "e" * 40
+    assert all("projected" in r["projection"] for r in res["rows"])
+    rows = {(r["p"], r["link_gbps"], r["variant"]): r for r in res["rows"]}
+    b = 32 * MIB
+    coll = {r["mib_per_device"]: r for r in
+            json.loads((RESULTS / "collectives.json").read_text())["rows"]}
+    lax32 = coll[16]["lax_psum_us"] + (coll[64]["lax_psum_us"] - coll[16]["lax_psum_us"]) / 3
+    c2 = (150.0 - 97 * 3 * b / HBM / 1e6) / 2
+    bf16 = rows[2, 350.0, "bf16"]                             # measured lax.psum at P = 2
+    assert bf16["compute_ms"] == pytest.approx(c2, abs=1e-3)
+    assert bf16["comm_ms"] == pytest.approx(97 * lax32 / 1e3, abs=1e-3)
+    assert bf16["speedup_vs_bf16"] == 1.0
+    assert rows[2, 250.0, "bf16"]["projected_ms"] == bf16["projected_ms"]
+    xla = rows[2, 350.0, "taco:xla"]                           # measured compressed psum
+    t32 = coll[16]["compressed_us"] + (coll[64]["compressed_us"] - coll[16]["compressed_us"]) / 3
+    assert xla["comm_ms"] == pytest.approx(97 * t32 / 1e3, abs=1e-3)
+    assert xla["sites_from"] == "its emulated row"
+    # fused taco at P = 2: its row failed, so the none row's sites taken as compressed;
+    # fixed + max(the one-shot loopback per device at 32 MiB, wire / link)
+    f = rows[2, 350.0, "taco:fused"]
+    assert "taken as compressed with taco over fused (its row failed)" in f["sites_from"]
+    loop = {r["mib"]: r["per_device_us"] for r in
+            json.loads((RESULTS / "fused_loopback.json").read_text())["rows"]}
+    compute = loop[16] + (loop[64] - loop[16]) / 3
+    wire = (b // 2) // 256 * 264 / 350e3
+    assert f["comm_ms"] == pytest.approx(97 * (fused.FIXED_US + max(compute, wire)) / 1e3,
+                                         abs=1e-3)
+    assert f["goal_speedup"] == 1.15
+    assert f["meets_goal"] is (f["speedup_vs_bf16"] >= 1.15)
+    assert f["speedup_vs_bf16"] == round(bf16["projected_ms"] / f["projected_ms"], 3)
+    # P = 8: bf16 on the ring model; echo4 fused two-shot from its modelled compute
+    ring = rows[8, 250.0, "bf16"]
+    assert ring["comm_ms"] == pytest.approx(97 * (15 + 1.75 * b / 250e3) / 1e3, abs=1e-3)
+    e = rows[8, 250.0, "echo4:fused"]
+    assert e["sites"][0]["priced_by"].startswith("fused: separate kernels, modelled")
+    wire8 = 1.75 * (b // 2) // 128 * 72 / 250e3
+    assert all(s["allreduce_us"] >= 15 + wire8 - 0.01 for s in e["sites"])
+    assert (8, 350.0, "taco:fused") not in rows               # no emulated row at P = 8
+    checks = {(c["preset"], c["variant"]): c for c in res["method_check"]}
+    measured = {(r["preset"], r["codec_fwd"]): r["step_ms"] for r in
+                json.loads((RESULTS / "train_step.json").read_text())["rows"]}
+    assert set(checks) == {("350m", "bf16"), ("350m", "taco:xla")}
+    assert checks["350m", "bf16"]["measured_2gpu_ms"] == measured["350m", "none"] == 72.69
+    assert checks["350m", "taco:xla"]["measured_2gpu_ms"] == measured["350m", "taco"] == 75.58
+    c = checks["350m", "bf16"]
+    assert c["projected_ms"] == pytest.approx(bf16["projected_ms"], abs=1e-3)
+    assert c["error"] == round(c["projected_ms"] / 72.69 - 1, 3)
+
+
+def test_a_new_fused_row_is_picked_up(tmp_path):
+    """An echo4 row in fused_two_shot_loopback.json prices echo4's fused sites at its P."""
+    d = results(tmp_path)
+    doc = json.loads((d / "fused_two_shot_loopback.json").read_text())
+    doc["rows"] += [{**r, "codec": "echo4", "per_device_us": 10 * r["per_device_us"]}
+                    for r in doc["rows"] if r["p"] == 8]
+    (d / "fused_two_shot_loopback.json").write_text(json.dumps(doc))
+    out = tmp_path / "p.json"
+    sp.main(["--results", str(d), "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    e = next(r for r in rows if r["p"] == 8 and r["variant"] == "echo4:fused")
+    assert e["sites"][0]["priced_by"].startswith("fused: one-launch loopback")
+
+
+def test_refuses_without_the_emulated_file(tmp_path):
+    d = results(tmp_path, drop=("train_step_emulated.json",))
+    with pytest.raises(SystemExit, match=r"train_step_emulated\.json\) is missing; produce "
+                                         r"it with `python -m bench\.train_step .*--emulate-tp"):
+        sp.main(["--results", str(d), "--out", str(tmp_path / "x.json")])
+
+
+def test_refuses_a_cpu_measurement_and_missing_inputs(tmp_path):
+    d = results(tmp_path, platform="cpu")
+    with pytest.raises(SystemExit, match="measured on 'cpu', not a GPU"):
+        sp.main(["--results", str(d), "--out", str(tmp_path / "x.json")])
+    (d / "collectives.json").unlink()
+    with pytest.raises(SystemExit, match=r"collectives\.json\) is missing"):
+        sp.main(["--results", str(d), "--out", str(tmp_path / "x.json"), "--any-platform"])
+
+
+def test_no_none_row_is_a_gap(tmp_path):
+    d = results(tmp_path, rows=[r for r in ROWS if not (r["emulate_tp"] == 8
+                                                       and r["variant"] == "none")])
+    out = tmp_path / "p.json"
+    sp.main(["--results", str(d), "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert {"preset": "350m", "p": 8, "why": "no emulated none row"} in res["gaps"]
+    assert {r["p"] for r in res["rows"]} == {2}
+
+
+# -- bench.train_step --emulate-tp on CPU ------------------------------------------------------
+def test_train_step_emulated_rows(tmp_path):
+    """Each preset at each N, variants naming transports side by side: sites with their
+    all-reduces per step, added_ms against the none row of the same N, a failing variant
+    recorded as a row, and the emulated default output path."""
+    from bench import train_step
+    out = tmp_path / "emulated.json"
+    train_step.main(["--presets", "tiny", "--mesh", "1,1,1", "--emulate-tp", "2", "4",
+                     "--variants", "none", "taco:xla", "--steps", "1", "--out", str(out),
+                     "--set", "model.n_layer=1", "model.d_model=32", "model.vocab_size=512",
+                     "model.seq_len=32", "train.batch_size=4", "parallel.cpu_devices=1"])
+    doc = json.loads(out.read_text())
+    assert doc["emulate_tp"] == [2, 4]
+    rows = {(r["emulate_tp"], r["variant"]): r for r in doc["rows"]}
+    assert set(rows) == {(n, v) for n in (2, 4) for v in ("none", "taco:xla")}
+    for n in (2, 4):
+        none, taco = rows[n, "none"], rows[n, "taco:xla"]
+        assert none["mesh"] == f"1x1x{n}" and none["transport"] == "default"
+        assert none["added_ms"] == 0.0
+        assert taco["added_ms"] == round(taco["step_ms"] - none["step_ms"], 2)
+        assert taco["transport"] == "xla"
+        assert {s["op"] for s in taco["sites"]} == {"psum", "pvary"}
+        assert all(s["compressed"] and s["transport"] == "xla" and s["p"] == n
+                   for s in taco["sites"])
+        assert not any(s["compressed"] for s in none["sites"])
+        assert none["allreduces_per_step"] == taco["allreduces_per_step"] == 5  # 2 + 2 + head
+        assert sum(s["allreduces_per_step"] for s in taco["sites"]) == 5
+        assert all(s["bytes"] == 4 * 32 * 32 * 4 for s in taco["sites"])      # f32 on CPU
+
+
+def test_train_step_transport_names(monkeypatch, tmp_path):
+    from bench import train_step
+    assert train_step.split_transport("taco:fused@default") == ("taco@default", "fused")
+    assert train_step.split_transport("3d+sp@0") == ("3d+sp@0", None)
+    with pytest.raises(ValueError, match="variant 'taco:wire'.*transport='wire'"):
+        train_step.split_transport("taco:wire")
+    # a variant that fails is a row with its error; the run goes on
+    calls = []
+
+    def fake(preset, variant, codecs, steps, extra, transport=None, sites_out=None):
+        calls.append((variant, transport, extra[-1]))
+        if transport == "fused":
+            raise ValueError("fused cannot run here")
+        return {"preset": preset, "variant": variant, "codec_tp": codecs["tp"],
+                "step_ms": 10.0 if codecs["tp"] == "none" else 12.5}
+    monkeypatch.setattr(train_step, "measure", fake)
+    train_step.main(["--presets", "tiny", "--emulate-tp", "2", "--variants", "none",
+                     "taco:fused", "taco", "--out", str(tmp_path / "e.json")])
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert [(r["variant"], r.get("error"), r.get("added_ms")) for r in rows] == [
+        ("none", None, 0.0), ("taco:fused", "ValueError: fused cannot run here", None),
+        ("taco", None, 2.5)]
+    assert calls[1] == ("taco", "fused", "parallel.emulate_tp=2")
+    assert train_step.EMULATED_OUT == "bench/results/train_step_emulated.json"
