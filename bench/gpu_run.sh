@@ -72,6 +72,12 @@
 #                  checks (P = 2, 4, 8; bf16, f32; 1 KiB, 1 MiB + 5 B, 16, 64 MiB; stops at
 #                  the first hang or crash) and, if they pass, P = 2 timed at 16/64/256 MiB
 #                  (≤ 300 s: the tile tests took 16 s, 20 of the 24 checks 150 s at 3d8c666)
+#   train_step_emulated  python -m bench.train_step --mesh 1,1,1 --emulate-tp 2 4 8 --variants
+#                  none taco:xla taco:fused echo4:fused --steps 10: tensor parallelism
+#                  emulated on one GPU, one preset per step (TRAIN_EMULATED_PRESETS, default
+#                  comm_heavy small 350m; each merged into the file with --update, ≤ 540 s
+#                  each), then python -m bench.step_projection
+#                  → bench/results/train_step_emulated.json, step_projection.json
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -202,6 +208,14 @@ for s in "$@"; do
         && step fused_echo4_time 75 python -m bench.fused --codec echo4 --p 2 --dtypes bf16 \
           --time --sizes 16MiB 64MiB 256MiB --calls 1 --isolate group --timeout 25 \
           --fail-fast --out bench/results/fused_echo4_loopback.json ;;
+    train_step_emulated)
+      for preset in ${TRAIN_EMULATED_PRESETS:-comm_heavy small 350m}; do
+        step "train_step_emulated_$preset" 540 python -m bench.train_step --presets "$preset" \
+          --mesh 1,1,1 --emulate-tp 2 4 8 --variants none taco:xla taco:fused echo4:fused \
+          --steps 10 --update --out bench/results/train_step_emulated.json \
+          ${TRAIN_EMULATED_SET:+--set $TRAIN_EMULATED_SET}
+      done
+      step step_projection 60 python -m bench.step_projection ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \
                --out bench/results/train_step_pp.json

@@ -277,6 +277,8 @@ def project(docs: dict, prices: Prices, hbm_gbps: float, links: dict = LINKS
                        "projected_ms": round(total, 3),
                        "speedup_vs_bf16": round(base / total, 3) if base else None,
                        "emulated_step_ms": r.get("step_ms"),
+                       "emulated_at": str(r.get("measured_at")
+                                          or docs["emulated"].get("commit"))[:7],
                        "emulated_added_ms": r.get("added_ms"),
                        "emulated_error": r.get("error"), "sites": detail}
                 goal = GOALS.get((preset, name), {}).get(n)

@@ -37,12 +37,15 @@ device, calls per step, compressed or plain (codec, transport), and the all-redu
 per step (`allreduces_per_step`: a psum's forward, a pvary's backward, and a psum's
 transpose where it was traced under check_vma=False). A variant that fails (a transport
 this device lacks, out of memory) is a row with its `error`; the others still run. Writes
-bench/results/train_step_emulated.json, the input of `python -m bench.step_projection`.
+bench/results/train_step_emulated.json, the input of `python -m bench.step_projection`;
+`--update` keeps that file's rows of the (preset, N) not measured now (one preset per call
+where a call's time is bounded), each with the commit it was measured at.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 
@@ -234,6 +237,9 @@ def main(argv=None):
     ap.add_argument("--codec-dp", default="taco", help="codec of the data-parallel gradients")
     ap.add_argument("--emulate-tp", type=int, nargs="+", default=None, metavar="N",
                     help="tensor parallelism emulated on one device, each preset at each N")
+    ap.add_argument("--update", action="store_true",
+                    help="with --emulate-tp: keep the out file's rows of the (preset, N) "
+                         "this run does not measure, each with the commit it was measured at")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides")
     ap.add_argument("--out", default=None,
@@ -274,12 +280,28 @@ def main(argv=None):
     cols = list(dict.fromkeys(k for r in rows for k in r if k != "sites"))
     print_table(rows, cols)
     payload = {**env_facts(), "rows": rows}
+    out = args.out or (EMULATED_OUT if args.emulate_tp else OUT)
+    if args.emulate_tp and args.update:
+        rows = kept_rows(out, {(r["preset"], r["emulate_tp"]) for r in rows}) + rows
     if args.emulate_tp:
         payload = {**env_facts(), "mode": "emulated tensor parallelism (parallel.emulate_tp)",
                    "emulate_tp": args.emulate_tp, "presets": args.presets,
                    "variants": args.variants, "steps": args.steps, "overrides": extra,
                    "rows": rows}
-    write_json(args.out or (EMULATED_OUT if args.emulate_tp else OUT), payload)
+    write_json(out, payload)
+
+
+def kept_rows(path: str, measured: set) -> list[dict]:
+    """--update: the rows of `path` whose (preset, emulate_tp) this run did not measure,
+    each naming the commit it was measured at ("measured_at")."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return [{**r, "measured_at": r.get("measured_at") or old.get("commit")}
+            for r in old.get("rows", []) if (r.get("preset"), r.get("emulate_tp"))
+            not in measured]
 
 
 if __name__ == "__main__":

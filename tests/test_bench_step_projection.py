@@ -238,4 +238,12 @@ def test_train_step_transport_names(monkeypatch, tmp_path):
         ("none", None, 0.0), ("taco:fused", "ValueError: fused cannot run here", None),
         ("taco", None, 2.5)]
     assert calls[1] == ("taco", "fused", "parallel.emulate_tp=2")
+    # --update: the rows of the (preset, N) not measured now are kept, with their commit
+    train_step.main(["--presets", "tiny", "--emulate-tp", "4", "--variants", "none",
+                     "--update", "--out", str(tmp_path / "e.json")])
+    doc = json.loads((tmp_path / "e.json").read_text())
+    assert [(r["emulate_tp"], r["variant"]) for r in doc["rows"]] == [
+        (2, "none"), (2, "taco:fused"), (2, "taco"), (4, "none")]
+    assert all(r["measured_at"] == doc["commit"] for r in doc["rows"][:3])
+    assert "measured_at" not in doc["rows"][3]
     assert train_step.EMULATED_OUT == "bench/results/train_step_emulated.json"

@@ -286,3 +286,17 @@ def test_fused_step_runs_over_every_gpu_of_the_machine(tmp_path, n):
     assert r.returncode == 0 and len(calls) == 1
     assert f"--impl mesh --p {n} " in calls[0] and "--time" in calls[0]
     assert f"--out bench/results/fused_{n}gpu.json" in calls[0]
+
+
+def test_train_step_emulated_runs_each_preset_then_the_projection(tmp_path):
+    """One preset per step, merged into one file (--update), then bench.step_projection."""
+    r, calls = run_fake(tmp_path, ["train_step_emulated"], "bench.")
+    assert r.returncode == 0
+    train = [c for c in calls if "bench.train_step" in c]
+    assert [c.split("--presets ")[1].split()[0] for c in train] == [
+        "comm_heavy", "small", "350m"]
+    for c in train:
+        assert ("--mesh 1,1,1 --emulate-tp 2 4 8 --variants none taco:xla taco:fused "
+                "echo4:fused --steps 10 --update --out bench/results/train_step_emulated.json"
+                in c)
+    assert calls[-1] == "-m bench.step_projection"
