@@ -90,7 +90,7 @@ def emulated_loopback(xs, codec, wrong: str | None = None):
     slot P − 1 holds, on every device, the wire of other values of the same scale (what a
     receive buffer keeps from an earlier call when a store never lands)."""
     from taco_jax import codecs
-    from taco_jax.kernels import decode_sum, fused_allreduce
+    from taco_jax.kernels import fused_allreduce, references
     p = xs.shape[0]
     encoded = fused_allreduce.tile_codec(codec).encoded    # what the kernel encodes of v
     enc = lambda v: codec.compress_reference(    # noqa: E731
@@ -103,7 +103,7 @@ def emulated_loopback(xs, codec, wrong: str | None = None):
             recv[0] = wires[d]
         if wrong == "stale":
             recv[p - 1] = enc(xs[p - 1][::-1])
-        y = decode_sum.decode_sum_reference(jnp.stack(recv), codec, xs.dtype)
+        y = references.decode_sum_reference(jnp.stack(recv), codec, xs.dtype)
         out.append(codecs.from_blocks(y, xs.shape[1:]))
     return jnp.stack(out)
 
@@ -364,7 +364,7 @@ def time_config(fn, p, n, dtype, codec, separate: str | None = "one_shot") -> di
     reduce of P copies of one segment + decompress of the P segments' sums."""
     from bench.common import device_time
     from taco_jax import codecs
-    from taco_jax.kernels import compress, decode_sum, echo4
+    from taco_jax.kernels import references
     xs, _ = make_input(jax.random.key(7), p, n, dtype, codec.block_size)
     iters = 3 if n * jnp.dtype(dtype).itemsize * p >= 1 << 30 else 10
     loop = device_time(fn, xs, iters=iters)
@@ -376,12 +376,13 @@ def time_config(fn, p, n, dtype, codec, separate: str | None = "one_shot") -> di
         return out
     if separate == "two_shot":
         return {**out, **_two_shot_separate(xs[0], p, dtype, codec, iters)}
-    # the Triton kernels on a GPU; their references elsewhere (CPU tests of this logic)
+    # the codec family's Triton kernels on a GPU; their references elsewhere (CPU tests of
+    # this logic)
     gpu = jax.default_backend() == "gpu"
-    kernels = echo4 if echo4.covers(codec) else None      # echo4's own Triton kernels
-    enc = ((lambda b: (kernels or compress).compress(b, codec)) if gpu
+    kernel = codec.kernels.kernel if gpu else None
+    enc = ((lambda b: kernel("compress", "triton")(b, codec)) if gpu
            else codec.compress_reference)
-    dec = ((kernels or decode_sum).decode_sum if gpu else decode_sum.decode_sum_reference)
+    dec = kernel("decode_sum", "triton") if gpu else references.decode_sum_reference
     blocks = codecs.to_blocks(xs[0], codec.block_size)
     comp, _ = _us(device_time(enc, blocks, iters=iters))
     recv = jnp.stack([enc(blocks)] * p)

@@ -49,7 +49,8 @@ import numpy as np
 
 from bench.common import device_time, env_facts, print_table, write_json
 from taco_jax import codecs
-from taco_jax.kernels import compress, decompress, echo4, mosaic, reduce, tiling as common
+from taco_jax.kernels import mosaic, references
+from taco_jax.kernels.triton import compress, decompress, echo4, reduce, tiling as common
 
 MIB = 1 << 20
 INTERP = jax.default_backend() != "gpu"   # CPU smoke runs use the Pallas interpreter
@@ -151,9 +152,9 @@ def measure(kind, impl, codec, n, roof, cfg=None) -> dict:
 
 # -- --check ---------------------------------------------------------------------------------
 # The references jitted: one compile per case instead of one per eager op and shape.
-_compress_ref = jax.jit(compress.compress_reference, static_argnums=1)
-_decompress_ref = jax.jit(decompress.decompress_reference, static_argnums=(1, 2))
-_reduce_ref = jax.jit(reduce.reduce_reference, static_argnums=3)
+_compress_ref = jax.jit(references.compress_reference, static_argnums=1)
+_decompress_ref = jax.jit(references.decompress_reference, static_argnums=(1, 2))
+_reduce_ref = jax.jit(references.reduce_reference, static_argnums=3)
 
 
 def _check_input(rng, rows, b, dtype):
@@ -245,11 +246,11 @@ def check_mosaic(out_rows):
             print(out_rows[-1], flush=True)
 
 
-_echo_refs = {"compress": jax.jit(echo4.compress_reference, static_argnums=1),
-              "compress_feedback": jax.jit(echo4.compress_feedback_reference, static_argnums=2),
-              "decompress": jax.jit(echo4.decompress_reference, static_argnums=(1, 2)),
-              "reduce": jax.jit(echo4.reduce_reference, static_argnums=3),
-              "decode_sum": jax.jit(echo4.decode_sum_reference, static_argnums=(1, 2))}
+_echo_refs = {"compress": jax.jit(references.compress_reference, static_argnums=1),
+              "compress_feedback": jax.jit(references.compress_feedback_reference, static_argnums=2),
+              "decompress": jax.jit(references.decompress_reference, static_argnums=(1, 2)),
+              "reduce": jax.jit(references.reduce_reference, static_argnums=3),
+              "decode_sum": jax.jit(references.decode_sum_reference, static_argnums=(1, 2))}
 ECHO_CHECKS = ([("echo4", b, jnp.bfloat16) for b in (32, 64, 128, 256, 512)]
                + [("echo4", 128, jnp.float32), ("echo4", 128, jnp.float16),
                   ("int4-sym", 128, jnp.bfloat16), ("int4-sym", 32, jnp.float32)])

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from taco_jax import codecs
-from taco_jax.kernels import compress, decompress, echo4, mosaic, tiling as common
+from taco_jax.kernels import mosaic
+from taco_jax.kernels.triton import compress, decompress, echo4, tiling as common
 
 
 def main(argv=None):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from bench.common import device_time, env_facts, print_table, write_json
 from taco_jax import codecs
-from taco_jax.kernels import compress, decompress, tiling
+from taco_jax.kernels.triton import compress, decompress, tiling
 
 MIB = 1 << 20
 CANDIDATES = [{}, {"tiles_per_program": 1}, {"tiles_per_program": 2},

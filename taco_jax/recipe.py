@@ -15,6 +15,8 @@ import os
 import threading
 from typing import Iterator
 
+from taco_jax.codecs import registry
+
 BACKENDS = ("auto", "pallas", "interpret", "reference")
 TRANSPORTS = ("auto", "xla", "fused")
 
@@ -42,14 +44,13 @@ class Recipe:
     def __post_init__(self):
         # every field is checked here, where the recipe is made, rather than at the first
         # call that reads it (which may come much later, or never under this recipe)
-        from taco_jax import codecs     # imported here: the codecs' kernels read the recipe
         if isinstance(self.codec, str):
-            if self.codec not in codecs.names():
+            if self.codec not in registry.names():
                 raise ValueError(f"taco_jax recipe: codec={self.codec!r} is not a codec name; "
-                                 f"taco_jax.codecs.names(): {', '.join(codecs.names())}")
-        elif not isinstance(self.codec, codecs.Codec):
+                                 f"taco_jax.codecs.names(): {', '.join(registry.names())}")
+        elif not isinstance(self.codec, registry.Codec):
             raise TypeError(f"taco_jax recipe: codec={self.codec!r} must be a codec name "
-                            f"({', '.join(codecs.names())}) or a taco_jax.codecs.Codec")
+                            f"({', '.join(registry.names())}) or a taco_jax.codecs.Codec")
         if self.backend not in BACKENDS:
             raise ValueError(f"taco_jax recipe: backend={self.backend!r} is not one of "
                              f"{BACKENDS}")

@@ -78,7 +78,7 @@ def test_kernels_stage_copy_kernel():
     import jax.numpy as jnp
     import numpy as np
     from bench import kernels
-    from taco_jax.kernels import tiling as common_tiling
+    from taco_jax.kernels.triton import tiling as common_tiling
     x = (jnp.arange(37 * 256, dtype=jnp.float32).reshape(37, 256) / 1000).astype(jnp.bfloat16)
     want = np.asarray(jnp.asarray(x).astype(jnp.float8_e4m3fn)).view(np.uint8)
     for row in (264, 272):     # the wire row, and padded to 16-byte alignment

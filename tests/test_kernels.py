@@ -33,8 +33,8 @@ import numpy_taco as nt
 import taco_jax
 from kernel_cases import DTYPES, INTERPRET, case, case_id, rows_over_tiles
 from taco_jax import codecs
-from taco_jax.kernels import (compress, decode_sum, decompress, dispatch, reduce,
-                              tiling as common)
+from taco_jax.kernels import dispatch, references
+from taco_jax.kernels.triton import compress, decode_sum, decompress, reduce, tiling as common
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -118,7 +118,7 @@ COMPRESS_CASES = [("taco", 256, "f32"), ("taco", 512, "bf16"), ("taco-e5m2", 32,
 def test_compress_kernel_vs_reference(name, b, dt):
     c, x = case(name, b, dt, kernel_rows, n_rows_for(b))
     w_kernel = np.asarray(compress.compress(x, c, interpret=INTERPRET))
-    w_ref = np.asarray(compress.compress_reference(x, c))
+    w_ref = np.asarray(references.compress_reference(x, c))
     assert w_kernel.shape == w_ref.shape == (x.shape[0], c.row_bytes)
     compare_wires(name, b, w_kernel, w_ref, f64(x), coarse(dt, b))
 
@@ -130,12 +130,12 @@ def test_imprecise_config():
     c, cfg = codecs.get("taco", block_size=256), common.KernelConfig(precise=False)
     x = jnp.asarray(kernel_rows(n_rows_for(256), 256, "f32"))
     w_kernel = np.asarray(compress.compress(x, c, cfg=cfg, interpret=INTERPRET))
-    w_ref = compress.compress_reference(x, c)
+    w_ref = references.compress_reference(x, c)
     frac = compare_wires("taco", 256, w_kernel, np.asarray(w_ref), f64(x), True,
                          max_mismatch=0.12)
     assert frac > 1e-3     # the coarse path is really taken
     got = f64(decompress.decompress(w_ref, c, jnp.float32, cfg=cfg, interpret=INTERPRET))
-    want = f64(decompress.decompress_reference(w_ref, c))
+    want = f64(references.decompress_reference(w_ref, c))
     ok = ~np.isnan(want).any(axis=1)
     assert nt.block_rel_max(got[ok], want[ok]) <= 1e-2
 
@@ -151,19 +151,19 @@ def test_ieee_rowmath_matches_reference(name, b, dt):
     c, x = case(name, b, dt, kernel_rows, n_rows_for(b))
     cfg = common.KernelConfig.default(b)
     ieee = common.KernelConfig(blocks_per_program=cfg.blocks_per_program, fast_rowmath=False)
-    w_ref = compress.compress_reference(x, c)
+    w_ref = references.compress_reference(x, c)
     w = np.asarray(compress.compress(x, c, cfg=ieee, interpret=INTERPRET))
     compare_wires(name, b, w, np.asarray(w_ref), f64(x), coarse(dt, b))
     got = f64(decompress.decompress(w_ref, c, jnp.float32, cfg=ieee, interpret=INTERPRET))
-    want = f64(decompress.decompress_reference(w_ref, c))
+    want = f64(references.decompress_reference(w_ref, c))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want).any(axis=1)
     assert nt.block_rel_max(got[ok], want[ok]) <= 2e-6   # f32 sums in another order: ~1e-6
     recv = jnp.stack([w_ref, w_ref])
     r = reduce.reduce(recv, x, jnp.int32(1), c, cfg=ieee, interpret=INTERPRET)
-    rr = reduce.reduce_reference(recv, x, 1, c)
-    dr = f64(decompress.decompress_reference(r, c))
-    drr = f64(decompress.decompress_reference(rr, c))
+    rr = references.reduce_reference(recv, x, 1, c)
+    dr = f64(references.decompress_reference(r, c))
+    drr = f64(references.decompress_reference(rr, c))
     np.testing.assert_array_equal(np.isnan(dr), np.isnan(drr))
     fin = np.isfinite(drr).all(axis=1)
     assert nt.rel_l2(dr[fin], drr[fin]) <= (3e-2 if coarse(dt, b) else 1e-3)
@@ -246,9 +246,9 @@ def test_hadamard_factors_from_iota_are_bit_identical(b):
 def test_compress_kernel_large_finite_inputs():
     c = codecs.get("taco", block_size=256)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 256)) * 1e37, jnp.float32)
-    ref = f64(decompress.decompress_reference(compress.compress_reference(x, c), c))
+    ref = f64(references.decompress_reference(references.compress_reference(x, c), c))
     assert np.isfinite(ref).all()
-    got = f64(decompress.decompress_reference(compress.compress(x, c, interpret=INTERPRET), c))
+    got = f64(references.decompress_reference(compress.compress(x, c, interpret=INTERPRET), c))
     assert np.isfinite(got).all(), f"{np.mean(~np.isfinite(got)):.0%} non-finite"
 
 
@@ -264,9 +264,9 @@ def test_decompress_kernel_vs_reference(name, b, out):
     rounding; bf16 output on B ≥ 256 also rounds the intermediate)."""
     c = codecs.get(name, block_size=b)
     x = kernel_rows(n_rows_for(b), b, out)              # f16 output: values f16 can hold
-    w = compress.compress_reference(jnp.asarray(x), c)
+    w = references.compress_reference(jnp.asarray(x), c)
     got = f64(decompress.decompress(w, c, DTYPES[out], interpret=INTERPRET))
-    want = f64(decompress.decompress_reference(w, c, DTYPES[out]))
+    want = f64(references.decompress_reference(w, c, DTYPES[out]))
     assert got.shape == want.shape == x.shape
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     nan_rows = np.isnan(want).any(axis=1)
@@ -290,7 +290,7 @@ def test_reduce_kernel_vs_reference(name, b):
     c = codecs.get(name, block_size=b)
     n, me, own_row0 = n_rows_for(b), 1, 3
     rng = np.random.default_rng(1)
-    peers = [compress.compress_reference(
+    peers = [references.compress_reference(
         jnp.asarray(rng.standard_normal((n, b)) * np.exp(rng.standard_normal((n, 1)))
                     .astype(np.float32)), c) for _ in range(3)]
     peers[me] = jnp.full_like(peers[me], 0xFF)
@@ -298,7 +298,7 @@ def test_reduce_kernel_vs_reference(name, b):
     own = jnp.asarray(rng.standard_normal((n + 5, b)).astype(np.float32))
     w_kernel = np.asarray(reduce.reduce(recv, own, me, c, interpret=INTERPRET,
                                         own_row0=own_row0))
-    w_ref = np.asarray(reduce.reduce_reference(recv, own, jnp.int32(me), c, own_row0=own_row0))
+    w_ref = np.asarray(references.reduce_reference(recv, own, jnp.int32(me), c, own_row0=own_row0))
     total = f64(own)[own_row0:own_row0 + n] + sum(
         nt.decode_wire(np.asarray(recv[p]), name, b, (n, b)) for p in (0, 2))
     assert np.isfinite(nt.decode_wire(w_kernel, name, b, (n, b))).all()
@@ -333,7 +333,7 @@ def test_codec_api_on_interpret_backend(name, dt):
 def test_kernel_wrappers_validate_shapes():
     c = codecs.get("taco", block_size=128)
     x = jnp.ones((10, 128), jnp.float32)
-    w = compress.compress_reference(x, c)
+    w = references.compress_reference(x, c)
     bad = [
         lambda: compress.compress(jnp.ones((10, 256)), c, interpret=True),
         lambda: compress.compress(x, codecs.get("fp8", block_size=128), interpret=True),

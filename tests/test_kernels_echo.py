@@ -21,7 +21,8 @@ import taco_jax
 from kernel_cases import DTYPES, INTERPRET, case, case_id, rows_over_tiles
 from taco_jax import codecs, feedback
 from taco_jax.collectives import two_shot as ts
-from taco_jax.kernels import dispatch, echo4
+from taco_jax.kernels import dispatch, references
+from taco_jax.kernels.triton import echo4
 
 BACKEND = "interpret" if INTERPRET else "pallas"
 pytestmark = pytest.mark.filterwarnings(
@@ -66,11 +67,11 @@ def bits_equal(a, b) -> bool:
         a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}"))
 
 
-_compress_ref = jax.jit(echo4.compress_reference, static_argnums=1)
-_decompress_ref = jax.jit(echo4.decompress_reference, static_argnums=(1, 2))
-_feedback_ref = jax.jit(echo4.compress_feedback_reference, static_argnums=2)
-_reduce_ref = jax.jit(echo4.reduce_reference, static_argnums=3)
-_decode_sum_ref = jax.jit(echo4.decode_sum_reference, static_argnums=(1, 2))
+_compress_ref = jax.jit(references.compress_reference, static_argnums=1)
+_decompress_ref = jax.jit(references.decompress_reference, static_argnums=(1, 2))
+_feedback_ref = jax.jit(references.compress_feedback_reference, static_argnums=2)
+_reduce_ref = jax.jit(references.reduce_reference, static_argnums=3)
+_decode_sum_ref = jax.jit(references.decode_sum_reference, static_argnums=(1, 2))
 
 CASES = [("echo4", 128, "bf16"), ("echo4", 32, "f32"), ("echo4", 512, "f16"),
          ("int4-sym", 64, "bf16")]
@@ -139,7 +140,7 @@ def assert_kernels_write_reference_bytes(x, c, cfg, r=None, out=jnp.float32):
 def test_tilings_are_bit_identical():
     """Other tilings (a loop over tiles per program, one warp; large tiles) write the same
     bytes: the tile math is per row."""
-    from taco_jax.kernels import tiling
+    from taco_jax.kernels.triton import tiling
     c = codecs.get("echo4")
     n = 301
     x = jnp.asarray(echo_rows(n, 128, "bf16", seed=4)).astype(jnp.bfloat16)
@@ -218,7 +219,7 @@ def test_prefetch_carries_the_next_tile(dt, n_rows):
     bf16, or the f32 tile), so its loads are issued a step before the math; without it the
     loop carries nothing of the tile's shape. Bytes as the reference (odd and even row
     counts: masked and unmasked last tiles, none loaded past the program's own)."""
-    from taco_jax.kernels import tiling
+    from taco_jax.kernels.triton import tiling
     c = codecs.get("echo4")
     x = jnp.asarray(echo_rows(n_rows, 128, "f32", seed=9)).astype(DTYPES[dt])
     base = tiling.KernelConfig(blocks_per_program=4, num_warps=1, num_stages=3,
@@ -235,7 +236,7 @@ def test_prefetch_carries_the_next_tile(dt, n_rows):
 
 def test_variants_under_a_looped_tiling():
     """All variants with a loop over tiles per program (one warp, masked last tiles)."""
-    from taco_jax.kernels import tiling
+    from taco_jax.kernels.triton import tiling
     c = codecs.get("echo4")
     x = jnp.asarray(echo_rows(301, 128, "bf16", seed=4)).astype(jnp.bfloat16)
     cfg = echo4.with_options(tiling.KernelConfig(blocks_per_program=8, num_warps=1,
@@ -554,7 +555,7 @@ def test_variants_lower_to_one_triton_call(h200, kernel, name, b, dt):
 def test_prefetched_loop_lowers_to_one_triton_call(h200, kernel):
     """prefetch under a looping tiling (the loop it changes), all variants: one Triton call
     for an H200, the encode's PTX."""
-    from taco_jax.kernels import tiling
+    from taco_jax.kernels.triton import tiling
     cfg = echo4.with_options(tiling.KernelConfig(blocks_per_program=4, num_warps=1,
                                                  num_stages=3, tiles_per_program=4),
                              **ALL_VARIANTS)

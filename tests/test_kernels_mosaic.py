@@ -21,7 +21,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 import numpy_taco as nt
 import taco_jax
 from taco_jax import codecs
-from taco_jax.kernels import compress, decompress, dispatch, mosaic
+from taco_jax.kernels import dispatch, mosaic, references
 from test_kernels import OUT_ROUNDOFF, compare_wires, f64, kernel_rows
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -292,7 +292,7 @@ def test_compress_vs_reference(name, dt):
     c = codecs.get(name)
     x = rows_for_gpu(name, dt)
     w = np.asarray(mosaic.compress(x, c))
-    w_ref = np.asarray(compress.compress_reference(x, c))
+    w_ref = np.asarray(references.compress_reference(x, c))
     assert w.shape == w_ref.shape == (x.shape[0], c.row_bytes)
     compare_wires(name, 256, w, w_ref, f64(x), False)
 
@@ -303,9 +303,9 @@ def test_compress_vs_reference(name, dt):
 def test_decompress_vs_reference(name, out):
     c = codecs.get(name)
     x = kernel_rows(64 * 7, 256, out)
-    w = compress.compress_reference(jnp.asarray(x), c)
+    w = references.compress_reference(jnp.asarray(x), c)
     got = f64(mosaic.decompress(w, c, DTYPES[out]))
-    want = f64(decompress.decompress_reference(w, c, DTYPES[out]))
+    want = f64(references.decompress_reference(w, c, DTYPES[out]))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     nan_rows = np.isnan(want).any(axis=1)
     assert nan_rows[3] and nan_rows[4] and np.isnan(got[nan_rows]).all()
@@ -332,7 +332,7 @@ def test_tile_api_roundtrip(parts):
     w, y = tile_roundtrip(x, c, parts)
     np.testing.assert_array_equal(np.asarray(w), np.asarray(
         mosaic.compress(x, c, mosaic.MosaicConfig(parts=parts))))
-    want = f64(decompress.decompress_reference(w, c))
+    want = f64(references.decompress_reference(w, c))
     got = f64(y)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want).any(axis=1)

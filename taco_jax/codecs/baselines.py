@@ -22,6 +22,7 @@ class Identity:
     block_size: int = 256
 
     is_identity = True
+    kernels = None
     has_kernel = False
 
     def __post_init__(self):

@@ -16,7 +16,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from taco_jax.codecs.base import WireCodec, register
-from taco_jax.numerics import hadamard
+from taco_jax.kernels import providers
+from taco_jax.numerics import hadamard, quant
 
 FORMATS = {  # code format -> (Qmax, code dtype)
     "e4m3": (448.0, jnp.float8_e4m3fn),
@@ -62,18 +63,43 @@ class BlockCodec(WireCodec):
         return self.block_size + 4 * self.n_scales
 
     @property
-    def has_kernel(self) -> bool:
-        """The fused kernels implement per-block scaling; a per-tensor scale is one global
-        reduction that XLA fuses well, so those configurations use the reference."""
-        return self.scale_mode == "block"
+    def kernels(self):
+        """The fused kernels (`providers.TACO`) implement per-block scaling; a per-tensor
+        scale is one global reduction that XLA fuses well, so those configurations use the
+        reference."""
+        return providers.TACO if self.scale_mode == "block" else None
 
     def compress_reference(self, x):
-        from taco_jax.kernels.compress import compress_reference
-        return compress_reference(x, self)
+        """Plain-jnp compress, following the paper's order of operations in f32."""
+        x = x.astype(jnp.float32)
+        bad = quant.nonfinite_rows(x)
+        scales = []
+        if self.transform == "ash":
+            a = quant.alpha(x, bad)                                    # eqs. 6–7
+            x = x * a
+        z = x if self.transform == "none" else hadamard.forward(x)     # eq. 8
+        absmax = jnp.max(jnp.abs(z), axis=1, keepdims=True)
+        if self.scale_mode == "tensor":
+            absmax = jnp.broadcast_to(jnp.max(absmax), absmax.shape)
+            bad = jnp.broadcast_to(jnp.any(bad), bad.shape)
+        s = quant.scale(absmax, self.qmax, bad)                        # eq. 9
+        codes = quant.quantize(z, s, self.qmax, self.code_dtype)       # eq. 10
+        scales = [s, a] if self.transform == "ash" else [s]
+        return quant.seal(jnp.concatenate([codes, quant.pack_scales(scales)], axis=1))
 
     def decompress_reference(self, w, out_dtype=jnp.float32):
-        from taco_jax.kernels.decompress import decompress_reference
-        return decompress_reference(w, self, out_dtype)
+        """Plain-jnp decompress, eqs. 11–13 in the paper's order, f32."""
+        if w.ndim != 2 or w.shape[1] != self.row_bytes:
+            raise ValueError(f"decompress: got {w.shape=} for {self.name} (rows of "
+                             f"{self.row_bytes} bytes)")
+        b = self.block_size
+        q = quant.dequant_codes(w[:, :b], self.code_dtype, jnp.float32)
+        scales = quant.unpack_scales(w[:, b:], self.n_scales)
+        z = q * scales[0]                                              # eq. 11
+        g = z if self.transform == "none" else hadamard.inverse(z)     # eq. 12
+        if self.transform == "ash":
+            g = g / scales[1]                                          # eq. 13
+        return g.astype(out_dtype)
 
 
 def family(name: str, **fields):

@@ -5,22 +5,25 @@ and the jnp references elsewhere; "pallas" the GPU kernels; "interpret" the Pall
 kernels through Pallas' interpreter (CPU tests); "reference" jnp everywhere. Codecs without
 kernels (per-tensor scales, tah4) always use their references, which XLA fuses.
 
-Kernels by codec: the TACO codecs' (`compress`, `decompress`, `reduce`, `decode_sum`,
-Triton or Mosaic) and Echo's 4-bit codecs' (`echo4`: echo4 and int4-sym, Triton only).
-`compress_feedback` (compress of x − r and the new residual in one pass) has a kernel for
-Echo's codecs and is composed of compress and decompress for the others.
+Kernels by codec family: each codec names its family's provider (`Codec.kernels`,
+`providers`: the TACO codecs' compress, decompress, reduce and decode_sum, Triton or
+Mosaic; Echo's 4-bit codecs', Triton only). `compress_feedback` (compress of x − r and the
+new residual in one pass) runs its family's kernel where it has one (Echo's), else
+compress then decompress.
 
 Implementation — per kernel, on GPU: "triton" (Pallas-Triton: every codec with kernels,
 block size and dtype), "mosaic" (Pallas Mosaic GPU: the B = 256 Hadamard codecs with FP8
-codes, bf16/f16 data, rows a multiple of 64; `mosaic.unsupported` says what else) or
-"auto": `DEFAULT_IMPL[kernel]` where that covers the call, else Triton. `DEFAULT_IMPL` is
-the faster of the two per kernel, measured side by side on one H200 by
+codes, bf16/f16 data, rows a multiple of 64; the provider's `mosaic_unsupported` says what
+else) or "auto": `DEFAULT_IMPL[kernel]` where that covers the call, else Triton.
+`DEFAULT_IMPL` is the faster of the two per kernel, measured side by side on one H200 by
 `python -m bench.kernels` (bench/results/kernels.json). Choose per call (`impl=`), for
 code traced inside `kernel_impl(compress="mosaic", ...)`, or with the environment variable
 TACO_JAX_KERNEL_IMPL="compress=mosaic,decompress=triton". Mosaic GPU kernels do not run
 in the interpreter: asking for them there is an error. A Triton call whose wire would be
 2–4 GiB runs the references instead (`triton_offsets_wrap`), counted over the whole batch
-under `jax.vmap` (`_per_batch`).
+under `jax.vmap` (`_per_batch`). Where `jax.experimental.pallas.triton` is missing
+(`providers.triton_missing`) the Mosaic kernels run where they cover a call and the
+references elsewhere, whatever the implementation asked for.
 """
 from __future__ import annotations
 
@@ -35,17 +38,16 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from taco_jax import recipe
-from taco_jax.kernels import (compress as _c, decode_sum as _ds, decompress as _d,
-                              echo4 as _e4, mosaic as _m, reduce as _r)
+from taco_jax.kernels import references
+from taco_jax.kernels.providers import triton_missing
 
 IMPLS = ("auto", "triton", "mosaic")
 KERNELS = ("compress", "decompress", "reduce")
 # What "auto" picks on GPU where Mosaic covers the call. Device time on one H200
-# (bench/results/kernels.json), taco, bf16, µs Triton / Mosaic: compress 12.4 / 11.9 at
-# 16 MiB, 33.3 / 33.6 at 64, 110.0 / 119.3 at 256, 466.6 / 464.4 at 1024; decompress
-# 8.8 / 9.7, 28.3 / 30.3, 103.6 / 110.3, 406.2 / 432.7. Triton is faster at 256 MiB for
-# both and for decompress everywhere; Mosaic's compress leads only at 16 MiB (by 5%).
-# There is no Mosaic reduce.
+# (bench/results/kernels.json), taco, bf16, µs Triton / Mosaic: compress 9.56 / 12.07 at
+# 16 MiB, 29.62 / 33.62 at 64, 100.96 / 119.35 at 256, 387.11 / 464.56 at 1024;
+# decompress 8.51 / 9.61, 27.66 / 30.23, 102.91 / 110.69, 403.59 / 434.64. Triton is
+# faster for both at every size. There is no Mosaic reduce.
 DEFAULT_IMPL = {"compress": "triton", "decompress": "triton", "reduce": "triton"}
 
 _state = threading.local()
@@ -97,7 +99,7 @@ def kernel_impl(**impls: str) -> Iterator[dict]:
 def backend_for(codec) -> str:
     """'pallas', 'interpret' or 'reference' for this codec on this platform."""
     name = recipe.current().backend
-    if not codec.has_kernel or name == "reference":
+    if getattr(codec, "kernels", None) is None or name == "reference":
         return "reference"
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
@@ -169,19 +171,31 @@ def impl_for(kernel: str, codec, shape, dtype, impl: str | None = None,
         raise ValueError(f"{kernel}: impl={choice!r} is not one of {IMPLS}")
     if mode == "reference":
         return "reference"
+    triton = codec.kernels.kernel(kernel, "triton") is not None
     if mode == "interpret":
         if choice == "mosaic":
             raise ValueError(f"{kernel}: Mosaic GPU kernels do not run in the interpreter "
                              f"(backend='interpret'); use impl='triton' or a GPU")
-        return "interpret"
-    why = _m.unsupported(kernel, codec, shape, dtype)
+        return "interpret" if triton else "reference"
+    why = codec.kernels.mosaic_unsupported(kernel, codec, shape, dtype)
     if choice == "mosaic":
         if why is not None:
             raise ValueError(f"{kernel}: impl='mosaic' does not cover this call: {why}")
         return "mosaic"
-    if choice == "auto" and DEFAULT_IMPL[kernel] == "mosaic" and why is None:
+    if why is None and (triton_missing() is not None
+                        or choice == "auto" and DEFAULT_IMPL[kernel] == "mosaic"):
         return "mosaic"
-    return "reference" if triton_offsets_wrap(wire_bytes) else "triton"
+    return "reference" if not triton or triton_offsets_wrap(wire_bytes) else "triton"
+
+
+def _triton_kernel(kernel: str, codec, wire_bytes: int):
+    """The Triton kernel of `kernel` that runs this call of the Triton-only kernels
+    (decode_sum, compress_feedback), or None: the reference (or, for compress_feedback,
+    compress then decompress) runs instead."""
+    mode = backend_for(codec)
+    if mode == "reference" or mode == "pallas" and triton_offsets_wrap(wire_bytes):
+        return None
+    return codec.kernels.kernel(kernel, "triton")
 
 
 # The calls themselves, under the public names' batch guard (`_per_batch`).
@@ -191,12 +205,11 @@ def _compress(x, codec, skip_start=0, skip_rows: int = 0, cfg=None, impl: str | 
     if how == "reference":
         return codec.compress_reference(x)
     if how == "mosaic":
-        return _m.compress(x, codec, cfg=cfg, skip_start=skip_start, skip_rows=skip_rows)
-    if _e4.covers(codec):
-        return _e4.compress(x, codec, cfg=cfg, interpret=how == "interpret",
-                            skip_start=skip_start, skip_rows=skip_rows)
-    return _c.compress(x, codec, cfg=cfg, interpret=how == "interpret",
-                       skip_start=skip_start, skip_rows=skip_rows)
+        kernel = codec.kernels.kernel("compress", "mosaic")
+        return kernel(x, codec, cfg=cfg, skip_start=skip_start, skip_rows=skip_rows)
+    kernel = codec.kernels.kernel("compress", "triton")
+    return kernel(x, codec, cfg=cfg, interpret=how == "interpret", skip_start=skip_start,
+                  skip_rows=skip_rows)
 
 
 def _decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = None):
@@ -204,40 +217,34 @@ def _decompress(w, codec, out_dtype=jnp.float32, cfg=None, impl: str | None = No
     if how == "reference":
         return codec.decompress_reference(w, out_dtype)
     if how == "mosaic":
-        return _m.decompress(w, codec, out_dtype=out_dtype, cfg=cfg)
-    if _e4.covers(codec):
-        return _e4.decompress(w, codec, out_dtype=out_dtype, cfg=cfg,
-                              interpret=how == "interpret")
-    return _d.decompress(w, codec, out_dtype=out_dtype, cfg=cfg, interpret=how == "interpret")
+        return codec.kernels.kernel("decompress", "mosaic")(w, codec, out_dtype=out_dtype,
+                                                             cfg=cfg)
+    kernel = codec.kernels.kernel("decompress", "triton")
+    return kernel(w, codec, out_dtype=out_dtype, cfg=cfg, interpret=how == "interpret")
 
 
 def _reduce(recv, own, me, codec, own_row0=0, cfg=None, impl: str | None = None):
     how = impl_for("reduce", codec, recv.shape[1:], own.dtype, impl,
                    math.prod(recv.shape))
     if how == "reference":
-        return _r.reduce_reference(recv, own, me, codec, own_row0)
-    if _e4.covers(codec):
-        return _e4.reduce(recv, own, me, codec, cfg=cfg, interpret=how == "interpret",
-                          own_row0=own_row0)
-    return _r.reduce(recv, own, me, codec, cfg=cfg, interpret=how == "interpret",
-                     own_row0=own_row0)
+        return references.reduce_reference(recv, own, me, codec, own_row0)
+    kernel = codec.kernels.kernel("reduce", "triton")
+    return kernel(recv, own, me, codec, cfg=cfg, interpret=how == "interpret",
+                  own_row0=own_row0)
 
 
 def _decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None):
-    mode = backend_for(codec)
-    if mode == "reference" or (mode == "pallas"
-                               and triton_offsets_wrap(math.prod(recv.shape))):
-        return _ds.decode_sum_reference(recv, codec, out_dtype)
-    kernel = _e4.decode_sum if _e4.covers(codec) else _ds.decode_sum
-    return kernel(recv, codec, out_dtype, cfg=cfg, interpret=mode == "interpret")
+    kernel = _triton_kernel("decode_sum", codec, math.prod(recv.shape))
+    if kernel is None:
+        return references.decode_sum_reference(recv, codec, out_dtype)
+    return kernel(recv, codec, out_dtype, cfg=cfg, interpret=backend_for(codec) == "interpret")
 
 
 def _compress_feedback(x, r, codec, skip_start=0, skip_rows: int = 0, cfg=None):
-    mode = backend_for(codec)
-    wraps = mode == "pallas" and triton_offsets_wrap(x.shape[0] * codec.row_bytes)
-    if mode != "reference" and _e4.covers(codec) and not wraps:
-        return _e4.compress_feedback(x, r, codec, cfg=cfg, interpret=mode == "interpret",
-                                     skip_start=skip_start, skip_rows=skip_rows)
+    kernel = _triton_kernel("compress_feedback", codec, x.shape[0] * codec.row_bytes)
+    if kernel is not None:
+        return kernel(x, r, codec, cfg=cfg, interpret=backend_for(codec) == "interpret",
+                      skip_start=skip_start, skip_rows=skip_rows)
     z = x.astype(jnp.float32) - r
     wire = _compress(z, codec, skip_start=skip_start, skip_rows=skip_rows)
     return wire, _decompress(wire, codec, jnp.float32) - z

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from taco_jax.kernels import decompress, tiling
+from taco_jax.kernels.triton import decompress, tiling
 
 
 def decode_sum_kernel(r_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows, n_parts):
@@ -23,7 +23,7 @@ def decode_sum_kernel(r_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows, n_par
         for p in range(n_parts):      # P is small (the TP degree): unrolled, in device order
             codes = tiling.load_rows(r_ref, t, tm, 0, b, rows, lead=(p,))
             scale_bytes = tiling.load_rows(r_ref, t, tm, b, 4 * ns, rows, lead=(p,))
-            dec = decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+            dec = decompress.decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
             acc = dec if acc is None else acc + dec
         tiling.store_rows(o_ref, t, acc.astype(o_ref.dtype), tm, 0, rows)
     tiling.for_each_tile(cfg, n_rows, tile)
@@ -44,12 +44,3 @@ def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
                                n_parts=n_parts)
     out = tiling.out_struct((n_rows, b), out_dtype, recv)
     return tiling.launch(kernel, out, n_rows, cfg, interpret, "taco_decode_sum", recv, h1, h2)
-
-
-def decode_sum_reference(recv, codec, out_dtype=jnp.float32):
-    """Plain-jnp decode-and-sum, for every codec, in the kernel's order."""
-    acc = None
-    for p in range(recv.shape[0]):
-        dec = codec.decompress_reference(recv[p])
-        acc = dec if acc is None else acc + dec
-    return acc.astype(out_dtype)

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax.kernels import tiling
-from taco_jax.numerics import hadamard, quant
+from taco_jax.kernels.triton import tiling
+from taco_jax.numerics import quant
 
 
-def _encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
+def encode_tile(x, h1s, h2s, codec, cfg, exact_input, dot_in=None):
     """(tm, B) f32 → ((tm, B) uint8 codes, (tm, 4·n_scales) uint8 scales). Kernel math.
 
     h1s, h2s: the Hadamard factors divided by their sizes (±1/r, ±1/c;
@@ -85,7 +85,7 @@ def compress_kernel(x_ref, h1_ref, h2_ref, skip_ref, o_ref, *, codec, cfg, n_row
     def work(t):
         raw = tiling.load_rows(x_ref, t, tm, 0, b, rows)
         x = raw.astype(jnp.float32)
-        codes, scales = _encode_tile(x, h1s, h2s, codec, cfg,
+        codes, scales = encode_tile(x, h1s, h2s, codec, cfg,
                                      exact_input=x_ref.dtype == jnp.bfloat16, dot_in=raw)
         tiling.store_rows(o_ref, t, codes, tm, 0, rows)
         tiling.store_rows(o_ref, t, scales, tm, b, rows)
@@ -111,22 +111,3 @@ def compress(x, codec, cfg=None, interpret=False, skip_start=0, skip_rows=0):
     out = tiling.out_struct((n_rows, codec.row_bytes), jnp.uint8, x)
     return tiling.launch(kernel, out, n_rows, cfg, interpret, "taco_compress", x, h1, h2,
                          skip)
-
-
-def compress_reference(x, codec):
-    """Plain-jnp compress, following the paper's order of operations in f32."""
-    x = x.astype(jnp.float32)
-    bad = quant.nonfinite_rows(x)
-    scales = []
-    if codec.transform == "ash":
-        a = quant.alpha(x, bad)                                    # eqs. 6–7
-        x = x * a
-    z = x if codec.transform == "none" else hadamard.forward(x)    # eq. 8
-    absmax = jnp.max(jnp.abs(z), axis=1, keepdims=True)
-    if codec.scale_mode == "tensor":
-        absmax = jnp.broadcast_to(jnp.max(absmax), absmax.shape)
-        bad = jnp.broadcast_to(jnp.any(bad), bad.shape)
-    s = quant.scale(absmax, codec.qmax, bad)                       # eq. 9
-    codes = quant.quantize(z, s, codec.qmax, codec.code_dtype)     # eq. 10
-    scales = [s, a] if codec.transform == "ash" else [s]
-    return quant.seal(jnp.concatenate([codes, quant.pack_scales(scales)], axis=1))

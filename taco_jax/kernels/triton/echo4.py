@@ -1,7 +1,8 @@
 """Echo's 4-bit codecs ("echo4", "int4-sym") as fused Pallas-Triton kernels: compress (and
 compress with error feedback: z = x − r in, codes and the new residual out, one pass),
-decompress, the two-shot owner's reduce and the one-shot's decode_sum, each with its
-plain-jnp reference (the codec's own math, `taco_jax.codecs.echo`).
+decompress, the two-shot owner's reduce and the one-shot's decode_sum. Their plain-jnp
+references are the codec's own (`taco_jax.codecs.echo`, on `numerics.int4`) and
+`kernels.references`' for every codec.
 
 The kernels write the references' wire bytes: the tile math is the codec's element-wise ops
 and row reductions (codes round(x·(1/s)) + z, one reciprocal per group), with substitutes
@@ -44,12 +45,11 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from taco_jax.codecs import echo as _echo
-from taco_jax.codecs.base import check_float
-from taco_jax.kernels import decode_sum as _ds, reduce as _r, tiling
-from taco_jax.numerics import quant
+from taco_jax.kernels.triton import tiling
+from taco_jax.numerics import int4, quant
+from taco_jax.numerics.blocks import check_float
 
-LEVELS, SYM_ZERO = _echo.LEVELS, _echo.SYM_QMAX + 1
+LEVELS, SYM_ZERO = int4.LEVELS, int4.SYM_QMAX + 1
 _ROUND = np.float32(1.5 * 2 ** 23)       # y + _ROUND: round(y) in the low mantissa bits
 _ROUND_BITS = 0x4B400000                 # the bits of 1.5·2^23
 _FLOAT_BITS = 0x4B000000                 # the bits of 2^23
@@ -58,8 +58,10 @@ SMALL_ELEMENTS = tiling.SMALL_ELEMENTS  # 16 MiB of bf16: up to it, looped one-w
 
 
 def covers(codec) -> bool:
-    """Do these kernels implement `codec`'s wire format? (echo4 and int4-sym, any B.)"""
-    return isinstance(codec, _echo.Echo) and not codec.hadamard
+    """Do these kernels implement `codec`'s wire format? (echo4 and int4-sym, any B: the
+    Echo codecs without tah4's rotation, known by their `symmetric` and `hadamard` fields.)"""
+    return (isinstance(getattr(codec, "symmetric", None), bool)
+            and getattr(codec, "hadamard", None) is False)
 
 
 def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
@@ -394,14 +396,14 @@ def encode_tile(xe, xo, codec, cfg):
     if codec.symmetric:
         m = (jnp.maximum(hi, -lo) if int_stats
              else _row_max(jnp.abs(xe), jnp.abs(xo), merged))
-        s = jnp.maximum(m * np.float32(1 / _echo.SYM_QMAX), _echo.SCALE_MIN)
+        s = jnp.maximum(m * np.float32(1 / int4.SYM_QMAX), int4.SCALE_MIN)
         zi = SYM_ZERO
     else:
         if not int_stats:
             lo = jnp.minimum(_row_min(xe, xo, merged), 0.0)
             hi = jnp.maximum(_row_max(xe, xo, merged), 0.0)
         s = jnp.maximum((hi * np.float32(0.5) - lo * np.float32(0.5))
-                        * np.float32(2 / LEVELS), _echo.SCALE_MIN)
+                        * np.float32(2 / LEVELS), int4.SCALE_MIN)
     inv = _recip(s, cfg)
     if not codec.symmetric:
         zi = jnp.clip(_rint(_mul_rn(-lo, inv, cfg)), 0, LEVELS)
@@ -748,23 +750,3 @@ def decode_sum(recv, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
     y = tiling.launch(kernel, out, n_rows, cfg, interpret, "echo4_decode_sum",
                       *_wire_args(recv, cfg))
     return y if pairs is None else from_pairs(y, pairs)
-
-
-# -- references --------------------------------------------------------------------------------
-def compress_reference(x, codec):
-    return codec.compress_reference(x)
-
-
-def compress_feedback_reference(x, r, codec):
-    """The unfused error-feedback compress: z = x − r, its wire and decode(wire) − z."""
-    z = x.astype(jnp.float32) - r
-    wire = codec.compress_reference(z)
-    return wire, codec.decompress_reference(wire, jnp.float32) - z
-
-
-def decompress_reference(w, codec, out_dtype=jnp.float32):
-    return codec.decompress_reference(w, out_dtype)
-
-
-reduce_reference = _r.reduce_reference
-decode_sum_reference = _ds.decode_sum_reference

@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from taco_jax.kernels import compress, decompress, tiling
+from taco_jax.kernels.triton import compress, decompress, tiling
 
 
 def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref, *, codec,
@@ -30,11 +30,11 @@ def reduce_kernel(r_ref, x_ref, idx_ref, h1_ref, h2_ref, h1s_ref, h2s_ref, o_ref
             def add(a, p=p):
                 codes = tiling.load_rows(r_ref, t, tm, 0, b, rows, lead=(p,))
                 scale_bytes = tiling.load_rows(r_ref, t, tm, b, 4 * ns, rows, lead=(p,))
-                return a + decompress._decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+                return a + decompress.decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
             # The own copy is skipped (never read: the sender may not have written it);
             # the exact input stands in for it.
             acc = jax.lax.cond(me == p, lambda a: a, add, acc)
-        codes, scales = compress._encode_tile(acc, h1s, h2s, codec, cfg, exact_input=False)
+        codes, scales = compress.encode_tile(acc, h1s, h2s, codec, cfg, exact_input=False)
         tiling.store_rows(o_ref, t, codes, tm, 0, rows)
         tiling.store_rows(o_ref, t, scales, tm, b, rows)
     tiling.for_each_tile(cfg, n_rows, tile)
@@ -58,12 +58,3 @@ def reduce(recv, own, me, codec, cfg=None, interpret=False, own_row0=0):
     out = tiling.out_struct((n_rows, row), jnp.uint8, own)
     return tiling.launch(kernel, out, n_rows, cfg, interpret, "taco_reduce",
                          recv, own, idx, h1, h2, h1s, h2s)
-
-
-def reduce_reference(recv, own, me, codec, own_row0=0):
-    """Plain-jnp owner step, for every codec: same sum order as the kernel (own, then
-    peers 0..P-1)."""
-    acc = jax.lax.dynamic_slice_in_dim(own, own_row0, recv.shape[1]).astype(jnp.float32)
-    for p in range(recv.shape[0]):
-        acc = acc + jnp.where(me == p, 0.0, codec.decompress_reference(recv[p]))
-    return codec.compress_reference(acc)

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax.kernels import tiling
-from taco_jax.numerics import hadamard, quant
+from taco_jax.kernels.triton import tiling
+from taco_jax.numerics import quant
 
 
-def _decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
+def decode_tile(codes, scale_bytes, h1, h2, codec, cfg):
     """(tm, B) uint8 codes + (tm, 4·n) uint8 scales → (tm, B) f32 values. Kernel math."""
     q = quant.dequant_codes(codes, codec.code_dtype, jnp.float32)
     scales = quant.unpack_scales(scale_bytes, codec.n_scales)
@@ -37,7 +37,7 @@ def decompress_kernel(w_ref, h1_ref, h2_ref, o_ref, *, codec, cfg, n_rows):
     def tile(t):
         codes = tiling.load_rows(w_ref, t, tm, 0, b, rows)
         scale_bytes = tiling.load_rows(w_ref, t, tm, b, 4 * codec.n_scales, rows)
-        x = _decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
+        x = decode_tile(codes, scale_bytes, h1, h2, codec, cfg)
         tiling.store_rows(o_ref, t, x.astype(o_ref.dtype), tm, 0, rows)
     tiling.for_each_tile(cfg, n_rows, tile)
 
@@ -55,18 +55,3 @@ def decompress(w, codec, out_dtype=jnp.float32, cfg=None, interpret=False):
     kernel = functools.partial(decompress_kernel, codec=codec, cfg=cfg, n_rows=n_rows)
     out = tiling.out_struct((n_rows, b), out_dtype, w)
     return tiling.launch(kernel, out, n_rows, cfg, interpret, "taco_decompress", w, h1, h2)
-
-
-def decompress_reference(w, codec, out_dtype=jnp.float32):
-    """Plain-jnp decompress, eqs. 11–13 in the paper's order, f32."""
-    if w.ndim != 2 or w.shape[1] != codec.row_bytes:
-        raise ValueError(f"decompress: got {w.shape=} for {codec.name} (rows of "
-                         f"{codec.row_bytes} bytes)")
-    b = codec.block_size
-    q = quant.dequant_codes(w[:, :b], codec.code_dtype, jnp.float32)
-    scales = quant.unpack_scales(w[:, b:], codec.n_scales)
-    z = q * scales[0]                                              # eq. 11
-    g = z if codec.transform == "none" else hadamard.inverse(z)    # eq. 12
-    if codec.transform == "ash":
-        g = g / scales[1]                                          # eq. 13
-    return g.astype(out_dtype)

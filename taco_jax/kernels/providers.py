@@ -1,0 +1,93 @@
+"""Kernel providers: which fused GPU kernels a codec family has, for which calls, and which
+implementation runs each.
+
+A codec names its family's provider (`Codec.kernels`: `TACO`, `ECHO4`, or None for codecs
+that run their jnp references only); the dispatcher asks that provider rather than
+knowing the families, so a new codec family brings its kernels with a provider of its own.
+Providers import their kernels when one is first built: the Pallas-Triton kernels import
+`jax.experimental.pallas.triton`, which jax deprecates from 0.11 on. Where that module is
+missing (`triton_missing`, which warns once), a provider has no Triton kernels and the
+dispatcher runs the Mosaic GPU kernels where they cover a call, the references elsewhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Callable
+
+KERNELS = ("compress", "decompress", "reduce", "decode_sum", "compress_feedback")
+TRITON_MODULE = "jax.experimental.pallas.triton"
+
+
+@functools.cache
+def triton_missing() -> str | None:
+    """Why the Pallas-Triton kernels cannot be built here (None: they can). The first call
+    that finds the module missing warns."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError as err:
+        why = f"{TRITON_MODULE} cannot be imported ({err})"
+        warnings.warn(f"taco_jax: {why}; the codec kernels run as Mosaic GPU kernels where "
+                      f"those cover a call and as jnp references elsewhere", RuntimeWarning,
+                      stacklevel=2)
+        return why
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelProvider:
+    """A codec family's kernels.
+
+    name: the family, for messages. triton: loads {kernel name: function} of its
+    Pallas-Triton kernels (from `KERNELS`; compress_feedback only where it has a kernel of
+    its own). mosaic: loads ({kernel name: function} of its Mosaic GPU kernels, their
+    `unsupported(kernel, codec, shape, dtype)`), or None where it has none. The loaders
+    run when a kernel is first asked for."""
+    name: str
+    triton: Callable[[], dict]
+    mosaic: Callable[[], tuple[dict, Callable]] | None = None
+
+    def kernel(self, kernel: str, impl: str) -> Callable | None:
+        """The function of `kernel` in implementation `impl` ("triton" or "mosaic"), or
+        None where the family has none (or Triton is missing here)."""
+        if kernel not in KERNELS:
+            raise ValueError(f"{self.name} kernels: unknown kernel {kernel!r} ({KERNELS})")
+        if impl == "mosaic":
+            return None if self.mosaic is None else self.mosaic()[0].get(kernel)
+        if impl != "triton":
+            raise ValueError(f"{self.name} kernels: impl={impl!r} is not 'triton' or 'mosaic'")
+        return None if triton_missing() is not None else self.triton().get(kernel)
+
+    def mosaic_unsupported(self, kernel: str, codec, shape, dtype) -> str | None:
+        """Why no Mosaic GPU kernel covers this call (None: one does). dtype: compress's
+        input, decompress's output, reduce's own data."""
+        if self.mosaic is None:
+            return f"{self.name}: no Mosaic GPU kernels"
+        return self.mosaic()[1](kernel, codec, shape, dtype)
+
+
+@functools.cache
+def _taco_triton() -> dict:
+    from taco_jax.kernels.triton import compress, decode_sum, decompress, reduce
+    return {"compress": compress.compress, "decompress": decompress.decompress,
+            "reduce": reduce.reduce, "decode_sum": decode_sum.decode_sum}
+
+
+@functools.cache
+def _taco_mosaic() -> tuple[dict, Callable]:
+    from taco_jax.kernels import mosaic
+    return {"compress": mosaic.compress, "decompress": mosaic.decompress}, mosaic.unsupported
+
+
+@functools.cache
+def _echo4_triton() -> dict:
+    from taco_jax.kernels.triton import echo4
+    return {k: getattr(echo4, k) for k in KERNELS}
+
+
+# The TACO codecs with per-block scales: Triton kernels for every block size and dtype,
+# Mosaic GPU compress and decompress for the B = 256 Hadamard FP8 codecs.
+TACO = KernelProvider("taco", _taco_triton, _taco_mosaic)
+# Echo's 4-bit codecs (echo4, int4-sym): Triton kernels, compress_feedback among them.
+ECHO4 = KernelProvider("echo4", _echo4_triton)
