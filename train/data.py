@@ -7,7 +7,8 @@ the file names and contents plus the tokenizer settings, so a changed corpus re-
 Layout of one cache entry, <cache_dir>/<key>/:
     tokenizer.json   HF tokenizers BPE (byte-level), absent for the bytes tokenizer
     tokens.bin       all tokens, documents separated by end-of-text, uint16 or uint32
-    meta.json        dtype, token counts, train/val split, file list
+    meta.json        dtype, token count, sha256 of tokens.bin, file list
+An entry that does not match its meta.json (check_entry) is rebuilt, with a warning.
 Split: the last `val_fraction` of the stream is validation (fixed, deterministic).
 """
 from __future__ import annotations
@@ -18,9 +19,12 @@ import json
 import os
 import shutil
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
+
+from train.errors import TokenCacheError
 
 EOT = "<|endoftext|>"
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -138,29 +142,105 @@ class Corpus:
         return p if p.exists() else None
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_entry(entry: Path) -> str | None:
+    """Why the cache entry `entry` cannot be used as it is (meta.json unreadable, tokens.bin
+    not the size or the sha256 meta.json records, the tokenizer missing), or None."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+    except FileNotFoundError:
+        return "no meta.json"
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable: {e}"
+    if not isinstance(meta, dict) or not {"dtype", "n_tokens", "vocab_size"} <= meta.keys():
+        return "meta.json lacks dtype, n_tokens or vocab_size"
+    try:
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        n_tokens = int(meta["n_tokens"])
+    except (TypeError, ValueError) as e:
+        return f"meta.json's dtype or n_tokens unreadable: {e}"
+    tokens = entry / "tokens.bin"
+    try:
+        size = tokens.stat().st_size
+    except OSError:
+        return "no tokens.bin"
+    if n_tokens <= 0 or size != n_tokens * itemsize:
+        return (f"tokens.bin holds {size} bytes, but meta.json records {n_tokens} "
+                f"{meta['dtype']} tokens ({n_tokens * itemsize} bytes)")
+    if "sha256" in meta and _sha256(tokens) != meta["sha256"]:
+        return "tokens.bin does not match the sha256 meta.json records"
+    if meta.get("tokenizer", "bpe") == "bpe" and not (entry / "tokenizer.json").is_file():
+        return "no tokenizer.json"
+    return None
+
+
+def _discard(entry: Path) -> None:
+    """Remove a damaged cache entry: renamed away first (atomic; a process racing to do the
+    same finds it gone), then deleted."""
+    doomed = entry.with_name(f"{entry.name}.damaged{os.getpid()}")
+    try:
+        entry.rename(doomed)
+    except FileNotFoundError:  # another process discarded it first
+        return
+    shutil.rmtree(doomed)
+
+
 def load_corpus(data_cfg, vocab_size: int, *, verbose: bool = True) -> Corpus:
-    """Build (once) and open the token cache for `data_cfg` (train.config.DataConfig)."""
+    """Build (once) and open the token cache for `data_cfg` (train.config.DataConfig).
+
+    An entry that does not match its meta.json (truncated or altered tokens, a damaged
+    meta.json: `check_entry`) is rebuilt, with a warning naming it; one that cannot be
+    rebuilt raises TokenCacheError naming the path."""
     files = select_files(collect_files(data_cfg.paths, data_cfg.glob), data_cfg.max_mb,
                          data_cfg.shuffle_files)
     key = _fingerprint(files, f"{data_cfg.tokenizer}:{vocab_size}:v1")
     entry = Path(data_cfg.cache_dir) / key
     meta_file = entry / "meta.json"
+    if entry.exists() and (why := check_entry(entry)) is not None:
+        warnings.warn(f"token cache entry {entry} is damaged ({why}); rebuilding it",
+                      stacklevel=2)
+        try:
+            _discard(entry)
+        except OSError as e:
+            raise TokenCacheError(
+                f"token cache entry {entry} is damaged ({why}) and could not be removed to "
+                f"rebuild it ({e}): remove it by hand, or set data.cache_dir to a writable "
+                f"folder") from None
     if not meta_file.exists():
         if verbose:
             print(f"[data] tokenizing {len(files)} files ({data_cfg.tokenizer}, "
                   f"vocab {vocab_size}) into {entry} (cached for later runs)", flush=True)
         tmp = entry.with_name(f"{key}.tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        tokens, vocab = _tokenize([_read(f) for f in files], data_cfg.tokenizer, vocab_size, tmp)
-        dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
-        tokens.astype(dtype).tofile(tmp / "tokens.bin")
-        meta = dict(dtype=np.dtype(dtype).name, n_tokens=int(tokens.size), vocab_size=vocab,
-                    tokenizer=data_cfg.tokenizer, files=[str(f) for f in files])
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            tokens, vocab = _tokenize([_read(f) for f in files], data_cfg.tokenizer,
+                                      vocab_size, tmp)
+            dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
+            tokens.astype(dtype).tofile(tmp / "tokens.bin")
+            meta = dict(dtype=np.dtype(dtype).name, n_tokens=int(tokens.size),
+                        vocab_size=vocab, tokenizer=data_cfg.tokenizer,
+                        sha256=_sha256(tmp / "tokens.bin"), files=[str(f) for f in files])
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise TokenCacheError(f"could not write the token cache entry {entry} ({e}): "
+                                  f"free space there, or set data.cache_dir to another "
+                                  f"folder") from None
         try:
             tmp.rename(entry)  # atomic: concurrent builders (several processes) all agree
         except OSError:  # another process finished first; its entry is identical
             shutil.rmtree(tmp, ignore_errors=True)
+        if (why := check_entry(entry)) is not None:
+            raise TokenCacheError(f"token cache entry {entry} is unusable right after it "
+                                  f"was built ({why}): check the disk, or set "
+                                  f"data.cache_dir to another folder")
     meta = json.loads(meta_file.read_text())
     tokens = np.memmap(entry / "tokens.bin", dtype=meta["dtype"], mode="r")
     n_val = int(len(tokens) * data_cfg.val_fraction)

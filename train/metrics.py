@@ -4,17 +4,43 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from pathlib import Path
+
+from train.errors import CorruptRunFile
 
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
            "elapsed_s", "wire_bytes", "codec_rel_error_mean", "codec_rel_error_max")
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a metrics.jsonl ([] if there is none). A last line that is not a whole
+    row (a write cut short: the run was killed while it logged) is dropped with a warning;
+    a damaged line before it raises CorruptRunFile naming the file and the line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    numbered = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1)
+                if line.strip()]
+    rows = []
+    for i, line in numbered:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            why = f"not a JSON row ({e.msg})"
+        else:
+            if isinstance(row, dict) and "step" in row:
+                rows.append(row)
+                continue
+            why = "not a metrics row (a JSON object with a step)"
+        if i == numbered[-1][0]:
+            warnings.warn(f"{path}, line {i} (the last): {why}, a write cut short when the "
+                          f"run stopped; dropped it", stacklevel=2)
+            break
+        raise CorruptRunFile(f"{path}, line {i} of {numbered[-1][0]}: {why}. The rows after "
+                             f"it are whole, so it was damaged after it was written: repair "
+                             f"or delete that line, then run again")
+    return rows
 
 
 class MetricsWriter:
