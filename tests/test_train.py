@@ -2,14 +2,17 @@
 (metrics with bytes on the wire and codec error, the call-site report, a profile), and a run
 interrupted by SIGTERM resumes bit-exactly."""
 import contextlib
+import errno
 import io
 import json
 import math
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import jax
@@ -21,6 +24,7 @@ from models import parallel
 from taco_jax import telemetry
 from train import config as config_lib
 from train import data as data_lib
+from train.checkpoint import saved_steps
 from train.metrics import read_jsonl
 
 PRESETS = config_lib.preset_names()
@@ -123,7 +127,8 @@ def test_overrides_and_codec_shorthand():
     (["model.n_layers=2"], r"unknown config key 'model.n_layers'"),
     (["train.steps=ten"], r"train.steps='ten': expected int"),
     (["train.steps=2.5"], r"train.steps=2.5: expected int"),
-    (["codec=taco2"], r"codec_\w+='taco2'"),
+    # named as typed, with the codecs there are
+    (["codec=taco2"], r"^codec=taco2: unknown codec 'taco2'; known: taco, .*none"),
     (["model.n_head=5"], r"model.d_model=128 must be divisible by model.n_head=5"),
     (["parallel.tp=8"], r"model.n_head=4 is not divisible by tp=8"),
     (["train.batch_size=0"], r"train.batch_size=0 must be positive"),
@@ -207,6 +212,22 @@ def test_smoke_run_writes_metrics_plot_checkpoint(full_run):
     assert full_run["step_time_s"] > 0 and full_run["final_train_loss"] == rows[-1]["loss"]
     # steps 2..3 profiled (train.profile_steps=2:3)
     assert list((run_dir / "profile").rglob("*.xplane.pb"))
+
+
+def test_run_says_where_its_files_are(full_run_and_log):
+    """The summary names the run's files, and the run prints them when it ends."""
+    full_run, log = full_run_and_log
+    run_dir = Path(full_run["run_dir"])
+    files = full_run["files"]
+    assert {k: Path(v).name for k, v in files.items() if k in (
+        "config", "metrics", "metrics_csv", "loss_plot", "checkpoints", "summary")} == {
+        "config": "config.yaml", "metrics": "metrics.jsonl", "metrics_csv": "metrics.csv",
+        "loss_plot": "loss.png", "checkpoints": "ckpt", "summary": "summary.json"}
+    assert all(Path(v).exists() for v in files.values())
+    end = log[log.index(f"[train] run directory {run_dir}:"):]
+    for path in (files["metrics"], files["loss_plot"], files["config"]):
+        assert path in end
+    assert f"{run_dir / 'ckpt'} (steps 3, 6)" in end
 
 
 def test_run_reports_what_compression_did(full_run_and_log):
@@ -372,6 +393,89 @@ def test_a_fresh_run_refuses_a_run_dir_with_checkpoints(full_run, cache, tmp_pat
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["3", "6"]
 
 
+def test_a_full_disk_stops_the_run_with_one_message(full_run, cache, tmp_path, monkeypatch,
+                                                    capfd):
+    """The disk fills while step 7's checkpoint is written (in Orbax's background
+    threads): the CLI prints one message naming the step, the directory and the intact
+    checkpoints (a resume restarts from step 6), no traceback, and exits 1."""
+    from orbax.checkpoint._src.serialization import serialization
+    from train.__main__ import main
+    run_dir = tmp_path / "full-disk"
+    shutil.copytree(full_run["run_dir"], run_dir)
+
+    async def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(serialization, "async_serialize_from_host", no_space)
+    assert main(["--resume", str(run_dir), "train.steps=7", "train.codec_error=false",
+                 "train.eval_every=0", "train.profile_steps="]) == 1
+    err = capfd.readouterr().err
+    assert err.count("No space left on device") == 1 and "Traceback" not in err, err
+    assert (f"checkpoint of step 7 in {run_dir / 'ckpt'} could not be written: the disk is "
+            f"full") in err
+    assert (f"intact (steps 3, 6): `python -m train --resume {run_dir}` restarts from step 6"
+            in err)
+    assert saved_steps(run_dir / "ckpt") == [3, 6] and not list((run_dir / "ckpt").glob("7*"))
+
+
+# The child of the kill test: a `python -m train` whose last checkpoint hangs mid-write
+# (its arrays' writes wait), after saying so in a file
+_HANG_IN_SAVE = """
+import asyncio, sys
+from pathlib import Path
+from orbax.checkpoint._src.serialization import serialization
+from train import checkpoint
+from train.__main__ import main
+flag, argv = Path(sys.argv[1]), sys.argv[2:]
+real_save, real_write, saving = checkpoint.Checkpointer.save, \\
+    serialization.async_serialize_from_host, []
+def save(self, step, *args, **kwargs):
+    saving.append(step)
+    return real_save(self, step, *args, **kwargs)
+async def write(*args, **kwargs):
+    if saving[-1] == 6:
+        flag.write_text("saving")
+        await asyncio.sleep(600)
+    return await real_write(*args, **kwargs)
+checkpoint.Checkpointer.save = save
+serialization.async_serialize_from_host = write
+sys.exit(main(argv))
+"""
+
+
+def test_a_run_killed_while_it_saves_resumes_bit_exactly(full_run, cache, tmp_path):
+    """`python -m train` killed (SIGKILL) while its step-6 checkpoint is being written:
+    the step is left unfinished, and `--resume` restarts from step 3 and ends as the
+    uninterrupted run did (losses, final parameters and optimizer state, bit for bit)."""
+    from train.checkpoint import Checkpointer
+    run_dir, flag = tmp_path / "killed", tmp_path / "saving"
+    overrides = _overrides(cache, run_dir, "train.codec_error=false")
+    child = subprocess.Popen([sys.executable, "-c", _HANG_IN_SAVE, str(flag), *overrides],
+                             cwd=Path(__file__).resolve().parent.parent,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert flag.exists(), child.stderr.read() if child.poll() is not None else "timeout"
+    finally:
+        child.kill()
+        child.wait()
+    assert saved_steps(run_dir / "ckpt") == [3]
+    assert list((run_dir / "ckpt").glob("6.orbax-checkpoint-tmp*"))   # killed mid-save
+    out = train.run(config_lib.load_config("tiny", overrides), resume=True)
+    assert out["resumed_from"] == 3 and out["step"] == 6
+    got, want = (read_jsonl(Path(d) / "metrics.jsonl") for d in (run_dir, full_run["run_dir"]))
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in got] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in want]
+    like = train.build(out_cfg := config_lib.load_config("tiny", overrides),
+                       train.loop.build_mesh(out_cfg)).abstract_state()
+    finals = []
+    for d in (Path(full_run["run_dir"]), run_dir):
+        with Checkpointer(d / "ckpt") as ck:
+            finals.append(ck.restore(6, like)[0])
+    jax.tree.map(np.testing.assert_array_equal, *finals)
+
+
 def test_echo4_with_feedback_trains(full_run, cache, tmp_path):
     """The tiny GPT with echo4 both ways and error feedback (data=2 x tp=2, every all-reduce
     compressed): finite losses that go down and track TACO's; the feedback state is per
@@ -416,6 +520,106 @@ def test_cli_resume_uses_the_runs_config(full_run):
     assert cfg.train.steps == 8 and cfg.model == saved.model and cfg.data == saved.data
     with pytest.raises(SystemExit):
         parse_args(["--resume", str(Path(run_dir) / "ckpt")])  # no config.yaml there
+
+
+def test_bare_resume_takes_the_newest_runs_own_config(tmp_path, monkeypatch):
+    """`--resume` without a directory continues the newest run of --config with that
+    run's config.yaml (not the preset's), and an override right after it is an override,
+    not the directory."""
+    from train.__main__ import parse_args
+    monkeypatch.chdir(tmp_path)
+    saved = config_lib.load_config("tiny", ["codec=none", "train.steps=30"])
+    for name in ("tiny-20260101-000000", "tiny-20260102-000000"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.yaml").write_text(config_lib.dump(saved))
+    newest = Path("runs") / "tiny-20260102-000000"
+    cfg, args = parse_args(["--resume"])
+    assert args.resume == str(newest) and cfg.train.run_dir == str(newest)
+    assert cfg.codecs()["fwd"] == "none" and cfg.train.steps == 30
+    cfg, args = parse_args(["--resume", "train.steps=60"])
+    assert args.resume == str(newest) and cfg.train.steps == 60
+    assert cfg.codecs() == saved.codecs()
+
+
+def test_bare_resume_without_a_run_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    from train.__main__ import parse_args
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--resume"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no run of config 'tiny' to continue in runs/" in err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("codec=taco", "model.codec_fwd: 'none' -> 'taco'"),
+    ("model.n_layer=2", "model.n_layer: 1 -> 2"),
+    ("parallel.tp=4", "parallel.tp: 2 -> 4"),
+    ("optim.lr=0.01", "optim.lr: 0.003 -> 0.01"),
+    ("train.batch_size=8", "train.batch_size: 4 -> 8"),
+])
+def test_resume_refuses_to_change_what_the_run_is(tmp_path, override, key, capsys):
+    """An override that would change what a run is (codecs, model, layout, optimizer,
+    batch) is refused when resuming, naming it as typed and saying how to start a new
+    run; the same change through train.run is refused before anything is built."""
+    from train.__main__ import parse_args
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = config_lib.load_config("tiny", _overrides(tmp_path, run_dir, "codec=none"))
+    (run_dir / "config.yaml").write_text(config_lib.dump(saved))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--resume", str(run_dir), "train.steps=9", override])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert f"{override} would change what the run in {run_dir} is (" in err and key in err, err
+    assert f"Start a new run instead: `python -m train --config tiny {override}`" in err
+    with pytest.raises(train.errors.RunChanged, match=re.escape(key)):
+        train.run(config_lib.replace(saved, [override]), resume=True)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]   # nothing written
+    # the same codec under another spelling changes nothing
+    cfg, _ = parse_args(["--resume", str(run_dir), "model.codec_fwd=none", "train.log_every=2"])
+    assert cfg.codecs() == saved.codecs() and cfg.train.log_every == 2
+
+
+def test_resume_extends_a_run_and_notes_the_change(full_run, cache, tmp_path, capsys):
+    """`--resume RUN_DIR train.steps=7`: the run trains one step more with its own config;
+    config.yaml says 7 steps, and config_changes.jsonl notes the change at step 6."""
+    from train.__main__ import main
+    run_dir = tmp_path / "extended"
+    shutil.copytree(full_run["run_dir"], run_dir)
+    assert main(["--resume", str(run_dir), "train.steps=7", "train.codec_error=false",
+                 "train.eval_every=0", "train.profile_steps="]) == 0
+    out = capsys.readouterr().out
+    assert "resumed at step 6 with train.codec_error: True -> False" in out
+    saved = config_lib.from_dict(__import__("yaml").safe_load(
+        (run_dir / "config.yaml").read_text()))
+    assert saved.train.steps == 7 and saved.codecs() == config_lib.load_config(
+        Path(full_run["run_dir"]) / "config.yaml").codecs()
+    notes = read_jsonl(run_dir / "config_changes.jsonl")
+    assert len(notes) == 1 and notes[0]["step"] == 6
+    assert notes[0]["changes"]["train.steps"] == {"from": 6, "to": 7}
+    assert notes[0]["changes"]["train.profile_steps"] == {"from": "2:3", "to": ""}
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 8))
+
+
+def test_cli_help_lists_the_presets(capsys):
+    from train.__main__ import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for name in PRESETS:
+        assert re.search(rf"^  {re.escape(name)} +\S", out, re.M), (name, out)
+    assert re.search(r"^  tiny +Tiny GPT for CPU \(4 x 128, 4 heads", out, re.M)
+    assert "runs/<name>-<timestamp>/" in out and "loss.png" in out
+
+
+def test_cli_unknown_codec_names_what_was_typed(capsys):
+    from train.__main__ import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["codec=tacoo"])
+    err = capsys.readouterr().err
+    assert "codec=tacoo: unknown codec 'tacoo'; known: taco, " in err and "echo4" in err
+    assert "recipe.codec_pp" not in err
 
 
 @pytest.mark.parametrize("override, named", [("model.codec_fwd=fp4", "'fp4'"),

@@ -56,6 +56,24 @@ def preset_names() -> list[str]:
     return sorted(f.stem for f in PRESET_DIR.glob("*.yaml"))
 
 
+def preset_descriptions() -> dict[str, str]:
+    """{preset name: one line}: what it is for (the first comment line of its file, up to
+    its first colon) and its model's shape."""
+    out = {}
+    for name in preset_names():
+        text = (PRESET_DIR / f"{name}.yaml").read_text()
+        first = next((line for line in text.splitlines() if line.startswith("#")), "#")
+        what = first.lstrip("# ").rstrip(":").split(": ")[0].split(" (")[0].strip()
+        try:
+            m = load_config(name, validate=False).model
+            shape = (f" ({m.n_layer} x {m.d_model}, {m.n_head} heads, vocab {m.vocab_size}, "
+                     f"T={m.seq_len}; {m.num_params() / 1e6:.3g}M params)")
+        except (ValueError, TypeError, AttributeError):
+            shape = ""
+        out[name] = what + shape
+    return out
+
+
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -354,6 +372,11 @@ def parse_overrides(overrides: Iterable[str]) -> dict:
         key, raw = item.split("=", 1)
         value = read_yaml(raw) if raw else ""
         if key == "codec":  # shorthand: every axis (both TP directions, pipeline, data)
+            if value is not None:  # null: the recipe's codec on every axis
+                try:
+                    taco_jax.codecs.get(value)
+                except (ValueError, TypeError) as e:  # named as typed, not as expanded
+                    raise ValueError(f"{item}: {e}") from None
             for field in SHORTHAND_FIELDS:
                 _set_dotted(tree, field, value)
         else:
@@ -400,6 +423,93 @@ def from_dict(values: dict, overrides: Iterable[str] = ()) -> Config:
 def replace(cfg: Config, overrides: Iterable[str]) -> Config:
     """cfg with dotted overrides applied (e.g. for benchmarks)."""
     return from_dict(cfg.to_dict(), overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming: what may change when a run continues
+
+# The fields a resumed run may change: how long it trains (train.steps extends it), what it
+# logs and measures, how often and how many checkpoints it keeps, where its files and the
+# token cache are. Everything else (codecs and recipe, model, data, optimizer, parallel
+# layout, batch and seed, the run's name) is what the run is: changing it mid-run would
+# make one run directory hold two different runs.
+RESUME_MAY_CHANGE = frozenset({
+    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.ckpt_every", "train.keep", "train.async_ckpt", "train.out_dir", "train.run_dir",
+    "train.halt_at", "train.progress", "train.codec_error", "train.profile_steps",
+    "data.cache_dir"})
+# where a run's files are, not what it does: not worth a note when they change
+_LOCATION_FIELDS = frozenset({"train.out_dir", "train.run_dir"})
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _effective(cfg: Config) -> dict:
+    """cfg's fields by dotted key, each codec field as the codec in effect there (so that
+    `codec=taco` on a run whose sites take the recipe's taco changes nothing)."""
+    flat = _flat(cfg.to_dict())
+    with contextlib.suppress(ValueError, TypeError):  # an unknown codec: compared as written
+        c = cfg.codecs()
+        flat.update({"model.codec_fwd": c["fwd"], "model.codec_bwd": c["bwd"],
+                     "model.codec_head": c["head"], "recipe.codec_pp": c["pp"],
+                     "recipe.codec_dp": c["dp"], "recipe.codec_wd": cfg.recipe.wd_codec})
+    return flat
+
+
+def config_changes(saved: Config, new: Config) -> tuple[dict, dict]:
+    """-> (changes a resumed run may make, changes that would make it another run): each
+    {dotted key: (saved value, new value)}, codec fields compared by the codec in effect.
+    The first leaves out where the run's files are (train.run_dir, train.out_dir)."""
+    a, b = _effective(saved), _effective(new)
+    changed = {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys())
+               if a.get(k) != b.get(k)}
+    allowed = {k: v for k, v in changed.items()
+               if k in RESUME_MAY_CHANGE and k not in _LOCATION_FIELDS}
+    identity = {k: v for k, v in changed.items() if k not in RESUME_MAY_CHANGE}
+    return allowed, identity
+
+
+def identity_error(run_dir: str | Path, name: str, what: str, changes: dict) -> str:
+    """The message refusing `what` (an override as typed, or "this config") that would
+    change the run `name` in `run_dir` (`changes`: key -> (saved, new))."""
+    diff = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+    override = f" {what}" if "=" in what else ""
+    return (f"{what} would change what the run in {run_dir} is ({diff}). A resumed run keeps "
+            f"its own config.yaml and may change only {', '.join(sorted(RESUME_MAY_CHANGE))}. "
+            f"Start a new run instead: `python -m train --config {name}{override}`, or with "
+            f"this run's settings, `python -m train --config {Path(run_dir) / 'config.yaml'}"
+            f"{override} train.run_dir=NEW_DIR`")
+
+
+def resume_config(run_dir: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """The config of the run in `run_dir` (its config.yaml, train.run_dir set to it) with
+    `overrides` a resumed run may make (RESUME_MAY_CHANGE). An override that would change
+    what the run is raises ValueError naming it as written (`codec=none`) and saying how
+    to start a new run instead."""
+    run_dir = Path(run_dir)
+    values = read_yaml((run_dir / "config.yaml").read_text()) or {}
+    saved = _build(Config, values)
+    for item in overrides:
+        _, identity = config_changes(saved, _build(Config, _merge(values,
+                                                                  parse_overrides([item]))))
+        if identity:
+            raise ValueError(identity_error(run_dir, saved.name, item, identity))
+    return from_dict(values, [*overrides, f"train.run_dir={run_dir}"])
+
+
+def newest_run(out_dir: str | Path, name: str) -> Path | None:
+    """The most recently modified run directory `<out_dir>/<name>-*` holding a
+    config.yaml, or None."""
+    runs = [p for p in Path(out_dir).glob(f"{name}-*") if (p / "config.yaml").is_file()]
+    return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
 def dump(cfg: Config) -> str:

@@ -36,8 +36,10 @@ from train import config as config_lib
 from train.checkpoint import Checkpointer, saved_steps
 from train.config import Config
 from train.data import load_corpus, split_batches
+from train.errors import RunChanged, RunDirInUse
 from train.metrics import MetricsWriter, plot_runs
 from train.multihost import agree_any
+from train.rundir import RunDirLock
 
 State = dict  # {"step", "params", "opt_state", "rng"}: one pytree, checkpointed
 
@@ -253,10 +255,8 @@ def _run_dir(cfg: Config, resume: bool) -> Path:
     if cfg.train.run_dir:
         return Path(cfg.train.run_dir)
     out = Path(cfg.train.out_dir)
-    if resume:
-        runs = sorted(out.glob(f"{cfg.name}-*"), key=lambda p: p.stat().st_mtime)
-        if runs:
-            return runs[-1]
+    if resume and (newest := config_lib.newest_run(out, cfg.name)) is not None:
+        return newest
     stamp = int(time.time())
     if jax.process_count() > 1:  # every process must agree on the directory
         from jax.experimental import multihost_utils
@@ -408,10 +408,6 @@ class _Profile:
 # ---------------------------------------------------------------------------------------------
 # The run: set-up, restore, the step loop, the summary
 
-class RunDirInUse(FileExistsError):
-    """A fresh run (no resume) was given a run directory that holds checkpoints."""
-
-
 def check_fresh_run_dir(run_dir: Path) -> None:
     """A fresh run would train from step 0 and fail when it reached a step already saved in
     `run_dir`: refuse it at the start. Raises RunDirInUse naming the directory, its newest
@@ -423,6 +419,44 @@ def check_fresh_run_dir(run_dir: Path) -> None:
     raise RunDirInUse(f"run directory {run_dir} already holds checkpoints (newest: {newest}); "
                       f"continue that run with `python -m train --resume {run_dir}` "
                       f"(train.run(..., resume=True)), or give another train.run_dir")
+
+
+def check_resume_config(run_dir: Path, cfg: Config) -> dict:
+    """A resumed run keeps what it is: `cfg` may differ from the run's config.yaml only in
+    `config.RESUME_MAY_CHANGE` (train.steps to extend it, logging, checkpoint cadence).
+    -> those changes {key: (saved, new)}; RunChanged naming the others. No config.yaml
+    (nothing saved yet): no changes."""
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.is_file():
+        return {}
+    saved = config_lib.from_dict(config_lib.read_yaml(saved_file.read_text()) or {})
+    allowed, identity = config_lib.config_changes(saved, cfg)
+    if identity:
+        raise RunChanged(config_lib.identity_error(run_dir, saved.name, "the config given",
+                                                   identity))
+    return allowed
+
+
+def _note_changes(run_dir: Path, step: int, changes: dict) -> None:
+    """Record the settings a resumed run changed, at the step it resumed from, in
+    config_changes.jsonl (config.yaml holds the new values)."""
+    row = {"step": step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}}
+    with (run_dir / "config_changes.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(f"[train] resumed at step {step} with "
+          + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+          + f" (config.yaml updated; noted in {run_dir / 'config_changes.jsonl'})", flush=True)
+
+
+def run_files(run_dir: Path) -> dict:
+    """Where a run's files are (those that exist)."""
+    files = {"config": "config.yaml", "metrics": "metrics.jsonl", "metrics_csv": "metrics.csv",
+             "tensorboard": "tb", "loss_plot": "loss.png", "checkpoints": "ckpt",
+             "config_changes": "config_changes.jsonl", "profile": "profile",
+             "summary": "summary.json"}
+    return {k: str(run_dir / v) for k, v in files.items()
+            if (run_dir / v).exists() or k == "summary"}
 
 
 def _as_config(config: Config | dict | str | Path) -> Config:
@@ -520,8 +554,10 @@ class _Loop:
                 self.profile.stop()
                 if self.bar is not None:
                     self.bar.close()
-                self.ckpt.close()
-                self.writer.close()
+                try:
+                    self.ckpt.close()  # waits for the last save: raises if it failed
+                finally:
+                    self.writer.close()
 
     def _train_step(self, step: int) -> bool:
         """One step, then its log row, evaluation and checkpoint where due -> halt?"""
@@ -645,6 +681,7 @@ def _summary(prog: Program, loop: _Loop, run_dir: Path, resumed_from: int | None
         "state_bytes": state_bytes(loop.state),
         "sites": {"compressed": sum(n for s, n in sites if s.compressed),
                   "plain": sum(n for s, n in sites if not s.compressed)},
+        "files": run_files(run_dir),
     }
 
 
@@ -653,15 +690,40 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
 
     resume=True continues the run in `train.run_dir` (or the newest `<name>-*` in out_dir)
     from its newest checkpoint that restores and verifies (a corrupt newer one is reported
-    and set aside). Without it, a run directory that holds checkpoints raises RunDirInUse
-    before anything is built. Returns a summary dict (also written to summary.json).
+    and set aside); `config` may change only what `check_resume_config` allows (else
+    RunChanged). The run holds its directory's lock while it trains: another trainer there
+    raises RunDirInUse, as does a fresh run into a directory that holds checkpoints, before
+    anything is built. Returns a summary dict (also written to summary.json). Expected
+    stops raise a `train.errors.TrainError` whose message says what to do.
     """
     cfg = _as_config(config)
     setup_backend(cfg)
     lead = jax.process_index() == 0
     run_dir = _run_dir(cfg, resume)
-    if not resume:
-        check_fresh_run_dir(run_dir)
+    changes = check_resume_config(run_dir, cfg) if resume else {}
+    lock = None
+    try:
+        # one trainer per run directory (process 0 holds the lock for all processes)
+        refused = None
+        if lead:
+            try:
+                lock = RunDirLock(run_dir)
+            except RunDirInUse as e:
+                refused = e
+        if agree_any(refused is not None):
+            raise refused or RunDirInUse(f"run directory {run_dir} is in use by another "
+                                         f"trainer (process 0 was refused its lock)")
+        if not resume:
+            check_fresh_run_dir(run_dir)
+        return _run_locked(cfg, run_dir, resume, changes)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(cfg: Config, run_dir: Path, resume: bool, changes: dict) -> dict:
+    """`run` once it holds the run directory."""
+    lead = jax.process_index() == 0
     prog = build(cfg, build_mesh(cfg))
     batches = _load_batches(cfg, verbose=lead)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -669,8 +731,14 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     state, start, resumed_from = _restore(prog, ckpt, resume)
     if lead:
         (run_dir / "config.yaml").write_text(config_lib.dump(cfg))
-    writer = MetricsWriter(run_dir, truncate_after=start if resumed_from is not None else None,
-                           enabled=lead)
+        if changes:
+            _note_changes(run_dir, start, changes)
+    try:
+        writer = MetricsWriter(run_dir, truncate_after=start if resumed_from is not None
+                               else None, enabled=lead)
+    except BaseException:
+        ckpt.close()
+        raise
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
     codecs = cfg.codecs()
     if lead:
@@ -683,6 +751,14 @@ def run(config: Config | dict | str, *, resume: bool = False) -> dict:
     summary = _summary(prog, loop, run_dir, resumed_from, n_params, codecs)
     if lead:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        steps = saved_steps(run_dir / "ckpt")
+        print(f"[train] run directory {run_dir}:\n"
+              + "".join(f"  {what:<15} {summary['files'][key]}\n" for key, what in (
+                  ("config", "config"), ("metrics", "metrics"), ("metrics_csv", "metrics (CSV)"),
+                  ("loss_plot", "loss curve"), ("tensorboard", "TensorBoard"),
+                  ("summary", "summary")) if key in summary["files"])
+              + f"  {'checkpoints':<15} {run_dir / 'ckpt'} (steps "
+              + (", ".join(map(str, steps)) or "none") + ")", flush=True)
         if loop.interrupted:
             print(f"[train] stopped at step {loop.step} ({loop.why_stopped()}); checkpoint "
                   f"saved. Continue with: python -m train --resume {run_dir}", flush=True)
