@@ -6,7 +6,7 @@ projection for two GPUs.
                           [--kernel two_shot] [--ablate [--variants ...]] [--fail-fast]
 
 P virtual devices are P groups of programs of the one-launch kernel
-(`kernels.fused_allreduce.loopback_allreduce`): the kernel body, tile math and protocol of
+(`kernels.fused.loopback_allreduce`): the kernel body, tile math and protocol of
 the two-GPU kernel, with a peer's receive buffer a slice of one buffer. Each configuration
 (P, size, dtype) runs in its own subprocess under a timeout (a hang costs only itself;
 `--isolate group` shares one process per (P, dtype) to save start-ups) and
@@ -90,9 +90,9 @@ def emulated_loopback(xs, codec, wrong: str | None = None):
     slot P − 1 holds, on every device, the wire of other values of the same scale (what a
     receive buffer keeps from an earlier call when a store never lands)."""
     from taco_jax import codecs
-    from taco_jax.kernels import fused_allreduce, references
+    from taco_jax.kernels import fused as fused_kernels, references
     p = xs.shape[0]
-    encoded = fused_allreduce.tile_codec(codec).encoded    # what the kernel encodes of v
+    encoded = fused_kernels.tile_codec(codec).encoded    # what the kernel encodes of v
     enc = lambda v: codec.compress_reference(    # noqa: E731
         codecs.to_blocks(encoded(v), codec.block_size))
     wires = [enc(xs[j]) for j in range(p)]
@@ -129,12 +129,12 @@ def on_mesh(p: int, codec):
 
 
 def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_shot"):
-    """["decode=sum_first", "programs=32"] → kernels.fused_allreduce.FusedConfig: those
-    fields over the kernel's own default for this call (`fused_allreduce.default_config`;
+    """["decode=sum_first", "programs=32"] → kernels.fused.FusedConfig: those
+    fields over the kernel's own default for this call (`kernels.fused.default_config`;
     the two-shot's: FusedConfig()); none → None (the kernel's default, as the collectives
     call it)."""
-    from taco_jax.kernels import fused_allreduce
-    fields = {f.name: f.type for f in dataclasses.fields(fused_allreduce.FusedConfig)}
+    from taco_jax.kernels import fused as fused_kernels
+    fields = {f.name: f.type for f in dataclasses.fields(fused_kernels.FusedConfig)}
     kw = {}
     for item in pairs or ():
         key, _, value = item.partition("=")
@@ -150,8 +150,8 @@ def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_s
             kw[key] = value if "str" in ftype else int(value)
     if not kw:
         return None
-    base = (fused_allreduce.default_config(codec, p, dtype)
-            if codec is not None and kernel == "one_shot" else fused_allreduce.FusedConfig())
+    base = (fused_kernels.default_config(codec, p, dtype)
+            if codec is not None and kernel == "one_shot" else fused_kernels.FusedConfig())
     try:
         return dataclasses.replace(base, **kw)
     except ValueError as e:
@@ -160,19 +160,19 @@ def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_s
 
 def emulated_two_shot(xs, codec, wrong: str | None = None):
     """The two-shot kernel's result on every device, from its jnp reference
-    (`kernels.fused_two_shot.two_shot_reference`). wrong="slot": the last device decodes
+    (`kernels.fused.two_shot_reference`). wrong="slot": the last device decodes
     sums built with device 0's data in place of its own (a store to the wrong place);
     "stale": every device's sums hold other values of the same scale in place of the last
     device's data (a store that never landed)."""
-    from taco_jax.kernels import fused_two_shot
+    from taco_jax.kernels import fused as fused_kernels
     p = xs.shape[0]
-    y = fused_two_shot.two_shot_reference(xs, codec)
+    y = fused_kernels.two_shot_reference(xs, codec)
     out = [y] * p
     if wrong == "slot":
-        out[p - 1] = fused_two_shot.two_shot_reference(xs.at[p - 1].set(xs[0]), codec)
+        out[p - 1] = fused_kernels.two_shot_reference(xs.at[p - 1].set(xs[0]), codec)
     if wrong == "stale":
-        out = [fused_two_shot.two_shot_reference(xs.at[p - 1].set(xs[p - 1][::-1]),
-                                                  codec)] * p
+        out = [fused_kernels.two_shot_reference(xs.at[p - 1].set(xs[p - 1][::-1]),
+                                                 codec)] * p
     return jnp.stack(out)
 
 
@@ -180,10 +180,10 @@ def implementation(name: str, codec, wrong: str | None, p: int, config=None,
                    kernel: str = "one_shot", dtype=jnp.bfloat16):
     """The all-reduce under test: (P, n) → (P, n), row d what device d computed."""
     if name == "kernel":
-        from taco_jax.kernels import fused_allreduce, fused_two_shot
+        from taco_jax.kernels import fused as fused_kernels
         fused_config(config, codec, p, dtype, kernel)   # a bad --config fails here, not traced
-        fn = {"one_shot": fused_allreduce.loopback_allreduce,
-              "two_shot": fused_two_shot.loopback_two_shot}[kernel]
+        fn = {"one_shot": fused_kernels.loopback_allreduce,
+              "two_shot": fused_kernels.loopback_two_shot}[kernel]
         return jax.jit(lambda xs: fn(xs, codec, fused_config(config, codec, p, xs.dtype,
                                                              kernel)))
     if name == "mesh":
@@ -229,7 +229,7 @@ def _rel_err(y, exact, finite):
 
 
 # The two-shot kernel's error is gated on its jnp reference's (the same segments, owners
-# and sum order: `kernels.fused_two_shot.two_shot_reference`) on the same input, within
+# and sum order: `kernels.fused.two_shot_reference`) on the same input, within
 # this factor (the encoders differ in rounding); the xla transport's is reported beside it
 # (its segments are whole blocks, not whole tiles, so on small inputs its owners differ).
 TWO_SHOT_SLACK = 1.05
@@ -272,7 +272,7 @@ def check_call(fn, ref, xs, bad, block, model=None, slack: float = 1.0):
     return figures, why
 
 
-TILE = 64 * 256          # values per kernel tile (kernels.fused_allreduce: ROWS × BLOCK)
+TILE = 64 * 256          # values per kernel tile (kernels.fused: ROWS × BLOCK)
 
 
 def worst_tiles(y, gold, exact, finite, p: int, k: int = 8) -> list[dict]:
@@ -303,8 +303,8 @@ def run_config(a) -> dict:
     ref = xla_transport(p, codec)
     model = None
     if two:
-        from taco_jax.kernels import fused_two_shot
-        model = jax.jit(lambda xs: fused_two_shot.two_shot_reference(xs, codec))
+        from taco_jax.kernels import fused as fused_kernels
+        model = jax.jit(lambda xs: fused_kernels.two_shot_reference(xs, codec))
     label = {"kernel": "one_launch", "mesh": "one_launch on GPUs"}.get(a.impl, "emulated")
     row = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": a.one_dtype,
            "config": " ".join(a.config or ()) or "default",
@@ -503,7 +503,7 @@ def annotate(payload: dict, row_bytes: int, block: int = 256) -> dict:
 
 # -- attribution of the kernel's time (--ablate) ------------------------------------------------
 # Variants timed side by side: FusedConfig fields of each (over the kernel's default:
-# `fused_allreduce.default_config`), and what its difference to the default (variant −
+# `kernels.fused.default_config`), and what its difference to the default (variant −
 # default, per device) estimates. "ablate=…" variants are measurement
 # knobs (wrong results, timed only); the others are checked as usual. The most telling
 # first, so a run cut short keeps them; a variant that hangs (2 per SM, if its programs are
@@ -680,9 +680,9 @@ def main(argv=None) -> int:
     a.dtypes = a.dtypes or (["bf16"] if a.ablate else list(DTYPES))
     a.calls = a.calls if a.calls is not None else (1 if a.ablate else 5)
     from taco_jax import codecs
-    from taco_jax.kernels import fused_allreduce
-    tiles = fused_allreduce.tile_codec(codecs.get(a.codec))
-    if a.kernel == "two_shot" and not isinstance(tiles, fused_allreduce.TacoTiles):
+    from taco_jax.kernels import fused as fused_kernels
+    tiles = fused_kernels.tile_codec(codecs.get(a.codec))
+    if a.kernel == "two_shot" and not isinstance(tiles, fused_kernels.TacoTiles):
         raise SystemExit(f"bench.fused: --kernel two_shot has the FP8 codecs' tile math "
                          f"only, not {a.codec}'s")
     if a.impl == "mesh" and not tiles.checked_on_gpu:

@@ -19,7 +19,7 @@ def per_device(fn, x, vma=False):
 
 
 def lax_exchange_kernel(send, axis, p, gather, out_mat):
-    """Stands in for `fused._kernel_exchange` (monkeypatched) where no 2 GPUs run it."""
+    """Stands in for `fused.exchange_kernel` (monkeypatched) where no 2 GPUs run it."""
     from taco_jax.collectives import fused
     assert send.dtype == jnp.uint8 and send.shape[-1] % fused.TILE_BYTES == 0
     return lax.all_gather(send, axis) if gather else lax.all_to_all(send, axis, 0, 0)

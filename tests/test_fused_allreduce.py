@@ -1,4 +1,4 @@
-"""The one-launch fused all-reduce (taco_jax/kernels/fused_allreduce.py) on CPU.
+"""The one-launch fused all-reduce kernels (taco_jax/kernels/fused/) on CPU.
 
 Mosaic GPU kernels do not run in Pallas' interpreter, so here the real kernel is traced
 and lowered for a CUDA target: inside `taco_jax.psum(transport="fused")` on 1-, 2- and
@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import taco_jax
 from taco_jax import codecs
 from taco_jax.collectives import fused, two_shot
-from taco_jax.kernels import fused_allreduce as fa, fused_two_shot as fts
+from taco_jax.kernels import fused as fa, mosaic
+from taco_jax.kernels.fused import one_shot, two_shot as fts
 
 from meshes import per_device
 
@@ -137,7 +138,7 @@ def test_two_programs_per_multiprocessor_fit_when_slim(p):
     slim = fa.FusedConfig(x_slots=1, out_store="registers", per_sm=2)
     assert 2 * (fa.smem_bytes(p, TACO, jnp.bfloat16, cfg=slim) + fa.SMEM_RESERVED) \
         <= fa.SMEM_PER_SM < 2 * (fa.smem_bytes(p, TACO, jnp.bfloat16) + fa.SMEM_RESERVED)
-    assert slim.grid(10_000, p) == 2 * fa.mosaic.sm_count() // p
+    assert slim.grid(10_000, p) == 2 * mosaic.sm_count() // p
     assert lowered_loopback(p, jnp.bfloat16, slim).count("taco_fused_allreduce") >= 1
     with pytest.raises(ValueError, match=r"per_sm=2.*KiB of shared memory"):
         lowered_loopback(p, jnp.bfloat16, fa.FusedConfig(per_sm=2))
@@ -164,8 +165,8 @@ def test_default_launch_shape_is_two_slim_programs_per_sm_where_they_fit():
 
 def test_calls_without_a_config_launch_the_default(monkeypatch):
     seen = []
-    launch = fa._launch
-    monkeypatch.setattr(fa, "_launch", lambda *a, **k: seen.append(a[4]) or launch(*a, **k))
+    launch = one_shot._launch
+    monkeypatch.setattr(one_shot, "_launch", lambda *a, **k: seen.append(a[4]) or launch(*a, **k))
     for dt in (jnp.bfloat16, jnp.float32):
         lowered_loopback.__wrapped__(2, dt, None)
     assert seen == [fa.default_config(TACO, 2, jnp.bfloat16),
@@ -307,7 +308,7 @@ def _most_per_sm(p, codec, dtype, cfg):
     fit = 0
     for n in (1, 2, 3, 4):
         try:
-            fa._check_resident(p, codec, dtype, dtype, dataclasses.replace(cfg, per_sm=n))
+            one_shot._check_resident(p, codec, dtype, dtype, dataclasses.replace(cfg, per_sm=n))
         except ValueError:
             break
         fit = n
@@ -349,7 +350,7 @@ def test_refusals_name_the_layout_and_what_it_needs():
         lowered_echo4(dataclasses.replace(three, per_sm=4))
     with pytest.raises(ValueError, match=r"per_sm=3.*306 KiB.*P=2, bfloat16"):
         lowered_loopback(2, jnp.bfloat16, three)                        # taco: 101 KiB each
-    assert three.grid(10_000, 2) == 3 * fa.mosaic.sm_count() // 2
+    assert three.grid(10_000, 2) == 3 * mosaic.sm_count() // 2
 
 
 @pytest.mark.parametrize("codec,dtype,cfg", [
@@ -653,3 +654,37 @@ def test_warp_specialized_is_refused_where_it_has_no_meaning():
     with pytest.raises(ValueError, match="echo4"):
         fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
                               dataclasses.replace(WS, decode="per_source", store_parts=False))
+
+
+# -- the reference's contract with the kernel (reference_mismatch) -------------------------
+def test_f32_results_may_differ_from_the_reference_by_one_code_step_not_two():
+    x = jax.random.normal(jax.random.key(5), (2, 64 * 256 + 300), jnp.float32)
+    want = fa.fused_allreduce_reference(x, TACO)
+    steps = fa.reference_steps(x, TACO)
+    assert steps.shape == want.shape and bool(jnp.all(steps > 0))
+    assert fa.reference_mismatch(want, x, TACO) is None
+    k = 4321
+    assert fa.reference_mismatch(want.at[k].add(steps[k]), x, TACO) is None
+    assert fa.reference_mismatch(want.at[k].add(-steps[k]), x, TACO) is None
+    why = fa.reference_mismatch(want.at[k].add(2 * steps[k]), x, TACO)
+    assert why is not None and "#4321" in why and "code step" in why
+
+
+def test_16_bit_results_must_be_the_references_bits():
+    x = jax.random.normal(jax.random.key(6), (2, 3000), jnp.float32).astype(jnp.bfloat16)
+    want = fa.fused_allreduce_reference(x, TACO)
+    assert fa.reference_mismatch(want, x, TACO) is None
+    ulp = jnp.nextafter(want[7], jnp.asarray(jnp.inf, want.dtype))
+    why = fa.reference_mismatch(want.at[7].set(ulp), x, TACO)
+    assert why is not None and "1 of 3000" in why
+
+
+def test_an_echo4_code_step_is_its_scale():
+    x = jax.random.normal(jax.random.key(7), (2, 1024), jnp.float32)
+    want = fa.fused_allreduce_reference(x, ECHO4)
+    steps = np.asarray(fa.reference_steps(x, ECHO4))
+    v = np.asarray(x[0]).reshape(-1, 128)
+    s0 = (np.maximum(v.max(1), 0) - np.minimum(v.min(1), 0)) / 15        # asym_params' s
+    assert np.all(steps.reshape(-1, 128)[:, 0] >= s0 * (1 - 1e-6))
+    assert fa.reference_mismatch(want.at[3].add(steps[3] * 0.5), x, ECHO4) is None
+    assert fa.reference_mismatch(want.at[3].add(steps[3] * 3), x, ECHO4) is not None

@@ -114,7 +114,7 @@ def test_mesh_mode_checks_and_times_the_transport(monkeypatch):
     from taco_jax.collectives import fused
     monkeypatch.setattr(fused, "_platform_reason", lambda: None)
     monkeypatch.setattr(fused, "one_launch_reason", lambda codec, p, dtype: "emulated")
-    monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
+    monkeypatch.setattr(fused, "exchange_kernel", lax_exchange_kernel)
     a = argparse.Namespace(codec="taco", one_p=2, one_bytes=8 * 1024, one_dtype="bf16",
                            impl="mesh", wrong_exchange=None, calls=2, time=True,
                            config=None)
@@ -140,12 +140,14 @@ def test_config_pairs_name_fused_config_fields():
 def test_config_pairs_apply_over_the_kernels_default():
     """Knobs and fields given on the command line change the launch shape the collectives
     would use, not another one; the two-shot's base is FusedConfig()."""
+    import dataclasses
+
     import jax.numpy as jnp
     from taco_jax import codecs
-    from taco_jax.kernels import fused_allreduce as fa
+    from taco_jax.kernels import fused as fa
     taco = codecs.get("taco")
     knob = bench_fused.fused_config(["ablate=no_decode"], taco, 4, jnp.bfloat16)
-    assert knob == fa.dataclasses.replace(fa.default_config(taco, 4, jnp.bfloat16),
+    assert knob == dataclasses.replace(fa.default_config(taco, 4, jnp.bfloat16),
                                           ablate="no_decode")
     assert knob.per_sm == 2 and knob.store_parts and knob.decode == "sum_first"
     assert bench_fused.fused_config(["parts=1"], taco, 2, jnp.bfloat16).warp_specialized
@@ -187,16 +189,16 @@ def test_ablation_table_takes_differences_to_the_default():
 
 
 def test_every_variant_names_fused_config_fields():
-    from taco_jax.kernels import fused_allreduce
+    from taco_jax.kernels import fused as fused_kernels
     taco = codecs.get("taco")
     for name, (pairs, _) in bench_fused.VARIANTS.items():     # as --ablate runs them
         cfg = (bench_fused.fused_config(pairs, taco, 2, jnp.bfloat16)
-               or fused_allreduce.FusedConfig())
+               or fused_kernels.FusedConfig())
         assert (cfg.ablate != "none") == name.startswith(("no_", "encode_", "decode_"))
     knobs = {(bench_fused.fused_config(pairs, taco, 2, jnp.bfloat16)
-              or fused_allreduce.FusedConfig()).ablate
+              or fused_kernels.FusedConfig()).ablate
              for pairs, _ in bench_fused.VARIANTS.values()}
-    assert knobs == set(fused_allreduce.ABLATIONS)          # every knob is timed
+    assert knobs == set(fused_kernels.ABLATIONS)          # every knob is timed
 
 
 def test_ablate_times_variants_and_checks_only_the_unablated(tmp_path, capsys):
@@ -295,8 +297,8 @@ def test_echo4_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong):
 
 
 def test_echo4_one_shot_only_and_unchecked_codecs_not_on_a_mesh(tmp_path, monkeypatch):
-    from taco_jax.kernels import fused_allreduce
-    monkeypatch.setattr(fused_allreduce.Echo4Tiles, "checked_on_gpu", False)
+    from taco_jax.kernels import fused as fused_kernels
+    monkeypatch.setattr(fused_kernels.Echo4Tiles, "checked_on_gpu", False)
     with pytest.raises(SystemExit, match="do not select the one-launch kernel for echo4"):
         bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--out",
                           str(tmp_path / "no.json")])

@@ -22,6 +22,7 @@ import numpy_taco as nt
 import taco_jax
 from taco_jax import codecs
 from taco_jax.kernels import dispatch, mosaic, references
+from taco_jax.kernels.mosaic import registers
 from test_kernels import OUT_ROUNDOFF, compare_wires, f64, kernel_rows
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -81,7 +82,7 @@ def test_wire_layout_holds_16_consecutive_columns(vec):
     """Register (i, j, e, h) element m of `_wire_tiled` is row ROW(i), column
     16c + h·vec + m with c = 8j + 2(lane % 4) + e: the WGMMA position (row, c) of a
     16-column slice, so the butterfly's outputs k land at 16c + k (`_assemble`)."""
-    c = thread_coords(mosaic._wire_tiled(vec), (64, 256)).reshape(128, 2, 2, 2, 16 // vec,
+    c = thread_coords(registers.wire_tiled(vec), (64, 256)).reshape(128, 2, 2, 2, 16 // vec,
                                                                     vec, 2)
     for i, j, e, h, m in np.ndindex(2, 2, 2, 16 // vec, vec):
         np.testing.assert_array_equal(c[:, i, j, e, h, m, 0], ROW(i))
@@ -91,7 +92,7 @@ def test_wire_layout_holds_16_consecutive_columns(vec):
 
 @pytest.mark.parametrize("width", [8, 4])
 def test_scale_layout_one_row_per_register(width):
-    c = thread_coords(mosaic._scale_tiled(width), (64, width)).reshape(128, 2, width, 2)
+    c = thread_coords(registers.scale_tiled(width), (64, width)).reshape(128, 2, width, 2)
     for i, m in np.ndindex(2, width):
         np.testing.assert_array_equal(c[:, i, m, 0], ROW(i))
         np.testing.assert_array_equal(c[:, i, m, 1], m)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import taco_jax
 from taco_jax import codecs, telemetry
 from taco_jax.collectives import fused
-from taco_jax.kernels import fused_allreduce, fused_two_shot
+from taco_jax.kernels.fused import one_shot as fused_allreduce, two_shot as fused_two_shot
 
 from codec_bounds import FACTOR, assert_blockwise_close, roundtrip_error
 

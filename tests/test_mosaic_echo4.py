@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 
 from taco_jax import codecs
-from taco_jax.kernels import mosaic, mosaic_echo4 as me
+from taco_jax.kernels.mosaic import echo4 as me, registers
 
 ECHO4 = codecs.get("echo4")
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
@@ -89,7 +89,7 @@ def _rows(t):
 def test_values_registers_are_runs_of_16_of_each_group(vec):
     """Value layout register (i, j, e, h): row half i, group j, run e (columns
     16(2(l%4) + e) of the group), vector h of the run: what encode and decode index."""
-    for t, regs in elements(mosaic._wire_tiled(vec, 256), (64, 256)).items():
+    for t, regs in elements(registers.wire_tiled(vec, 256), (64, 256)).items():
         lane = t % 32
         assert regs == [(_rows(t)[i], 128 * j + 16 * (2 * (lane % 4) + e) + vec * h)
                         for i in range(2) for j in range(2) for e in range(2)
@@ -104,7 +104,7 @@ def test_code_registers_are_the_bytes_of_those_runs():
         assert regs == [(_rows(t)[i], 16 * (lane % 4) + 8 * e)
                         for i in range(2) for e in range(2)], t
     assert me._code_tiled().vector_length == 8
-    for t, regs in elements(mosaic._scale_tiled(8), (64, 8)).items():
+    for t, regs in elements(registers.scale_tiled(8), (64, 8)).items():
         assert regs == [(_rows(t)[i], 0) for i in range(2)], t
 
 

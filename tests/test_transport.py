@@ -121,7 +121,7 @@ def test_one_shot_under_check_vma_is_invariant():
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("gather", [True, False])
 def test_fused_exchange_packs_any_bytes(monkeypatch, dtype, gather):
-    monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
+    monkeypatch.setattr(fused, "exchange_kernel", lax_exchange_kernel)
     p = 4
     x = jnp.asarray(gauss((p, p, 3, 100), seed=5) * 50).astype(dtype)
     send = (lambda v: v[0]) if gather else (lambda v: v)
@@ -135,7 +135,7 @@ def test_fused_schedules_with_lax_in_place_of_the_kernel(monkeypatch):
     """taco_jax.psum(transport="fused") end to end on CPU through the three-launch
     schedules, the exchange kernel emulated: P = 2 is the one-shot, P = 4 the two-shot (the
     xla transport's numbers, within the codec's error)."""
-    monkeypatch.setattr(fused, "_kernel_exchange", lax_exchange_kernel)
+    monkeypatch.setattr(fused, "exchange_kernel", lax_exchange_kernel)
     monkeypatch.setattr(fused, "one_launch_reason", lambda codec, p, dtype: "emulated")
     monkeypatch.setattr(fused, "unavailable_reason", lambda axes: None)
     c = codecs.get("taco")

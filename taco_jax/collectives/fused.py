@@ -30,22 +30,14 @@ reading its receive buffer.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
-
 from taco_jax import telemetry
 from taco_jax.collectives import axes as axes_lib
-from taco_jax.kernels import fused_allreduce, fused_two_shot, mosaic
-
-LINE = 256                   # bytes per row of the byte view (TMA copies ≤ 256 per dim)
-TILE_ROWS = 128              # rows per TMA copy: 32 KiB of shared memory per program
-TILE_BYTES = TILE_ROWS * LINE
+from taco_jax.kernels.fused import one_shot as fused_allreduce, two_shot as fused_two_shot
+from taco_jax.kernels.fused.exchange import TILE_BYTES, exchange_kernel
 
 
 # -- availability ---------------------------------------------------------------------
@@ -157,51 +149,6 @@ def loopback(x, axis, codec, p: int, vma: bool):
 LOOPBACK_KERNELS: dict = {}
 
 
-# -- the exchange kernel -------------------------------------------------------------------
-def _exchange_body(send_ref, recv_ref, smem, bar, sem, *, axis, p, gather, tiles, nprog):
-    """Program b copies tiles b, b + nprog, … (TILE_ROWS rows of LINE bytes): for each peer,
-    through shared memory into the peer's receive buffer (slot `me`), this device's own
-    slot last, so the stores to peers start first; then signals each peer's program b and
-    waits for all P − 1 peers' program b. When every program has passed its wait, recv is
-    complete."""
-    me = lax.axis_index(axis)
-    b = lax.axis_index("prog")
-    for k in range(1, p + 1):
-        dst = (me + k) % p
-        src = send_ref if gather else send_ref.at[dst]
-        out = recv_ref if k == p else plgpu.remote_ref(recv_ref, {axis: dst})
-
-        @pl.loop(b, tiles, step=nprog)
-        def _(i):
-            rows = pl.ds(pl.multiple_of(i * TILE_ROWS, TILE_ROWS), TILE_ROWS)
-            plgpu.copy_gmem_to_smem(src.at[rows], smem, bar)
-            plgpu.barrier_wait(bar)
-            plgpu.copy_smem_to_gmem(smem, out.at[me, rows])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # smem reusable
-    plgpu.wait_smem_to_gmem(0)            # every store has landed before the signals
-    fused_allreduce.signal_released([(sem, {axis: (me + k) % p}) for k in range(1, p)])
-    pl.semaphore_wait(sem, p - 1)
-
-
-def _kernel_exchange(send, axis, p: int, gather: bool, out_mat):
-    """send (m,) or (P, m) uint8, m a positive multiple of TILE_BYTES → (P, m)."""
-    m = send.shape[-1]
-    lines = send.reshape(*send.shape[:-1], m // LINE, LINE)         # (…, rows, LINE)
-    tiles = m // TILE_BYTES
-    nprog = min(mosaic.sm_count(), tiles)
-    body = functools.partial(_exchange_body, axis=axis, p=p, gather=gather, tiles=tiles,
-                             nprog=nprog)
-    shape = (p, m // LINE, LINE)
-    out = (jax.ShapeDtypeStruct(shape, jnp.uint8) if out_mat is None else
-           jax.ShapeDtypeStruct(shape, jnp.uint8, manual_axis_type=out_mat))
-    kernel = plgpu.kernel(
-        body, out_type=out,
-        scratch_types=[plgpu.SMEM((TILE_ROWS, LINE), jnp.uint8), plgpu.Barrier(),
-                       plgpu.SemaphoreType.REGULAR],
-        grid=(nprog,), grid_names=("prog",), kernel_name="taco_fused_exchange")
-    return kernel(lines).reshape(p, m)
-
-
 def exchange(send, axis, p: int, *, gather: bool, vma: bool):
     """`two_shot.lax_exchange` by in-kernel stores: gather=True: send (…) → (P, …), row j
     from device j; gather=False: send (P, …) → (P, …), row j = device j's send[me]. Any
@@ -219,7 +166,7 @@ def exchange(send, axis, p: int, *, gather: bool, vma: bool):
     mat = getattr(jax.typeof(send), "manual_axis_type", None)
     if mat is not None and vma and gather:    # every device holds the same bytes after it
         mat = mat.update(varying=frozenset(mat.varying) - {axis})
-    got = _kernel_exchange(flat, axis, p, gather, mat)
+    got = exchange_kernel(flat, axis, p, gather, mat)
     if pad:
         got = got[:, :width]                                         # (P, width)
     if send.dtype != jnp.uint8:

@@ -76,8 +76,8 @@ def _taco_triton() -> dict:
 
 @functools.cache
 def _taco_mosaic() -> tuple[dict, Callable]:
-    from taco_jax.kernels import mosaic
-    return {"compress": mosaic.compress, "decompress": mosaic.decompress}, mosaic.unsupported
+    from taco_jax.kernels.mosaic import taco, taco_tiles
+    return {"compress": taco.compress, "decompress": taco.decompress}, taco_tiles.unsupported
 
 
 @functools.cache

@@ -1,11 +1,6 @@
-"""Compress and decompress as Pallas Mosaic GPU kernels (Hopper: TMA, wgmma), B = 256.
-
-The Triton kernels (`compress`, `decompress`) stay the general path; these cover the
-Hadamard codecs with FP8 codes at B = 256 — taco, taco-e5m2, taco-1scale — with bf16 or f16
-input to compress and bf16, f16 or f32 output from decompress, for row counts that are a
-multiple of `ROWS`. `unsupported` says why a call is not covered; `dispatch` then uses
-Triton. Mosaic GPU kernels do not run in Pallas' interpreter: on CPU they only lower (the
-tests check that), the numerics are tested on a GPU.
+"""The Hadamard FP8 codecs' tile math as Pallas Mosaic GPU register code (Hopper: wgmma),
+B = 256: for their compress and decompress kernels (`taco`) and for kernels that move wire
+rows themselves (`kernels.fused`).
 
 Transform. A block is a 16×16 matrix X (row r, column c: element 16r + c) and its wire
 codes are Zᵀ for Z = H X H (`numerics.hadamard`). Per tile of 64 blocks:
@@ -22,16 +17,13 @@ through shared memory. Decompress is the same with the roles of r and c exchange
 wgmma per 16-code slice (codes converted to f16: exact), the butterfly across slices, and
 each thread then holds 16 consecutive output elements.
 
-Outputs are staged in shared memory and leave by TMA in whole lines (`MosaicConfig`): a
-wire tile of 64 rows is one contiguous run of 64·row_bytes bytes, written as 256-byte lines.
-
-The per-block math is the Triton kernel's (`compress._encode_tile`): with z0 = H·x/256,
-Σz0² = mean(x²) (Parseval) gives α; s = α·16·max|z0|/Qmax; codes = cvt(z0 · α·16/s)
+The per-block math is the Triton kernel's (`triton.compress.encode_tile`): with z0 =
+H·x/256, Σz0² = mean(x²) (Parseval) gives α; s = α·16·max|z0|/Qmax; codes = cvt(z0 · α·16/s)
 (satfinite: the cast saturates where the multiplier overshoots Qmax by an ulp); a block
 whose Σz0² is NaN or whose max|z0| is not finite gets s = α = NaN, so it decodes to NaN.
-rsqrt and the reciprocal are the GPU's approximate instructions (≤ 2 ulp), as in the
-Triton kernels' default `fast_rowmath`. Unlike the Triton kernel on bf16 data, the
-transform's intermediate stays f32 (the butterfly runs on the f32 accumulators).
+rsqrt and the reciprocal are the GPU's approximate instructions (≤ 2 ulp), as in the Triton
+kernels' default `fast_rowmath`. Unlike the Triton kernel on bf16 data, the transform's
+intermediate stays f32 (the butterfly runs on the f32 accumulators).
 
 Tile API — for kernels that move wire rows themselves (a fused all-reduce), inside a
 `plgpu.kernel` with `compiler_params=plgpu.CompilerParams(lowering_semantics=LANE)`, one
@@ -57,7 +49,7 @@ warpgroup per 64 rows. `parts` (1 or 2) splits a tile's 256 columns into that ma
       ref: a (64, row_bytes) uint8 view of 64 wire rows: SMEM (e.g. a (64·row_bytes/256,
       256) TMA staging buffer reshaped to (64, row_bytes)) or GMEM; 8-byte stores (4 for
       one scale), so rows must be 8-byte aligned (4). Staging in SMEM and a TMA copy out is
-      the fast path (see MosaicConfig.tma_store).
+      the fast path (see `taco.MosaicConfig.tma_store`).
 
   load_wire_tile(ref, codec) -> (codes, scales)
       codes (64, 256) uint8 in the WGMMA layout, scales as above, from such a view.
@@ -74,7 +66,6 @@ warpgroup per 64 rows. `parts` (1 or 2) splits a tile's 256 columns into that ma
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -90,80 +81,15 @@ from jaxlib.mlir.dialects import arith, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
 from taco_jax import _jax_private
+from taco_jax.kernels.mosaic.registers import (BLOCK, FACTOR, ROWS, elem, f32_const,
+                                               pallas_layout, ptx_f32, scale_tiled,
+                                               value_layout, value_vec, wire_tiled)
 from taco_jax.numerics import hadamard, quant
 
-ROWS = 64                  # blocks per tile: one warpgroup, the wgmma M
-BLOCK = 256
-FACTOR = 16                # H_256 = H_16 ⊗ H_16
-LANE = plgpu.LoweringSemantics.Lane
 SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 CODE_FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 IN_DTYPES = (jnp.bfloat16, jnp.float16)
 OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicConfig:
-    """Launch shape and work split. `ctas_per_sm` blocks of one warpgroup per
-    multiprocessor, each looping over tiles of ROWS rows with `steps` input tiles in flight
-    (TMA pipeline). `parts`: a tile's columns done in 1 or 2 passes of 128 coefficients
-    each — 2 halves the registers a thread holds (64 instead of 128 values), so more blocks
-    fit per multiprocessor; compress then computes the first half twice (its row statistics
-    are needed before either half is quantized). `tma_store`: outputs staged in shared
-    memory and written by TMA (contiguous lines) instead of stored from registers
-    (compress, and decompress to 16-bit values; f32 values are stored from registers)."""
-    ctas_per_sm: int = 2
-    steps: int = 2
-    parts: int = 1
-    # Stores from registers put 8 (16) bytes per lane 32 (64) bytes apart: the L2 then
-    # merges partial sectors and becomes the limit (85% busy, 0.42 of the roofline
-    # measured at 256 MiB); staged tiles leave by TMA in whole lines (0.81).
-    tma_store: bool = True
-
-    def __post_init__(self):
-        if self.parts not in (1, 2):
-            raise ValueError(f"MosaicConfig.parts={self.parts} must be 1 or 2")
-
-    def grid(self, n_tiles: int) -> int:
-        return max(1, min(n_tiles, sm_count() * self.ctas_per_sm))
-
-
-def sm_count() -> int:
-    """Multiprocessors of this process's first GPU: the most programs that are resident at
-    once when each takes one. Without a GPU (lowering for CUDA on CPU, as the tests and
-    the lowering checks do), or where the device does not report its count, 132: an H100
-    SXM or an H200 has 132, so a grid sized on CPU is the grid those GPUs launch."""
-    try:
-        dev = jax.devices("gpu")[0]
-        return int(getattr(dev, "core_count", 0)) or 132
-    except RuntimeError:      # no GPU here (lowering on CPU): an H200's count
-        return 132
-
-
-# -- register layouts -----------------------------------------------------------------------
-def _wire_tiled(vec: int, width: int = BLOCK) -> fa.TiledLayout:
-    """(64, width), width 256 or 128: rows as in the WGMMA layout (warp w: rows
-    16w..16w+15; lane l: rows l//4 and l//4 + 8); columns 16c .. 16c+15 for the c =
-    8j + 2(l%4) + e (e ∈ {0, 1}, j < width/128) of lane l, as 16/vec vectors of vec
-    consecutive elements."""
-    tiles = ((64, width), (16, width), (8, width)) + (((128,),) if width == 256 else ()) \
-        + ((32,), (16,), (vec,))
-    extra = 1 if width == 256 else 0
-    return fa.TiledLayout(fa.Tiling(tiles), warp_dims=(-9 - extra,),
-                          lane_dims=(-5 - extra, -4), vector_dim=-1)
-
-
-def _scale_tiled(width: int) -> fa.TiledLayout:
-    """(64, width): one vector per row, rows as in the WGMMA layout, the four lanes of a
-    row holding the same bytes."""
-    return _jax_private.tiled_layout(
-        fa.Tiling(((64, width), (16, width), (8, width), (width,))), warp_dims=(-7,),
-        lane_dims=(-3, fa.Replicated(4)), vector_dim=-1)
-
-
-def _pallas_layout(t: fa.TiledLayout):
-    return plgpu.Layout.TILED(t.tiling, warp_dims=t.warp_dims, lane_dims=t.lane_dims,
-                              vector_dim=t.vector_dim)
 
 
 def _code_vec(codec) -> int:
@@ -172,20 +98,12 @@ def _code_vec(codec) -> int:
 
 def wire_layout(codec, parts: int = 1):
     """Pallas layout of each of encode_tile's code parts (see `_wire_tiled`)."""
-    return _pallas_layout(_wire_tiled(_code_vec(codec), BLOCK // parts))
+    return pallas_layout(wire_tiled(_code_vec(codec), BLOCK // parts))
 
 
 def scale_layout(codec):
-    return _pallas_layout(_scale_tiled(4 * codec.n_scales))
+    return pallas_layout(scale_tiled(4 * codec.n_scales))
 
-
-def _value_vec(dtype) -> int:
-    return 16 // jnp.dtype(dtype).itemsize          # 16-byte vectors
-
-
-def value_layout(dtype=jnp.float32, parts: int = 1):
-    """Pallas layout of each of decode_tile's value parts (vectors of 16 bytes)."""
-    return _pallas_layout(_wire_tiled(_value_vec(dtype), BLOCK // parts))
 
 
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)      # (64,) per-row values, as WGMMA rows
@@ -227,19 +145,8 @@ def hadamard_operand(kind: str, dtype=jnp.bfloat16) -> jax.Array:
     raise ValueError(f"hadamard_operand: kind {kind!r} is not 'encode' or 'decode'")
 
 
+
 # -- register-level pieces (Mosaic GPU IR, run inside plgpu.inline_mgpu) ------------------
-def _f32(v):
-    return arith.constant(ir.F32Type.get(), float(v))
-
-
-def _ptx_f32(instr: str, x):
-    return mgpu_utils.inline_ptx(f"{instr} $0, $1;", x, result_types=ir.F32Type.get())
-
-
-def _elem(v, k: int):
-    return vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([k]))
-
-
 def _butterfly(vs: list) -> list:
     """Unnormalised Walsh–Hadamard transform (Sylvester order) across a list of values."""
     vs = list(vs)
@@ -260,19 +167,19 @@ def _slices(arr) -> np.ndarray:
     return arr.registers.reshape(arr.shape[1] // 8, 2).reshape(FACTOR, n8, 2)
 
 
-def _transformed(acc) -> list:
+def transformed(acc) -> list:
     """Butterfly across the 16 slices: [row half][j] → 16 vectors (index: minor k)."""
     sl = _slices(acc)
     return [[_butterfly([sl[r, j, i] for r in range(FACTOR)]) for j in range(sl.shape[1])]
             for i in range(2)]
 
 
-def _assemble(z, vec: int, dtype, scale=None) -> fa.FragmentedArray:
+def assemble(z, vec: int, dtype, scale=None) -> fa.FragmentedArray:
     """z[i][j][k]: vector<2> of this thread's row half i, slice half j, minor index k
     (element 16c + k of the wire / value layout, c = 8j + 2(lane%4) + e), times scale[i]
     if given. Builds the `_wire_tiled` array: only register names move."""
     nj = len(z[0])
-    layout = _wire_tiled(vec, 128 * nj)
+    layout = wire_tiled(vec, 128 * nj)
     regs = np.empty(layout.registers_shape((ROWS, 128 * nj)), dtype=object)
     view = regs.reshape(2, nj, 2, FACTOR // vec)          # (i, j, e, h)
     vty = ir.VectorType.get((vec,), dtype)
@@ -280,7 +187,7 @@ def _assemble(z, vec: int, dtype, scale=None) -> fa.FragmentedArray:
         vals = z[i][j] if scale is None else [arith.mulf(v, scale[i]) for v in z[i][j]]
         for e, h in np.ndindex(2, FACTOR // vec):
             view[i, j, e, h] = vector.from_elements(
-                vty, [_elem(vals[h * vec + m], e) for m in range(vec)])
+                vty, [elem(vals[h * vec + m], e) for m in range(vec)])
     return _jax_private.fragmented_array(regs, layout, is_signed=None)
 
 
@@ -291,8 +198,8 @@ def _row_stats(vals):
         sq, av = arith.mulf(v, v), mlir_math.absf(v)
         ss = sq if ss is None else arith.addf(ss, sq)
         m = av if m is None else arith.maximumf(m, av)   # NaN-propagating
-    ss = arith.addf(_elem(ss, 0), _elem(ss, 1))
-    m = arith.maximumf(_elem(m, 0), _elem(m, 1))
+    ss = arith.addf(elem(ss, 0), elem(ss, 1))
+    m = arith.maximumf(elem(m, 0), elem(m, 1))
     for d in (1, 2):
         ss = arith.addf(ss, mgpu_utils.shfl_bfly(ss, d))
         m = arith.maximumf(m, mgpu_utils.shfl_bfly(m, d))
@@ -310,17 +217,17 @@ def _row_array(vals) -> fa.FragmentedArray:
 
 
 def _row_values(arr) -> list:
-    return [_elem(r, 0) for r in arr.registers.reshape(2)]
+    return [elem(r, 0) for r in arr.registers.reshape(2)]
 
 
 def _stats_regs(acc):
-    z = _transformed(acc)
+    z = transformed(acc)
     stats = [_row_stats([v for j in z[i] for v in j]) for i in range(2)]
     return _row_array([a for a, _ in stats]), _row_array([b for _, b in stats])
 
 
 def _codes(z, mult, codec):
-    zq = _assemble(z, _code_vec(codec), ir.F32Type.get(), mult)
+    zq = assemble(z, _code_vec(codec), ir.F32Type.get(), mult)
     code_ty = mgpu_utils.dtype_to_ir_type(CODE_FORMATS[codec.fmt])
     return zq.astype(code_ty).bitcast(ir.IntegerType.get_signless(8), output_is_signed=False)
 
@@ -329,9 +236,9 @@ def _quantize_regs(acc, ss0, m0, codec):
     """acc: a part's accumulator (z0 = H·x/256 in slices); ss0, m0: the row statistics of
     the other parts (None if none). → codes of this part, scale bytes, code multiplier."""
     f32 = ir.F32Type.get()
-    z = _transformed(acc)
+    z = transformed(acc)
     width = 4 * codec.n_scales
-    slay = _scale_tiled(width)
+    slay = scale_tiled(width)
     sregs = np.empty(slay.registers_shape((ROWS, width)), dtype=object)
     mults = []
     for i in range(2):
@@ -339,21 +246,23 @@ def _quantize_regs(acc, ss0, m0, codec):
         if ss0 is not None:
             ss = arith.addf(ss, _row_values(ss0)[i])
             m = arith.maximumf(m, _row_values(m0)[i])
-        nan = _f32(np.nan)
+        nan = f32_const(np.nan)
         bad = arith.ori(arith.cmpf(arith.CmpFPredicate.UNO, ss, ss),
-                        arith.cmpf(arith.CmpFPredicate.UGE, m, _f32(np.inf)))
+                        arith.cmpf(arith.CmpFPredicate.UGE, m, f32_const(np.inf)))
         if codec.transform == "ash":                               # eqs. 6–7
-            a = arith.mulf(_ptx_f32("rsqrt.approx.ftz.f32", arith.addf(ss, _f32(quant.EPS))),
-                           _f32(quant.TAU))
-            a = arith.minimumf(arith.maximumf(a, _f32(quant.ALPHA_MIN)), _f32(quant.ALPHA_MAX))
+            a = arith.mulf(ptx_f32("rsqrt.approx.ftz.f32",
+                                   arith.addf(ss, f32_const(quant.EPS))),
+                           f32_const(quant.TAU))
+            a = arith.minimumf(arith.maximumf(a, f32_const(quant.ALPHA_MIN)),
+                               f32_const(quant.ALPHA_MAX))
             gain = arith.select(bad, nan, a)
-            g = arith.mulf(gain, _f32(np.sqrt(BLOCK)))
+            g = arith.mulf(gain, f32_const(np.sqrt(BLOCK)))
         else:
-            gain, g = None, _f32(np.sqrt(BLOCK))
-        s = arith.maximumf(arith.mulf(arith.mulf(m, g), _f32(1.0 / codec.qmax)),
-                           _f32(quant.SCALE_MIN))                  # eq. 9
+            gain, g = None, f32_const(np.sqrt(BLOCK))
+        s = arith.maximumf(arith.mulf(arith.mulf(m, g), f32_const(1.0 / codec.qmax)),
+                           f32_const(quant.SCALE_MIN))             # eq. 9
         s = arith.select(bad, nan, s)
-        mults.append(arith.mulf(g, _ptx_f32("rcp.approx.ftz.f32", s)))
+        mults.append(arith.mulf(g, ptx_f32("rcp.approx.ftz.f32", s)))
         vals = [s] if gain is None else [s, gain]
         v = vector.from_elements(ir.VectorType.get((len(vals),), f32), vals)
         sregs.reshape(2)[i] = vector.bitcast(
@@ -367,7 +276,7 @@ def _quantize_regs(acc, ss0, m0, codec):
 def _requantize_regs(acc, mult, codec):
     f32 = ir.F32Type.get()
     mult_v = [vector.broadcast(ir.VectorType.get((2,), f32), m) for m in _row_values(mult)]
-    return _codes(_transformed(acc), mult_v, codec)
+    return _codes(transformed(acc), mult_v, codec)
 
 
 def _decode_regs(acc, sbytes, codec, out_dtype):
@@ -378,12 +287,12 @@ def _decode_regs(acc, sbytes, codec, out_dtype):
     for i in range(2):
         sv = vector.bitcast(ir.VectorType.get((codec.n_scales,), f32),
                             sbytes.registers.reshape(2)[i])
-        gain = _elem(sv, 0)                                        # eq. 11
+        gain = elem(sv, 0)                                         # eq. 11
         if codec.transform == "ash":                               # eq. 13
-            gain = arith.mulf(gain, _ptx_f32("rcp.approx.ftz.f32", _elem(sv, 1)))
+            gain = arith.mulf(gain, ptx_f32("rcp.approx.ftz.f32", elem(sv, 1)))
         gains.append(vector.broadcast(ir.VectorType.get((2,), f32),
-                                      arith.mulf(gain, _f32(1 / np.sqrt(BLOCK)))))
-    vals = _assemble(_transformed(acc), _value_vec(out_dtype), f32, gains)   # eq. 12
+                                      arith.mulf(gain, f32_const(1 / np.sqrt(BLOCK)))))
+    vals = assemble(transformed(acc), value_vec(out_dtype), f32, gains)      # eq. 12
     return vals.astype(mgpu_utils.dtype_to_ir_type(jnp.dtype(out_dtype)))
 
 
@@ -403,7 +312,7 @@ def _stats_fn(parts):
 
 
 @functools.cache
-def _quantize_fn(codec, parts):
+def quantize_fn(codec, parts):
     @plgpu.inline_mgpu(
         arg_types=(_acc_layout(),) + (ROW_LAYOUT, ROW_LAYOUT) * (parts > 1),
         return_type=(plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.uint8,
@@ -441,18 +350,18 @@ def _decode_fn(codec, out_dtype, parts):
     return decode
 
 
-def _factor_cols(h_smem, part: int, parts: int):
+def factor_cols(h_smem, part: int, parts: int):
     """Columns [n·part, n·part + n) of H (n = 16/parts) as a wgmma B operand: H is
     symmetric, so they are rows of the SMEM copy, read transposed (K-major)."""
     n = FACTOR // parts
     return h_smem.at[pl.ds(n * part, n)].transpose((1, 0))
 
 
-def _transform_part(lhs, h_smem, part: int, parts: int):
+def transform_part(lhs, h_smem, part: int, parts: int):
     """acc[:, n·s + m] = Σ_k lhs(s)[:, k] · H[k, n·part + m] for the 16 slices s: one
     wgmma (64 × n × 16) per slice; lhs(s) is an SMEM slice or a register array."""
     n = FACTOR // parts
-    b = _factor_cols(h_smem, part, parts)
+    b = factor_cols(h_smem, part, parts)
 
     def run(acc):
         for sl in range(FACTOR):
@@ -469,11 +378,11 @@ def encode_tile(x_smem, h_smem, codec, parts: int = 1):
     def lhs(sl):
         return x_smem.at[:, pl.ds(FACTOR * sl, FACTOR)]
     if parts == 1:
-        codes, scales, _ = _quantize_fn(codec, 1)(_transform_part(lhs, h_smem, 0, 1))
+        codes, scales, _ = quantize_fn(codec, 1)(transform_part(lhs, h_smem, 0, 1))
         return [codes], scales
-    ss0, m0 = _stats_fn(2)(_transform_part(lhs, h_smem, 0, 2))
-    codes1, scales, mult = _quantize_fn(codec, 2)(_transform_part(lhs, h_smem, 1, 2), ss0, m0)
-    codes0 = _requantize_fn(codec, 2)(_transform_part(lhs, h_smem, 0, 2), mult)
+    ss0, m0 = _stats_fn(2)(transform_part(lhs, h_smem, 0, 2))
+    codes1, scales, mult = quantize_fn(codec, 2)(transform_part(lhs, h_smem, 1, 2), ss0, m0)
+    codes0 = _requantize_fn(codec, 2)(transform_part(lhs, h_smem, 0, 2), mult)
     return [codes0, codes1], scales
 
 
@@ -500,7 +409,7 @@ def decode_tile(codes, scales, h_smem, codec, out_dtype=jnp.float32, parts: int 
     q = [lax.bitcast_convert_type(codes[:, FACTOR * c:FACTOR * (c + 1)], fmt)
          .astype(jnp.float16) for c in range(FACTOR)]
     decode = _decode_fn(codec, jnp.dtype(out_dtype).type, parts)
-    return [decode(_transform_part(lambda c: q[c], h_smem, p, parts), scales)
+    return [decode(transform_part(lambda c: q[c], h_smem, p, parts), scales)
             for p in range(parts)]
 
 
@@ -516,28 +425,6 @@ def store_values(ref, values):
         store_part(ref, p, len(values), part)
 
 
-# -- kernels ---------------------------------------------------------------------------------
-def _load_operand(h_gmem, h_smem, barrier):
-    plgpu.copy_gmem_to_smem(h_gmem, h_smem, barrier)
-    plgpu.barrier_wait(barrier)
-
-
-def _tiles_of_this_block(n_tiles: int, grid: int, hole=None):
-    """This block's tiles: blk, blk + grid, blk + 2·grid, … of the tiles outside the hole
-    (first tile, count), if any. Returns (count, index map from step to tile)."""
-    blk = lax.axis_index("blk")
-    if hole is None:
-        return (n_tiles - blk + grid - 1) // grid, lambda i: blk + i * grid
-    h0, nh = hole[0], hole[1]
-    count = (n_tiles - nh - blk + grid - 1) // grid
-    return count, lambda i: (lambda u: jnp.where(u >= h0, u + nh, u))(blk + i * grid)
-
-
-def _lines(n_rows: int, row: int) -> int:
-    """A tile of wire rows is one contiguous run of ROWS·row bytes: rows of 264 bytes are
-    not a TMA stride (a multiple of 16), runs of 256-byte lines are."""
-    return n_rows * row // 256
-
 
 def swizzled(dtype) -> tuple:
     """The SMEM transforms of a (ROWS, BLOCK) tile of decoded values that `store_values`
@@ -551,122 +438,3 @@ def swizzled(dtype) -> tuple:
     return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(128))
 
-
-def _compress_kernel(x, hole, codec, cfg):
-    n_rows, row = x.shape[0], codec.row_bytes
-    n_tiles = n_rows // ROWS
-    grid = cfg.grid(n_tiles)
-    x_spec = lambda tile: plgpu.BlockSpec((ROWS, BLOCK), lambda i: (tile(i), 0),  # noqa: E731
-                                          transforms=SMEM_TRANSFORMS)
-
-    def body(x_gmem, h_gmem, hole_gmem, w_gmem, h_smem, barrier):
-        _load_operand(h_gmem, h_smem, barrier)
-        count, tile = _tiles_of_this_block(n_tiles, grid,
-                                           None if hole is None else hole_gmem)
-        if cfg.tma_store:
-            def step(idx, x_smem, w_smem):
-                store_wire_tile(w_smem.reshape(ROWS, row),
-                                *encode_tile(x_smem, h_smem, codec, cfg.parts))
-            pipeline = plgpu.emit_pipeline(
-                step, grid=(count,), max_concurrent_steps=cfg.steps, in_specs=[x_spec(tile)],
-                out_specs=[plgpu.BlockSpec((_lines(ROWS, row), 256), lambda i: (tile(i), 0))])
-            args = (x_gmem, w_gmem)
-        else:
-            def step(idx, x_smem):
-                store_wire_tile(w_gmem.at[pl.ds(tile(idx[0]) * ROWS, ROWS)],
-                                *encode_tile(x_smem, h_smem, codec, cfg.parts))
-            pipeline = plgpu.emit_pipeline(step, grid=(count,), max_concurrent_steps=cfg.steps,
-                                           in_specs=[x_spec(tile)])
-            args = (x_gmem,)
-
-        @pl.when(count > 0)
-        def _():
-            pipeline(*args)
-
-    out_shape = (_lines(n_rows, row), 256) if cfg.tma_store else (n_rows, row)
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(out_shape, jnp.uint8),
-        grid=(grid,), grid_names=("blk",), kernel_name="taco_compress_mosaic",
-        scratch_types=[plgpu.SMEM((FACTOR, FACTOR), x.dtype, transforms=SMEM_TRANSFORMS),
-                       plgpu.Barrier()],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=LANE))
-    w = kernel(x, hadamard_operand("encode", x.dtype),
-               jnp.zeros(2, jnp.int32) if hole is None else hole)
-    return w.reshape(n_rows, row)
-
-
-def _decompress_kernel(w, codec, out_dtype, cfg):
-    n_rows, row = w.shape
-    n_tiles = n_rows // ROWS
-    grid = cfg.grid(n_tiles)
-
-    def body(w_gmem, h_gmem, o_gmem, h_smem, barrier):
-        _load_operand(h_gmem, h_smem, barrier)
-        count, tile = _tiles_of_this_block(n_tiles, grid)
-        w_spec = plgpu.BlockSpec((_lines(ROWS, row), 256), lambda i: (tile(i), 0))
-
-        def values_of(w_smem):
-            codes, scales = load_wire_tile(w_smem.reshape(ROWS, row), codec)
-            return decode_tile(codes, scales, h_smem, codec, out_dtype, cfg.parts)
-        # 4-byte values in 16-byte vectors cannot be stored into the swizzled tile without
-        # bank conflicts (Mosaic refuses the transfer): f32 output is stored directly.
-        if cfg.tma_store and jnp.dtype(out_dtype).itemsize == 2:
-            def step(idx, w_smem, o_smem):
-                store_values(o_smem, values_of(w_smem))
-            pipeline = plgpu.emit_pipeline(
-                step, grid=(count,), max_concurrent_steps=cfg.steps, in_specs=[w_spec],
-                out_specs=[plgpu.BlockSpec((ROWS, BLOCK), lambda i: (tile(i), 0),
-                                           transforms=swizzled(out_dtype))])
-            args = (w_gmem, o_gmem)
-        else:
-            def step(idx, w_smem):
-                store_values(o_gmem.at[pl.ds(tile(idx[0]) * ROWS, ROWS)], values_of(w_smem))
-            pipeline = plgpu.emit_pipeline(step, grid=(count,), max_concurrent_steps=cfg.steps,
-                                           in_specs=[w_spec])
-            args = (w_gmem,)
-
-        @pl.when(count > 0)
-        def _():
-            pipeline(*args)
-
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((n_rows, BLOCK), out_dtype),
-        grid=(grid,), grid_names=("blk",), kernel_name="taco_decompress_mosaic",
-        scratch_types=[plgpu.SMEM((FACTOR, FACTOR), jnp.float16, transforms=SMEM_TRANSFORMS),
-                       plgpu.Barrier()],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=LANE))
-    return kernel(w.reshape(_lines(n_rows, row), 256), hadamard_operand("decode"))
-
-
-def _check(kind, codec, shape, dtype):
-    why = unsupported(kind, codec, shape, dtype)
-    if why is not None:
-        raise ValueError(f"Mosaic GPU {kind}: {why}")
-
-
-@functools.partial(jax.jit, static_argnames=("codec", "cfg", "skip_rows"))
-def compress(x, codec, cfg: MosaicConfig | None = None, skip_start=0, skip_rows: int = 0):
-    """(n_blocks, 256) bf16/f16 → (n_blocks, row_bytes) uint8 wire rows; the same wire as
-    `compress.compress` and `compress.compress_reference` (up to rounding ties). Tiles
-    wholly inside rows [skip_start, skip_start + skip_rows) (skip_start may be traced) are
-    not computed and their rows are left unwritten, as `compress.compress` does."""
-    if x.ndim != 2 or x.shape[1] != codec.block_size:
-        raise ValueError(f"Mosaic GPU compress: got {x.shape=} for {codec}")
-    _check("compress", codec, x.shape, x.dtype)
-    hole = None
-    if skip_rows >= ROWS:
-        start = jnp.asarray(skip_start, jnp.int32)
-        first = (start + ROWS - 1) // ROWS
-        last = (start + skip_rows) // ROWS
-        hole = jnp.stack([first, jnp.maximum(last - first, 0)]).astype(jnp.int32)
-    return _compress_kernel(x, hole, codec, cfg or MosaicConfig())
-
-
-@functools.partial(jax.jit, static_argnames=("codec", "out_dtype", "cfg"))
-def decompress(w, codec, out_dtype=jnp.float32, cfg: MosaicConfig | None = None):
-    """(n_blocks, row_bytes) uint8 → (n_blocks, 256) out_dtype, as
-    `decompress.decompress_reference`."""
-    if w.ndim != 2 or w.shape[1] != codec.row_bytes:
-        raise ValueError(f"Mosaic GPU decompress: got {w.shape=} for {codec}")
-    _check("decompress", codec, w.shape, out_dtype)
-    return _decompress_kernel(w, codec, jnp.dtype(out_dtype).type, cfg or MosaicConfig())

@@ -18,8 +18,8 @@ bytes, so all get the same bits; a non-finite block decodes to NaN. Its referenc
 `two_shot_reference`. The handshakes are per program b (no grid-wide barrier): a device's
 program b only ever waits on the peers' programs b, which handle the same tiles.
 
-It shares the one-shot kernel's ways of addressing a peer (`fused_allreduce.Remote`,
-`Loopback`), its FP8 tile math (`TacoTiles`, mosaic.py) and its configuration
+It shares the one-shot kernel's ways of addressing a peer (`peers.Remote`, `Loopback`),
+its FP8 tile math (`tiles.TacoTiles`, `mosaic.taco_tiles`) and its configuration
 (`FusedConfig`: `programs`, `parts`, `x_slots`, `out_store`).
 """
 from __future__ import annotations
@@ -31,10 +31,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from taco_jax import codecs
-from taco_jax.kernels import mosaic
-from taco_jax.kernels.fused_allreduce import (BLOCK, LINE, ROWS, FusedConfig, Loopback, Remote,
-                                              TacoTiles, _check, _first_loads, _sum_tiles)
+from taco_jax.kernels.fused.config import FusedConfig
+from taco_jax.kernels.fused.one_shot import check
+from taco_jax.kernels.fused.peers import Loopback, Remote
+from taco_jax.kernels.fused.tiles import (BLOCK, LINE, ROWS, TacoTiles, first_loads, stage_f32,
+                                          sum_tiles)
+from taco_jax.kernels.mosaic import registers, taco_tiles
+from taco_jax.numerics.blocks import from_blocks
 
 
 # -- the kernel ---------------------------------------------------------------------------------
@@ -42,17 +45,17 @@ def _encode_split(hl_smem, h_smem, codec):
     """encode_tile of an f32 tile held as two bf16 tiles hl_smem[0] + hl_smem[1] (its
     rounding and the remainder): the transform is linear, so both go through one wgmma
     accumulator and the tile is encoded as if from f32 (to ~2⁻¹⁶, far below FP8's step)."""
-    b = mosaic._factor_cols(h_smem, 0, 1)
+    b = taco_tiles.factor_cols(h_smem, 0, 1)
 
     def run(acc):
-        for sl in range(mosaic.FACTOR):
+        for sl in range(registers.FACTOR):
             for h in range(2):
-                plgpu.wgmma(acc.at[:, pl.ds(mosaic.FACTOR * sl, mosaic.FACTOR)],
-                            hl_smem.at[h].at[:, pl.ds(mosaic.FACTOR * sl, mosaic.FACTOR)], b)
+                plgpu.wgmma(acc.at[:, pl.ds(registers.FACTOR * sl, registers.FACTOR)],
+                            hl_smem.at[h].at[:, pl.ds(registers.FACTOR * sl, registers.FACTOR)], b)
         plgpu.wgmma_wait(0)
         return acc[...]
     acc = pl.run_scoped(run, plgpu.ACC((ROWS, BLOCK), jnp.float32))
-    codes, scales, _ = mosaic._quantize_fn(codec, 1)(acc)
+    codes, scales, _ = taco_tiles.quantize_fn(codec, 1)(acc)
     return [codes], scales
 
 
@@ -109,36 +112,30 @@ def _two_shot_body(x_gmem, he_gmem, hd_gmem, hb_gmem, y_gmem, recv1_gmem, recv2_
                 if x_slots == 2:
                     prefetch(i)
                 plgpu.barrier_wait(x_bar.at[slot])
-                src = x_smem.at[slot]
-                if xb_smem is not None:     # f32 input: the transform's operand is bf16
-                    v = plgpu.load(src, layout=plgpu.Layout.WGMMA, optimized=False)
-                    xb_smem[...] = v.astype(xb_smem.dtype)
-                    plgpu.commit_smem()
-                    if x_slots == 1:     # after commit_smem's warpgroup barrier, as
-                        prefetch(i)      # fused_allreduce's encode_and_push says why
-                    src = xb_smem
-                codes, scales = mosaic.encode_tile(src, he_smem, codec, 1)
+                src = stage_f32(x_smem.at[slot], xb_smem,
+                                (lambda: prefetch(i)) if x_slots == 1 else None)
+                codes, scales = taco_tiles.encode_tile(src, he_smem, codec, 1)
                 if x_slots == 1 and xb_smem is None:
                     prefetch(i)
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the slot's last store
                 stage = w_smem.at[((k - 1) * count + i) % 2]
-                mosaic.store_wire_tile(stage.reshape(ROWS, row), codes, scales)
+                taco_tiles.store_wire_tile(stage.reshape(ROWS, row), codes, scales)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(stage, peers.peer(recv1_gmem, me, dst).at[me,
                                                                                   w_rows(i)])
     # each phase's own buffers are scoped to it, so the phases share shared memory
     if in_dtype == jnp.float32:
         pl.run_scoped(scatter, plgpu.SMEM((x_slots, ROWS, BLOCK), in_dtype),
-                      plgpu.SMEM((ROWS, BLOCK), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS))
+                      plgpu.SMEM((ROWS, BLOCK), enc_dtype, transforms=taco_tiles.SMEM_TRANSFORMS))
     else:
         pl.run_scoped(lambda x_smem: scatter(x_smem, None),
                       plgpu.SMEM((x_slots, ROWS, BLOCK), in_dtype,
-                                 transforms=mosaic.SMEM_TRANSFORMS))
+                                 transforms=taco_tiles.SMEM_TRANSFORMS))
     handshake(0)
 
     # 2. the owner: its exact segment + the P − 1 peers' copies (in the order me + 1, …),
     # in f32, encoded once, into every device's slot `me` (its own last)
-    own_layout = mosaic._pallas_layout(mosaic._wire_tiled(vec, BLOCK // parts))
+    own_layout = registers.pallas_layout(registers.wire_tiled(vec, BLOCK // parts))
     width = BLOCK // parts
 
     def reduce(s_smem, hl_smem):
@@ -147,15 +144,15 @@ def _two_shot_body(x_gmem, he_gmem, hd_gmem, hb_gmem, y_gmem, recv1_gmem, recv2_
             def load(k, slot):
                 plgpu.copy_gmem_to_smem(recv1.at[(me + 1 + k) % p, w_rows(i)],
                                         r_smem.at[slot], r_bar.at[slot])
-            _first_loads(load, r_smem, p - 1)
+            first_loads(load, r_smem, p - 1)
             own = [plgpu.load(x_mine.at[x_rows(me, i), pl.ds(width * q, width)],
                               layout=own_layout, optimized=False).astype(jnp.float32)
                    for q in range(parts)]
-            totals = _sum_tiles(load, r_smem, r_bar, TacoTiles(codec), (he_smem, hd_smem),
+            totals = sum_tiles(load, r_smem, r_bar, TacoTiles(codec), (he_smem, hd_smem),
                                 p - 1, vec, parts, init=own)
             # the sum goes to the transform's operand layout through shared memory (the
             # value layout's vectors cannot be stored into a wgmma-operand tile directly)
-            mosaic.store_values(s_smem, totals)
+            taco_tiles.store_values(s_smem, totals)
             plgpu.commit_smem()                  # every thread's part is written
             v = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA, optimized=False)
             hi = v.astype(jnp.bfloat16)
@@ -165,13 +162,13 @@ def _two_shot_body(x_gmem, he_gmem, hd_gmem, hb_gmem, y_gmem, recv1_gmem, recv2_
             codes, scales = _encode_split(hl_smem, hb_smem, codec)
             plgpu.wait_smem_to_gmem(p, wait_read_only=True)     # step i − 1's P stores
             stage = w_smem.at[i % 2]
-            mosaic.store_wire_tile(stage.reshape(ROWS, row), codes, scales)
+            taco_tiles.store_wire_tile(stage.reshape(ROWS, row), codes, scales)
             plgpu.commit_smem()
             for k in range(1, p + 1):
                 out = recv2 if k == p else peers.peer(recv2_gmem, me, (me + k) % p)
                 plgpu.copy_smem_to_gmem(stage, out.at[me, w_rows(i)])
     pl.run_scoped(reduce, plgpu.SMEM((ROWS, BLOCK), jnp.float32),
-                  plgpu.SMEM((2, ROWS, BLOCK), jnp.bfloat16, transforms=mosaic.SMEM_TRANSFORMS))
+                  plgpu.SMEM((2, ROWS, BLOCK), jnp.bfloat16, transforms=taco_tiles.SMEM_TRANSFORMS))
     handshake(1)
 
     # 3. every device decodes the P owners' sums: the same bytes everywhere
@@ -192,20 +189,20 @@ def _two_shot_body(x_gmem, he_gmem, hd_gmem, hb_gmem, y_gmem, recv1_gmem, recv2_
             def _():
                 load_sum(e + 1, (e + 1) % 2)     # that slot was read (into registers) at e − 1
             plgpu.barrier_wait(r_bar.at[slot])
-            codes, scales = mosaic.load_wire_tile(r_smem.at[slot].reshape(ROWS, row), codec)
-            values = mosaic.decode_tile(codes, scales, hd_smem, codec, out_dtype, parts)
+            codes, scales = taco_tiles.load_wire_tile(r_smem.at[slot].reshape(ROWS, row), codec)
+            values = taco_tiles.decode_tile(codes, scales, hd_smem, codec, out_dtype, parts)
             out = y_mine.at[x_rows(e // count, e % count)]
             if y_smem is None:
-                mosaic.store_values(out, values)
+                taco_tiles.store_values(out, values)
             else:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last result store
-                mosaic.store_values(y_smem, values)
+                taco_tiles.store_values(y_smem, values)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(y_smem, out)
         plgpu.wait_smem_to_gmem(0)
     if tma_out:
         pl.run_scoped(gather, plgpu.SMEM((ROWS, BLOCK), out_dtype,
-                                         transforms=mosaic.swizzled(out_dtype)))
+                                         transforms=taco_tiles.swizzled(out_dtype)))
     else:
         gather(None)
 
@@ -230,9 +227,9 @@ def _launch_two_shot(blocks, codec, out_dtype, peers, cfg, mat=None):
     scratch = [
         plgpu.SMEM((2, lines, LINE), jnp.uint8),           # staging of outgoing wire tiles
         plgpu.SMEM((2, lines, LINE), jnp.uint8),           # incoming wire tiles
-        plgpu.SMEM((16, 16), enc_dtype, transforms=mosaic.SMEM_TRANSFORMS),
-        plgpu.SMEM((16, 16), jnp.float16, transforms=mosaic.SMEM_TRANSFORMS),
-        plgpu.SMEM((16, 16), jnp.bfloat16, transforms=mosaic.SMEM_TRANSFORMS),
+        plgpu.SMEM((16, 16), enc_dtype, transforms=taco_tiles.SMEM_TRANSFORMS),
+        plgpu.SMEM((16, 16), jnp.float16, transforms=taco_tiles.SMEM_TRANSFORMS),
+        plgpu.SMEM((16, 16), jnp.bfloat16, transforms=taco_tiles.SMEM_TRANSFORMS),
         plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.Barrier(num_barriers=2),
         (plgpu.SemaphoreType.REGULAR((2 * p,)) if isinstance(peers, Remote) else None),
     ]
@@ -246,10 +243,10 @@ def _launch_two_shot(blocks, codec, out_dtype, peers, cfg, mat=None):
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=[s for s in scratch if s is not None],
         grid=(peers.grid(),), grid_names=("prog",), kernel_name="taco_fused_two_shot",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=mosaic.LANE))
-    y, _, _ = kernel(blocks, mosaic.hadamard_operand("encode", enc_dtype),
-                     mosaic.hadamard_operand("decode"),
-                     mosaic.hadamard_operand("encode", jnp.bfloat16))
+        compiler_params=plgpu.CompilerParams(lowering_semantics=registers.LANE))
+    y, _, _ = kernel(blocks, taco_tiles.hadamard_operand("encode", enc_dtype),
+                     taco_tiles.hadamard_operand("decode"),
+                     taco_tiles.hadamard_operand("encode", jnp.bfloat16))
     return y
 
 
@@ -293,14 +290,14 @@ def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
 
     Args and Raises: as `fused_allreduce` (P = 2..8; meant for P ≥ 3).
     Returns: an array of x's shape and dtype."""
-    _check(codec, p, x.dtype, "two_shot_allreduce", "two_shot")
+    check(codec, p, x.dtype, "two_shot_allreduce", "two_shot")
     cfg = _two_shot_cfg(cfg)
     if x.size == 0:
         return x
     blocks, seg_tiles = _segments(x.reshape(-1), p)
     peers = Remote(axis, p, cfg.grid(seg_tiles, 1))
     y = _launch_two_shot(blocks, codec, x.dtype, peers, cfg, out_mat)
-    return codecs.from_blocks(y, x.shape)
+    return from_blocks(y, x.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg"))
@@ -308,14 +305,14 @@ def loopback_two_shot(xs, codec, cfg: FusedConfig | None = None):
     """`two_shot_allreduce` on one GPU for P = xs.shape[0] virtual devices (as
     `loopback_allreduce`): returns (P, …), row d what device d computes."""
     p = xs.shape[0]
-    _check(codec, p, xs.dtype, "loopback_two_shot", "two_shot")
+    check(codec, p, xs.dtype, "loopback_two_shot", "two_shot")
     cfg = _two_shot_cfg(cfg)
     if xs.size == 0:
         return xs
     blocks, seg_tiles = _segments(xs.reshape(p, -1), p)
     peers = Loopback(p, cfg.grid(seg_tiles, p), phases=2)
     y = _launch_two_shot(blocks, codec, xs.dtype, peers, cfg)
-    return jax.vmap(lambda v: codecs.from_blocks(v, xs.shape[1:]))(y)
+    return jax.vmap(lambda v: from_blocks(v, xs.shape[1:]))(y)
 
 
 def two_shot_reference(xs, codec):
@@ -340,4 +337,4 @@ def two_shot_reference(xs, codec):
     for k in range(1, p):
         acc = acc + dec[(owners + k) % p, owners]              # senders j + k, in order
     y = roundtrip(acc).astype(xs.dtype)
-    return codecs.from_blocks(y.reshape(p * seg_tiles * ROWS, BLOCK), xs.shape[1:])
+    return from_blocks(y.reshape(p * seg_tiles * ROWS, BLOCK), xs.shape[1:])

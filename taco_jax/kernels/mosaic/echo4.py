@@ -1,6 +1,6 @@
 """echo4's tile math as Pallas Mosaic GPU register code (Hopper), for kernels that move wire
 rows themselves: the one-launch fused all-reduce takes it as its tile codec
-(`fused_allreduce.Echo4Tiles`). Mosaic GPU kernels do not run in Pallas' interpreter: on
+(`fused.tiles.Echo4Tiles`). Mosaic GPU kernels do not run in Pallas' interpreter: on
 CPU they only lower (the tests check that); the bytes are checked on a GPU.
 
 Tile. 64 rows of 256 values, one warpgroup; each tile row holds two of echo4's groups of
@@ -10,7 +10,7 @@ rows of a tile are therefore the codec's wire rows of its 128 groups, byte for b
 (`codecs.get("echo4").compress_reference` of the values as (128, 128) groups), and a tile
 is 64·144 = 9216 bytes, 36 lines of 256.
 
-Registers. Values are held in mosaic.py's value layout (`mosaic.value_layout`): rows as in
+Registers. Values are held in the value layout (`registers.value_layout`): rows as in
 the WGMMA layout (lane l: rows l//4 and l//4 + 8 of its warp's 16), and of each row the
 columns 16c .. 16c + 15 for c = 8j + 2(l%4) + e (e ∈ {0, 1}, j < 2). So a thread holds 32
 values of group j of each of its two rows, the 4 lanes of a row the whole group: a group's
@@ -39,7 +39,7 @@ Tile API, inside a `plgpu.kernel` with Lane lowering semantics:
   load_wire_tile(ref, part=0, parts=1) -> wire
       the groups of column part `part` of `parts` (1: both groups, 2: group `part`).
   decode_add(wire, vec, total=None) -> (64, 256/parts) f32
-      in `mosaic._wire_tiled(vec, 256/parts)` (the value layout of vec-element vectors),
+      in `registers.wire_tiled(vec, 256/parts)` (the value layout of vec-element vectors),
       plus `total` (an array of that layout) if given.
 """
 from __future__ import annotations
@@ -59,11 +59,11 @@ from jaxlib.mlir.dialects import arith, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
 from taco_jax import _jax_private
-from taco_jax.codecs import echo as _echo
-from taco_jax.kernels import mosaic
+from taco_jax.kernels.mosaic import registers
+from taco_jax.numerics import int4
 
-ROWS = mosaic.ROWS          # 64: one warpgroup
-WIDTH = mosaic.BLOCK        # 256 values per tile row
+ROWS = registers.ROWS          # 64: one warpgroup
+WIDTH = registers.BLOCK        # 256 values per tile row
 GROUP = 128                 # echo4's group
 GROUPS = WIDTH // GROUP     # groups per tile row
 CODE_BYTES = GROUP // 2     # 64: two codes per byte
@@ -76,7 +76,10 @@ OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 def unsupported(codec) -> str | None:
     """Why this tile math does not implement `codec`'s wire (None: it does): echo4 with
     B = 128 only (int4-sym and tah4 have other grids)."""
-    if not isinstance(codec, _echo.Echo) or codec.symmetric or codec.hadamard:
+    # an Echo codec without the symmetric grid or the rotation (not int4-sym, tah4, taco)
+    echo4 = (getattr(codec, "symmetric", None) is False
+             and getattr(codec, "hadamard", None) is False)
+    if not echo4:
         return f"{getattr(codec, 'name', codec)}: not echo4 (the 4-bit tile math is echo4's)"
     if codec.block_size != GROUP:
         return f"echo4 with block size {codec.block_size} (the tile math has B = {GROUP})"
@@ -99,16 +102,16 @@ def _code_tiled() -> fa.TiledLayout:
 
 
 def code_layout():
-    return mosaic._pallas_layout(_code_tiled())
+    return registers.pallas_layout(_code_tiled())
 
 
 def scale_layout():
     """(64, 8) uint8, one group's (s, z) per row, the 4 lanes of a row holding the same."""
-    return mosaic._pallas_layout(mosaic._scale_tiled(SCALE_BYTES))
+    return registers.pallas_layout(registers.scale_tiled(SCALE_BYTES))
 
 
 def _value_tiled(vec: int, width: int) -> fa.TiledLayout:
-    return mosaic._wire_tiled(vec, width)
+    return registers.wire_tiled(vec, width)
 
 
 # -- register-level pieces (Mosaic GPU IR, run inside plgpu.inline_mgpu) ------------------
@@ -139,10 +142,10 @@ def _group_range(vals):
         lo = v if lo is None else arith.minimumf(lo, v)
         hi = v if hi is None else arith.maximumf(hi, v)
     n = ir.VectorType(lo.type).shape[0]
-    lo_s, hi_s = mosaic._elem(lo, 0), mosaic._elem(hi, 0)
+    lo_s, hi_s = registers.elem(lo, 0), registers.elem(hi, 0)
     for k in range(1, n):
-        lo_s = arith.minimumf(lo_s, mosaic._elem(lo, k))
-        hi_s = arith.maximumf(hi_s, mosaic._elem(hi, k))
+        lo_s = arith.minimumf(lo_s, registers.elem(lo, k))
+        hi_s = arith.maximumf(hi_s, registers.elem(hi, k))
     for d in (1, 2):
         lo_s = arith.minimumf(lo_s, mgpu_utils.shfl_bfly(lo_s, d))
         hi_s = arith.maximumf(hi_s, mgpu_utils.shfl_bfly(hi_s, d))
@@ -158,10 +161,10 @@ def _params(lo, hi):
     half = _f32(0.5)
     # the halvings are exact, so a multiply fused into the subtraction changes nothing
     span = arith.subf(arith.mulf(hi, half), arith.mulf(lo, half))
-    s = arith.maximumf(arith.mulf(span, _f32(2 / _echo.LEVELS)), _f32(_echo.SCALE_MIN))
-    inv = mosaic._ptx_f32("rcp.approx.f32", s)
+    s = arith.maximumf(arith.mulf(span, _f32(2 / int4.LEVELS)), _f32(int4.SCALE_MIN))
+    inv = registers.ptx_f32("rcp.approx.f32", s)
     zr = mlir_math.roundeven(arith.mulf(arith.negf(lo), inv))
-    zr = arith.minimumf(arith.maximumf(zr, _f32(0.0)), _f32(_echo.LEVELS))
+    zr = arith.minimumf(arith.maximumf(zr, _f32(0.0)), _f32(int4.LEVELS))
     # through int32, as the codec: z's bytes are canonical (+0, never −0)
     z = arith.sitofp(ir.F32Type.get(), arith.fptosi(ir.IntegerType.get_signless(32), zr))
     s_sent = arith.select(bad, _f32(np.nan), s)
@@ -177,10 +180,10 @@ def _code_bytes(run, inv, z, bad):
         n = ir.VectorType(v.type).shape[0]
         q = arith.addf(mlir_math.roundeven(arith.mulf(v, _splat(inv, n))), _splat(z, n))
         q = arith.minimumf(arith.maximumf(q, _splat(_f32(0.0), n)),
-                           _splat(_f32(_echo.LEVELS), n))
+                           _splat(_f32(int4.LEVELS), n))
         q = arith.select(bad, _splat(_f32(0.0), n), q)       # NaN never reaches the cvt
         q = arith.fptosi(ir.VectorType.get((n,), i32), q)
-        ints += [mosaic._elem(q, k) for k in range(n)]
+        ints += [registers.elem(q, k) for k in range(n)]
     i8 = ir.IntegerType.get_signless(8)
     out = []
     for k in range(len(ints) // 2):
@@ -193,7 +196,7 @@ def _encode_regs(x):
     """x: (64, 256) array in the value layout → (codes g0, codes g1, scales g0, scales g1)."""
     vec = ir.VectorType(x.registers.flat[0].type).shape[0]
     xr = x.registers.reshape(2, GROUPS, 2, 16 // vec)                # (i, j, e, h)
-    clay, slay = _code_tiled(), mosaic._scale_tiled(SCALE_BYTES)
+    clay, slay = _code_tiled(), registers.scale_tiled(SCALE_BYTES)
     codes = [np.empty(clay.registers_shape((ROWS, CODE_BYTES)), dtype=object)
              for _ in range(GROUPS)]
     scales = [np.empty(slay.registers_shape((ROWS, SCALE_BYTES)), dtype=object)
@@ -224,7 +227,7 @@ def _decode_run(code_vec, s, z):
     f32 = ir.F32Type.get()
     vals = []
     for k in range(8):                       # 8 bytes, 16 codes
-        b = arith.extui(i32, mosaic._elem(code_vec, k))
+        b = arith.extui(i32, registers.elem(code_vec, k))
         for q in (arith.andi(b, _i32(0xF)), arith.shrui(b, _i32(4))):
             vals.append(_mul_rn(arith.subf(arith.uitofp(f32, q), z), s))
     return vals
@@ -241,7 +244,7 @@ def _decode_regs(codes, scales, vec: int):
     vty = ir.VectorType.get((vec,), f32)
     for i, j in np.ndindex(2, nj):
         sz = vector.bitcast(ir.VectorType.get((2,), f32), scales[j].registers.reshape(2)[i])
-        s, z = mosaic._elem(sz, 0), mosaic._elem(sz, 1)
+        s, z = registers.elem(sz, 0), registers.elem(sz, 1)
         for e in range(2):
             vals = _decode_run(codes[j].registers.reshape(2, 2)[i, e], s, z)
             for h in range(16 // vec):
@@ -260,7 +263,7 @@ def _scale_struct():
 
 @functools.cache
 def _encode_fn(dtype):
-    @plgpu.inline_mgpu(arg_types=(mosaic.value_layout(dtype),),
+    @plgpu.inline_mgpu(arg_types=(registers.value_layout(dtype),),
                        return_type=(_code_struct(),) * GROUPS + (_scale_struct(),) * GROUPS)
     def encode(ctx, x):
         del ctx
@@ -270,7 +273,7 @@ def _encode_fn(dtype):
 
 @functools.cache
 def _decode_add_fn(n_groups: int, vec: int, with_total: bool):
-    layout = mosaic._pallas_layout(_value_tiled(vec, GROUP * n_groups))
+    layout = registers.pallas_layout(_value_tiled(vec, GROUP * n_groups))
     args = ((code_layout(),) * n_groups + (scale_layout(),) * n_groups
             + ((layout,) if with_total else ()))
 
@@ -287,7 +290,7 @@ def encode_tile(x_ref):
     """(64, 256) values (bf16, f16 or f32 ref, untransformed) → the tile's wire in
     registers: (codes of group 0, of group 1, scale bytes of group 0, of group 1)."""
     dtype = jnp.dtype(x_ref.dtype).type
-    x = plgpu.load(x_ref, layout=mosaic.value_layout(dtype), optimized=False)
+    x = plgpu.load(x_ref, layout=registers.value_layout(dtype), optimized=False)
     return _encode_fn(dtype)(x)
 
 
@@ -319,7 +322,7 @@ def load_wire_tile(ref, part: int = 0, parts: int = 1):
 
 def decode_add(wire, vec: int, total=None):
     """(codes, scales) of `load_wire_tile` → their values, f32 (64, 128·groups) in the value
-    layout of vec-element vectors (`mosaic._wire_tiled(vec, …)`), plus `total` if given."""
+    layout of vec-element vectors (`registers.wire_tiled(vec, …)`), plus `total` if given."""
     codes, scales = wire
     fn = _decode_add_fn(len(codes), vec, total is not None)
     return fn(*codes, *scales, *(() if total is None else (total,)))
@@ -334,7 +337,7 @@ def _tiles_loop(n_tiles: int, grid: int, body):
 
 def _compress_kernel(x, codec):
     n_tiles = x.shape[0] // ROWS
-    grid = min(n_tiles, mosaic.sm_count())
+    grid = min(n_tiles, registers.sm_count())
     row = row_bytes(codec)
 
     def body(x_gmem, w_gmem):
@@ -346,14 +349,14 @@ def _compress_kernel(x, codec):
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((x.shape[0], row), jnp.uint8), grid=(grid,),
         grid_names=("blk",), kernel_name="taco_echo4_compress_mosaic",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=mosaic.LANE))
+        compiler_params=plgpu.CompilerParams(lowering_semantics=registers.LANE))
     return kernel(x)
 
 
 def _decompress_kernel(w, out_dtype):
     n_tiles = w.shape[0] // ROWS
-    grid = min(n_tiles, mosaic.sm_count())
-    vec = mosaic._value_vec(out_dtype)
+    grid = min(n_tiles, registers.sm_count())
+    vec = registers.value_vec(out_dtype)
 
     def body(w_gmem, o_gmem):
         def tile(t):
@@ -367,7 +370,7 @@ def _decompress_kernel(w, out_dtype):
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((w.shape[0], WIDTH), out_dtype), grid=(grid,),
         grid_names=("blk",), kernel_name="taco_echo4_decompress_mosaic",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=mosaic.LANE))
+        compiler_params=plgpu.CompilerParams(lowering_semantics=registers.LANE))
     return kernel(w)
 
 

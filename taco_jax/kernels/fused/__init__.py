@@ -1,0 +1,25 @@
+"""One-launch compressed all-reduce kernels (Pallas Mosaic GPU, Hopper) that move wire
+tiles between devices themselves, and the fused transport's exchange kernel: `config`
+(FusedConfig, the measured presets), `peers` (Remote, Loopback), `tiles` (the tile codecs
+and the decode-and-sum), `launch`, one file per kernel body (`one_shot`, `one_shot_ws`,
+`two_shot`, `exchange`). The names below are their public face."""
+from taco_jax.kernels.fused.config import (ABLATIONS, FP8_DECODE, SLIM_2_PER_SM, SMEM_PER_SM,
+                                           SMEM_RESERVED, WARP_SPECIALIZED, FusedConfig)
+from taco_jax.kernels.fused.exchange import exchange_kernel
+from taco_jax.kernels.fused.one_shot import (default_config, fused_allreduce,
+                                             fused_allreduce_reference, loopback_allreduce,
+                                             reference_mismatch, reference_steps, smem_bytes,
+                                             unsupported)
+from taco_jax.kernels.fused.one_shot_ws import ws_unsupported
+from taco_jax.kernels.fused.peers import Loopback, Remote, signal_released
+from taco_jax.kernels.fused.tiles import Echo4Tiles, TacoTiles, tile_codec
+from taco_jax.kernels.fused.two_shot import (loopback_two_shot, two_shot_allreduce,
+                                             two_shot_reference)
+
+__all__ = ["ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SMEM_PER_SM", "SMEM_RESERVED",
+           "WARP_SPECIALIZED", "FusedConfig", "exchange_kernel",
+           "default_config", "fused_allreduce", "fused_allreduce_reference",
+           "loopback_allreduce", "reference_mismatch", "reference_steps", "smem_bytes",
+           "unsupported", "ws_unsupported", "Loopback", "Remote", "signal_released",
+           "Echo4Tiles", "TacoTiles", "tile_codec", "loopback_two_shot", "two_shot_allreduce",
+           "two_shot_reference"]
