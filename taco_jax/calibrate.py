@@ -46,8 +46,8 @@ from taco_jax import codecs
 from taco_jax.collectives import fused
 from taco_jax.collectives.allreduce import psum
 from taco_jax.routes import (CACHE_ENV, CACHE_VERSION, NEVER, TRANSPORTS,  # noqa: F401
-                             Calibration, _loaded, _warned, best_route, cache_path,
-                             decide_min_bytes, link, lookup, machine_key, save)
+                             Calibration, best_route, cache_path, decide_min_bytes, forget,
+                             link, lookup, machine_key, save)
 
 
 def jit_calls(fn):

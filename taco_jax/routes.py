@@ -138,6 +138,13 @@ _warned: set = set()
 _lock = threading.Lock()
 
 
+def forget() -> None:
+    """Forget the calibrations read and the warnings given: the next `lookup` reads the
+    cache file again and warns again about what it finds wrong there."""
+    _loaded.clear()
+    _warned.clear()
+
+
 def _warn_once(msg: str) -> None:
     with _lock:
         if msg in _warned:

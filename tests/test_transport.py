@@ -208,8 +208,7 @@ def test_corrupt_cache_is_reported_and_ignored(tmp_path, monkeypatch, content):
     path = tmp_path / "cal.json"
     path.write_text(content)
     monkeypatch.setenv(calibrate.CACHE_ENV, str(path))
-    calibrate._loaded.clear()
-    calibrate._warned.clear()
+    calibrate.forget()
     with pytest.warns(UserWarning, match="ignoring the calibration cache"):
         assert calibrate.lookup(2, "taco") is None
     x = gauss((2, 4, 256))     # the default threshold: plain
@@ -225,8 +224,7 @@ def test_foreign_or_malformed_entry_is_ignored(tmp_path, monkeypatch):
     bad_rows = _cal([{"mib": -1, "lax_us": "x"}]).to_json()
     path.write_text(json.dumps({"version": 1, "entries": {
         f"{key}|taco": foreign, f"{key}|taco-int8": bad_rows}}))
-    calibrate._loaded.clear()
-    calibrate._warned.clear()
+    calibrate.forget()
     with pytest.warns(UserWarning, match="written for 'NVIDIA H200"):
         assert calibrate.lookup(2, "taco") is None
     with pytest.warns(UserWarning, match="bad row"):
