@@ -14,7 +14,7 @@ the host-timed pair. Effective bytes of a kernel = bytes it reads + bytes it wri
 of bf16; a wire row is row_bytes per block). Implementations that do not cover a call
 (`taco_jax.kernels.mosaic.unsupported`) have no row for it. Each row names its codec:
 the TACO codecs' kernels (compress, decompress, reduce) and Echo's 4-bit ones
-(`taco_jax.kernels.echo4`, Triton only: compress, compress_feedback — x and the fp32
+(`taco_jax.kernels.triton.echo4`, Triton only: compress, compress_feedback — x and the fp32
 residual in, codes and the new residual out —, decompress, reduce, decode_sum over P = 2).
 
 --check compares every kernel and implementation with its jnp reference on this device:

@@ -1,7 +1,7 @@
-"""Echo's 4-bit kernels (taco_jax.kernels.echo4: compress, compress with error feedback,
-decompress, reduce, decode_sum) against their references, byte for byte; the collectives
-on the kernel backend against the present reference path (error feedback's state and
-results, gradients); the Triton lowering for an H200 on CPU.
+"""Echo's 4-bit kernels (taco_jax.kernels.triton.echo4: compress, compress with error feedback,
+decompress, reduce, decode_sum) against their references, byte for byte; the collectives on
+the kernel backend against the present reference path (error feedback's state and results,
+gradients); the Triton lowering for an H200 on CPU.
 
 On CPU the kernels run in Pallas' interpreter (~1–2 s of compile per case). References are
 jitted, as the collectives run them: XLA fuses a multiply into a following add (an FMA) when

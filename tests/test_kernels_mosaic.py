@@ -1,4 +1,4 @@
-"""The Pallas Mosaic GPU kernels (taco_jax/kernels/mosaic.py) and the per-kernel choice of
+"""The Pallas Mosaic GPU kernels (taco_jax/kernels/mosaic/) and the per-kernel choice of
 implementation in the dispatcher.
 
 Mosaic GPU kernels do not run in Pallas' interpreter, so on CPU these tests check what
@@ -79,7 +79,7 @@ def test_wgmma_layout_is_the_documented_one():
 
 @pytest.mark.parametrize("vec", [8, 4])
 def test_wire_layout_holds_16_consecutive_columns(vec):
-    """Register (i, j, e, h) element m of `_wire_tiled` is row ROW(i), column
+    """Register (i, j, e, h) element m of `registers.wire_tiled` is row ROW(i), column
     16c + h·vec + m with c = 8j + 2(lane % 4) + e: the WGMMA position (row, c) of a
     16-column slice, so the butterfly's outputs k land at 16c + k (`_assemble`)."""
     c = thread_coords(registers.wire_tiled(vec), (64, 256)).reshape(128, 2, 2, 2, 16 // vec,

@@ -1,4 +1,4 @@
-"""echo4's Mosaic GPU tile math (taco_jax/kernels/mosaic_echo4.py).
+"""echo4's Mosaic GPU tile math (taco_jax/kernels/mosaic/echo4.py).
 
 Mosaic GPU kernels do not run in Pallas' interpreter: on CPU the tile kernels are traced
 and lowered for a CUDA target, and the register layouts and the wrappers' checks are

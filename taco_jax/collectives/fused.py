@@ -9,10 +9,10 @@ a mesh with other axes (a (data, pipe, tp) mesh); Mosaic needs the mesh's device
 
 Schedules, by axis size P (`allreduce`):
   * one launch (`one_launch`), where its kernel covers the codec and dtype and its
-    loopback checks passed on a GPU: at P = 2 the one-shot (`kernels.fused_allreduce`:
+    loopback checks passed on a GPU: at P = 2 the one-shot (`kernels.fused.one_shot`:
     each device encodes its tiles, stores them into its own and the peer's receive
     buffers, signals per tile and decodes both contributions in device order; one
-    quantization per element), at P ≥ 3 the two-shot (`kernels.fused_two_shot`: segments
+    quantization per element), at P ≥ 3 the two-shot (`kernels.fused.two_shot`: segments
     to their owners, the owners' sums encoded once and stored to every device; at most
     two quantizations). Every device decodes the same bytes: bit-identical results.
   * otherwise the schedules of `two_shot` with `exchange` (an all-gather or all-to-all by

@@ -6,7 +6,7 @@ Two-shot (`two_shot`):
   2. all-to-all the compressed segments (the reduce-scatter half);
   3. the owner decodes the P − 1 copies it received and adds its own segment unquantized,
      in fp32 (`scatter_sum`), or, fused in one kernel, also compresses that sum
-     (`kernels.reduce`);
+     (`kernels.triton.reduce`);
   4. all-gather the compressed sums and decode them (`gather_decoded`); every device
      decodes the same bytes, so the result is bit-identical on every device.
 Every element is quantized at most twice for any P: by its sender and by its owner.
