@@ -28,13 +28,11 @@ def scratch_args(scratch, refs) -> list:
             None if s is None else next(it) for s in scratch]
 
 
-
 def buffer_bytes(scratch) -> int:
     """The shared-memory buffers of a scratch list (semaphores left out), each rounded up to
     1 KiB."""
     return sum(-(-int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize // 1024) * 1024
                for s in scratch_types(scratch) if hasattr(s, "shape"))
-
 
 
 def call(kernel_body, blocks, tiles, out_dtype, peers, cfg, scratch, mat, **mesh):

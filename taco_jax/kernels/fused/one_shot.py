@@ -249,7 +249,6 @@ def smem_bytes(p: int, codec, in_dtype, out_dtype=None, cfg: FusedConfig | None 
                                   cfg or FusedConfig(), False)) + 1024      # barriers
 
 
-
 def _check_resident(p, codec, in_dtype, out_dtype, cfg):
     need = cfg.per_sm * (smem_bytes(p, codec, in_dtype, out_dtype, cfg) + SMEM_RESERVED)
     if need > SMEM_PER_SM:
@@ -283,7 +282,6 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     _check_resident(p, codec, in_dtype, out_dtype, cfg)
     scratch = _scratch(p, tiles, in_dtype, out_dtype, cfg, isinstance(peers, Remote))
     return call(_kernel_body, blocks, tiles, out_dtype, peers, cfg, scratch, mat)
-
 
 
 # -- wrappers ------------------------------------------------------------------------------------
@@ -425,4 +423,3 @@ def reference_mismatch(got, xs, codec, err_rtol: float = 0.01) -> str | None:
         return (f"error against the exact sum {errs[0]:.4g}, the reference's {errs[1]:.4g} "
                 f"(more than {err_rtol} apart, relative)")
     return None
-

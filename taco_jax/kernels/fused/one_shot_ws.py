@@ -207,4 +207,3 @@ def launch_ws(blocks, tiles, out_dtype, peers, cfg, mat=None):
                          f"memory per program; a multiprocessor has {SMEM_PER_SM // 1024}")
     return call(_ws_body, blocks, tiles, out_dtype, peers, cfg, scratch, mat, num_threads=4,
                  thread_name="wg")
-

@@ -270,7 +270,6 @@ def first_loads(load, r_smem, n_src):
         load(j, j)
 
 
-
 def _zeros(vec: int, parts: int):
     """A column part of zeros in the decode's value layout (the "no_decode" knob)."""
     layout = registers.pallas_layout(registers.wire_tiled(vec, BLOCK // parts))

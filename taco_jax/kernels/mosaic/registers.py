@@ -79,4 +79,3 @@ def ptx_f32(instr: str, x):
 
 def elem(v, k: int):
     return vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([k]))
-

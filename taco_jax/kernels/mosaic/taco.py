@@ -55,7 +55,6 @@ class MosaicConfig:
         return max(1, min(n_tiles, sm_count() * self.ctas_per_sm))
 
 
-
 # -- kernels ---------------------------------------------------------------------------------
 def _load_operand(h_gmem, h_smem, barrier):
     plgpu.copy_gmem_to_smem(h_gmem, h_smem, barrier)

@@ -105,7 +105,6 @@ def scale_layout(codec):
     return pallas_layout(scale_tiled(4 * codec.n_scales))
 
 
-
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)      # (64,) per-row values, as WGMMA rows
 
 
@@ -143,7 +142,6 @@ def hadamard_operand(kind: str, dtype=jnp.bfloat16) -> jax.Array:
     if kind == "decode":
         return jnp.asarray(h, jnp.float16)
     raise ValueError(f"hadamard_operand: kind {kind!r} is not 'encode' or 'decode'")
-
 
 
 # -- register-level pieces (Mosaic GPU IR, run inside plgpu.inline_mgpu) ------------------
@@ -425,7 +423,6 @@ def store_values(ref, values):
         store_part(ref, p, len(values), part)
 
 
-
 def swizzled(dtype) -> tuple:
     """The SMEM transforms of a (ROWS, BLOCK) tile of decoded values that `store_values`
     writes and a TMA copy sends out: (8, 128 / itemsize) tiling and a 128-byte swizzle, so
@@ -437,4 +434,3 @@ def swizzled(dtype) -> tuple:
       transforms for `plgpu.SMEM((ROWS, BLOCK), dtype, transforms=...)` or a BlockSpec."""
     return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(128))
-
