@@ -138,7 +138,9 @@ class Prices:
             return self.fixed_us + 2 * (p - 1) / p * b / gbps / 1e3, "bf16 ring model"
         codec = self._codec(site["codec"])
         n = b // _itemsize(site["dtype"])
-        if site["transport"] == "fused":
+        # "fused (loopback)": the one-launch kernel ran; "fused (exchange emulated)": the
+        # fused transport's separate kernels, priced as the three-launch schedule below
+        if site["transport"] in ("fused", "fused (loopback)"):
             table = self.fused.get(site["codec"], {}).get(p)
             if not table or not table["mib_us"]:
                 raise ValueError(f"no fused compute of {site['codec']} at P = {p}")

@@ -247,3 +247,18 @@ def test_train_step_transport_names(monkeypatch, tmp_path):
     assert all(r["measured_at"] == doc["commit"] for r in doc["rows"][:3])
     assert "measured_at" not in doc["rows"][3]
     assert train_step.EMULATED_OUT == "bench/results/train_step_emulated.json"
+
+
+@pytest.mark.parametrize("label,priced_by", [("fused (loopback)", "fused: "),
+                                             ("fused (exchange emulated)", "xla transport")])
+def test_sites_are_priced_by_the_transport_telemetry_names(tmp_path, label, priced_by):
+    """Under emulation the fused transport's sites say what ran: "fused (loopback)" (its
+    one-launch kernel: priced as the fused kernel with its wire) or "fused (exchange
+    emulated)" (its separate kernels: priced as the three-launch schedule)."""
+    rows = [emu_row("350m", 8, "none", 160.0), emu_row("350m", 8, "taco:fused", 170.0, "taco",
+                                                       label)]
+    d = results(tmp_path, rows)
+    out = tmp_path / "step_projection.json"
+    assert sp.main(["--results", str(d), "--out", str(out)]) == 0
+    got = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "taco:fused"]
+    assert got and all(s["priced_by"].startswith(priced_by) for r in got for s in r["sites"])
