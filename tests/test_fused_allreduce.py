@@ -389,7 +389,7 @@ def test_reference_is_the_one_shot(dtype):
                                rtol=1e-2, atol=1e-2)
 
 
-# -- the two-shot kernel (P ≥ 3; its GPU checks do not all pass, so no collective picks it) --
+# -- the two-shot kernel (P ≥ 3; its loopback checks pass on a GPU, so the collectives pick it)
 def lowered_two_shot(shape, names, axis, vma, dtype=jnp.bfloat16):
     """HLO text of fts.two_shot_allreduce over `axis` of a mesh `names` → shape, lowered for
     CUDA; the other axes shard the input too."""

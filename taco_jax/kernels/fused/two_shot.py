@@ -1,8 +1,8 @@
 """The compressed two-shot all-reduce in one Pallas Mosaic GPU kernel (Hopper), for P ≥ 3
 (`two_shot_allreduce`, `loopback_two_shot`; its loopback checks pass on an H200 at P = 3, 4
-and 8, bench/results/fused_two_shot_checks.json; its compute per device is 1.6–3.1 × the
-three-launch two-shot's kernels' at P = 4 and 8, fused_two_shot_loopback.json, so no
-collective selects it): x is cut into P segments
+and 8, bench/results/fused_two_shot_checks.json, so the collectives select it for the FP8
+codecs at P = 3..8; its compute per device is 1.6–3.1 × the three-launch two-shot's
+kernels' at P = 4 and 8, fused_two_shot_loopback.json): x is cut into P segments
 of whole tiles; program b of every device takes tiles b, b + n, … of each segment.
 
   1. for each owner j ≠ me: encode segment j's tiles, store them into j's first receive
@@ -280,8 +280,8 @@ def _two_shot_cfg(cfg: FusedConfig | None) -> FusedConfig:
 
 def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
                        cfg: FusedConfig | None = None):
-    """The compressed two-shot all-reduce in one kernel (checked in loopback, not yet
-    timed, so no collective selects it). x is cut into P segments of whole tiles; device d
+    """The compressed two-shot all-reduce in one kernel (the fused transport's at P = 3..8
+    for the FP8 codecs: its loopback checks pass). x is cut into P segments of whole tiles; device d
     encodes segment j ≠ d into owner j's receive buffer; owner j adds the P − 1 decoded
     copies to its exact segment in f32 (its own data never quantized there), encodes the
     sum once and stores it into every device's second receive buffer; every device
