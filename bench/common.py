@@ -19,6 +19,21 @@ import jax.numpy as jnp
 from taco_jax.calibrate import jit_calls, time_calls  # noqa: F401
 
 
+def load_rows_doc(path: str, what: str, missing: str = "") -> dict:
+    """A results JSON with a list of "rows", or SystemExit naming `what` (the program and
+    input) and the path: missing (with the `missing` hint), unreadable, or without rows."""
+    if not os.path.exists(path):
+        raise SystemExit(f"{what} ({path}) is missing{missing}")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{what} ({path}) unreadable: {e}")
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise SystemExit(f"{what} ({path}) has no list of rows")
+    return doc
+
+
 def env_facts() -> dict:
     commit = os.environ.get("GIT_COMMIT")       # a copied tree on a GPU machine has no git
     if not commit:

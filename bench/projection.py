@@ -56,12 +56,11 @@ enforced: at P = 8, 64 and 256 MiB, taco ≤ 0.55 and echo4 ≤ 0.35 of the bf16
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from bench import fused
-from bench.common import env_facts, print_table, write_json
+from bench.common import env_facts, load_rows_doc, print_table, write_json
 
 MIB = 1 << 20
 RESULTS = os.path.join(fused.ROOT, "bench", "results")
@@ -102,15 +101,7 @@ def _fail(name: str, results: str, why: str):
 
 
 def _load(name: str, results: str) -> dict:
-    path = os.path.join(results, INPUTS[name])
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"bench.projection: input {name} ({path}) unreadable: {e}")
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        _fail(name, results, "has no list of rows")
-    return doc
+    return load_rows_doc(os.path.join(results, INPUTS[name]), f"bench.projection: input {name}")
 
 
 def _rows(docs: dict, name: str, results: str, key: str = "rows") -> list[dict]:

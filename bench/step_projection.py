@@ -44,12 +44,11 @@ TP8, at both links.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from bench import fused, projection
-from bench.common import env_facts, print_table, write_json
+from bench.common import env_facts, load_rows_doc, print_table, write_json
 
 RESULTS = projection.RESULTS
 MIB = 1 << 20
@@ -66,18 +65,9 @@ GOALS = {("350m", "taco:fused"): {2: 1.15, 8: 1.5}}
 
 # -- inputs ---------------------------------------------------------------------------------
 def _load(name: str, results: str) -> dict:
-    path = os.path.join(results, INPUTS[name])
-    if not os.path.exists(path):
-        how = (f"; produce it with `{EMULATED_CMD}`" if name == "emulated" else "")
-        raise SystemExit(f"bench.step_projection: input {name} ({path}) is missing{how}")
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"bench.step_projection: input {name} ({path}) unreadable: {e}")
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise SystemExit(f"bench.step_projection: input {name} ({path}) has no list of rows")
-    return doc
+    how = f"; produce it with `{EMULATED_CMD}`" if name == "emulated" else ""
+    return load_rows_doc(os.path.join(results, INPUTS[name]),
+                         f"bench.step_projection: input {name}", how)
 
 
 def load_inputs(results: str = RESULTS, any_platform: bool = False) -> dict:
