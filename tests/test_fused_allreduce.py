@@ -657,26 +657,23 @@ def test_warp_specialized_is_refused_where_it_has_no_meaning():
 
 
 # -- the reference's contract with the kernel (reference_mismatch) -------------------------
-def test_f32_results_may_differ_from_the_reference_by_one_code_step_not_two():
-    x = jax.random.normal(jax.random.key(5), (2, 64 * 256 + 300), jnp.float32)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_results_may_differ_from_the_reference_by_one_code_step_not_two(dtype):
+    x = jax.random.normal(jax.random.key(5), (2, 64 * 256 + 300), jnp.float32).astype(dtype)
     want = fa.fused_allreduce_reference(x, TACO)
     steps = fa.reference_steps(x, TACO)
     assert steps.shape == want.shape and bool(jnp.all(steps > 0))
     assert fa.reference_mismatch(want, x, TACO) is None
     k = 4321
-    assert fa.reference_mismatch(want.at[k].add(steps[k]), x, TACO) is None
-    assert fa.reference_mismatch(want.at[k].add(-steps[k]), x, TACO) is None
-    why = fa.reference_mismatch(want.at[k].add(2 * steps[k]), x, TACO)
+    up = (want.astype(jnp.float32).at[k].add(steps[k] * 0.98)).astype(dtype)
+    down = (want.astype(jnp.float32).at[k].add(-steps[k] * 0.98)).astype(dtype)
+    assert fa.reference_mismatch(up, x, TACO) is None
+    assert fa.reference_mismatch(down, x, TACO) is None
+    far = (want.astype(jnp.float32).at[k].add(2 * steps[k])).astype(dtype)
+    why = fa.reference_mismatch(far, x, TACO)
     assert why is not None and "#4321" in why and "code step" in why
-
-
-def test_16_bit_results_must_be_the_references_bits():
-    x = jax.random.normal(jax.random.key(6), (2, 3000), jnp.float32).astype(jnp.bfloat16)
-    want = fa.fused_allreduce_reference(x, TACO)
-    assert fa.reference_mismatch(want, x, TACO) is None
-    ulp = jnp.nextafter(want[7], jnp.asarray(jnp.inf, want.dtype))
-    why = fa.reference_mismatch(want.at[7].set(ulp), x, TACO)
-    assert why is not None and "1 of 3000" in why
+    nan = fa.reference_mismatch(want.at[7].set(jnp.nan), x, TACO)
+    assert nan is not None and "NaN" in nan
 
 
 def test_an_echo4_code_step_is_its_scale():

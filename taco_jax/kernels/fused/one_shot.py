@@ -364,10 +364,12 @@ def fused_allreduce_reference(xs, codec):
     (what the kernel encodes: for the FP8 codecs f32 inputs from bf16, for echo4 as they
     are; `tile_codec(codec).encoded`).
 
-    The kernel's result keeps this contract with it (measured on the H200): for 16-bit
-    input the same bits; for f32 input each element within one code step of the codec
-    (an FP8 step for the FP8 codecs: `reference_steps`) of it, with the same error
-    against the exact sum. `reference_mismatch` checks a result against it."""
+    The contract the kernel keeps with it: each element within one code step of the codec
+    (an FP8 step for the FP8 codecs: `reference_steps`), with the same error against the
+    exact sum; not the same bits, for any input dtype (on the H200 f32 input was seen one
+    FP8 step apart in some elements: the kernel transforms f32 as two bf16 tiles, and its
+    default decode sums the sources before one butterfly, in another order than this
+    sum). `reference_mismatch` checks a result against it."""
     tiles = tile_codec(codec)
     acc = None
     for j in range(xs.shape[0]):
@@ -393,20 +395,16 @@ def reference_steps(xs, codec):
 
 def reference_mismatch(got, xs, codec, err_rtol: float = 0.01) -> str | None:
     """Does `got`, a result of the kernel on inputs xs (P, …), break its contract with
-    `fused_allreduce_reference` (None: it keeps it)? 16-bit input: every element the same
-    bits. f32 input: NaN where the reference has NaN, elsewhere |got − reference| at most
-    one code step (`reference_steps`), and the error against the exact sum within
-    err_rtol of the reference's (relative, root of the summed squares).
+    `fused_allreduce_reference` (None: it keeps it)? NaN where the reference has NaN,
+    elsewhere |got − reference| at most one code step (`reference_steps`), and the error
+    against the exact sum within err_rtol of the reference's (relative, root of the summed
+    squares).
 
     Returns: None, or what breaks the contract (counts, the worst element)."""
     want = np.asarray(fused_allreduce_reference(xs, codec))
     got = np.asarray(got)
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"result {got.shape} {got.dtype}, reference {want.shape} {want.dtype}"
-    if got.dtype.itemsize == 2:
-        bits = np.uint16
-        n = int(np.sum(got.view(bits) != want.view(bits)))
-        return None if n == 0 else f"{n} of {got.size} elements differ in their bits"
     nan = np.isnan(want)
     if not np.array_equal(np.isnan(got), nan):
         return "NaN where the reference has none, or a value where it has NaN"
