@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import taco_jax
 from taco_jax import codecs, telemetry
 from taco_jax.collectives import fused
-from taco_jax.kernels.fused import one_shot as fused_allreduce, two_shot as fused_two_shot
+from taco_jax.kernels import fused as kernels
 
 from codec_bounds import FACTOR, assert_blockwise_close, roundtrip_error
 
@@ -31,8 +31,8 @@ def loopback(monkeypatch):
     """On CPU: the loopback kernels' jnp models, each row what device d computes, and the
     platform check passed; records which kernel ran. On a GPU: the kernels, recorded."""
     ran = []
-    models = {fused_allreduce.loopback_allreduce: fused_allreduce.fused_allreduce_reference,
-              fused_two_shot.loopback_two_shot: fused_two_shot.two_shot_reference}
+    models = {kernels.loopback_allreduce: kernels.fused_allreduce_reference,
+              kernels.loopback_two_shot: kernels.two_shot_reference}
     for kernel, model in models.items():
         def run(xs, codec, kernel=kernel, model=model):
             ran.append(kernel.__name__)
@@ -62,8 +62,8 @@ def test_psum_under_vmap_runs_the_one_launch_kernel_for_all_members(loopback, p,
     for d in range(1, p):                       # every member holds the same bits
         np.testing.assert_array_equal(y[d], y[0])
     # the kernel's own math, member d's row ...
-    model = (fused_allreduce.fused_allreduce_reference if p == 2
-             else fused_two_shot.two_shot_reference)
+    model = (kernels.fused_allreduce_reference if p == 2
+             else kernels.two_shot_reference)
     want = np.asarray(jax.jit(model, static_argnums=1)(xs, codecs.get("taco")), np.float32)
     x32 = np.asarray(xs, np.float32)
     scale = np.abs(x32).sum(0)

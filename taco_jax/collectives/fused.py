@@ -36,8 +36,9 @@ from jax import lax
 
 from taco_jax import telemetry
 from taco_jax.collectives import axes as axes_lib
-from taco_jax.kernels.fused import one_shot as fused_allreduce, two_shot as fused_two_shot
+from taco_jax.kernels import fused as kernels
 from taco_jax.kernels.fused.exchange import TILE_BYTES, exchange_kernel
+from taco_jax.kernels.mosaic import BLOCK, ROWS
 
 
 # -- availability ---------------------------------------------------------------------
@@ -88,8 +89,8 @@ def one_launch_reason(codec, p: int, dtype) -> str | None:
     if p < 2:
         return f"P={p}"
     kernel = one_launch_kernel(p)
-    why = fused_allreduce.unsupported(codec, p, dtype, kernel)
-    if why is None and not fused_allreduce.tile_codec(codec).checked_on_gpu:
+    why = kernels.unsupported(codec, p, dtype, kernel)
+    if why is None and not kernels.tile_codec(codec).checked_on_gpu:
         why = (f"{codec.name}: the one-launch kernel's tile math for it is built and "
                f"lowered, not yet checked on a GPU (python -m bench.fused --codec "
                f"{codec.name})")
@@ -103,8 +104,7 @@ def one_launch_wire_bytes(codec, p: int, n: int) -> int:
     n_blocks = -(-n // codec.block_size)
     if one_launch_kernel(p) == "one_shot":
         return (p - 1) * n_blocks * codec.row_bytes
-    seg_rows = -(-max(n, 1) // (p * fused_allreduce.ROWS * fused_allreduce.BLOCK)) * \
-        fused_allreduce.ROWS
+    seg_rows = -(-max(n, 1) // (p * ROWS * BLOCK)) * ROWS
     return 2 * (p - 1) * seg_rows * codec.row_bytes
 
 
@@ -118,8 +118,8 @@ def one_launch(x, axis, codec, p: int, vma: bool):
         mat = getattr(jax.typeof(x), "manual_axis_type", None)
         if mat is not None and vma:       # every device holds the same bits after it
             mat = mat.update(varying=frozenset(mat.varying) - {axis})
-        kernel = (fused_allreduce.fused_allreduce if one_launch_kernel(p) == "one_shot"
-                  else fused_two_shot.two_shot_allreduce)
+        kernel = (kernels.fused_allreduce if one_launch_kernel(p) == "one_shot"
+                  else kernels.two_shot_allreduce)
         y = kernel(x, axis, p, codec, out_mat=mat)
     if telemetry.enabled():
         telemetry.report("psum", x, y, axis, codec,
@@ -138,8 +138,8 @@ def loopback(x, axis, codec, p: int, vma: bool):
     value shared by the members, as a psum's is there, so its cotangent arrives summed:
     row 0 (the kernel's loopback checks assert all rows are the same bits)."""
     xs = lax.all_gather(x, axis)          # under vmap: the members' inputs, one array
-    kernel = (fused_allreduce.loopback_allreduce if one_launch_kernel(p) == "one_shot"
-              else fused_two_shot.loopback_two_shot)
+    kernel = (kernels.loopback_allreduce if one_launch_kernel(p) == "one_shot"
+              else kernels.loopback_two_shot)
     ys = LOOPBACK_KERNELS.get(kernel, kernel)(xs, codec)
     return ys[0] if vma else ys[lax.axis_index(axis)]
 
