@@ -131,7 +131,7 @@ def on_mesh(p: int, codec):
 def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_shot"):
     """["decode=sum_first", "programs=32"] → kernels.fused.FusedConfig: those
     fields over the kernel's own default for this call (`kernels.fused.default_config`;
-    the two-shot's: FusedConfig()); none → None (the kernel's default, as the collectives
+    the two-shot's: `two_shot_config`); none → None (the kernel's default, as the collectives
     call it)."""
     from taco_jax.kernels import fused as fused_kernels
     fields = {f.name: f.type for f in dataclasses.fields(fused_kernels.FusedConfig)}
@@ -150,8 +150,12 @@ def fused_config(pairs, codec=None, p: int = 2, dtype=None, kernel: str = "one_s
             kw[key] = value if "str" in ftype else int(value)
     if not kw:
         return None
-    base = (fused_kernels.default_config(codec, p, dtype)
-            if codec is not None and kernel == "one_shot" else fused_kernels.FusedConfig())
+    if codec is None:
+        base = fused_kernels.FusedConfig()
+    elif kernel == "one_shot":
+        base = fused_kernels.default_config(codec, p, dtype)
+    else:
+        base = fused_kernels.two_shot_config(codec, dtype)
     try:
         return dataclasses.replace(base, **kw)
     except ValueError as e:
@@ -682,13 +686,12 @@ def main(argv=None) -> int:
     from taco_jax import codecs
     from taco_jax.kernels import fused as fused_kernels
     tiles = fused_kernels.tile_codec(codecs.get(a.codec))
-    if a.kernel == "two_shot" and not isinstance(tiles, fused_kernels.TacoTiles):
-        raise SystemExit(f"bench.fused: --kernel two_shot has the FP8 codecs' tile math "
-                         f"only, not {a.codec}'s")
-    if a.impl == "mesh" and not tiles.checked_on_gpu:
+    needed = {"one_shot" if p == 2 else "two_shot" for p in a.p}
+    if a.impl == "mesh" and not needed <= set(tiles.checked_on_gpu):
         raise SystemExit(f"bench.fused: --impl mesh: the collectives do not select the "
                          f"one-launch kernel for {a.codec} until its loopback checks pass "
-                         f"(--impl kernel on one GPU)")
+                         f"(--impl kernel on one GPU; not yet: "
+                         f"{', '.join(sorted(needed - set(tiles.checked_on_gpu)))})")
     if a.kernel == "two_shot" and a.impl == "mesh":
         raise SystemExit("bench.fused: --kernel two_shot runs as a loopback only (no "
                          "collective selects it yet)")

@@ -536,7 +536,7 @@ def test_echo4_is_selected_by_the_collectives(gpu_here):
 def test_a_tile_codec_unchecked_on_gpu_is_not_selected(gpu_here, monkeypatch):
     """A codec whose tile math is built but not checked on a GPU takes the three-launch
     schedule (compress, exchange, decode_sum), never the one-launch kernel."""
-    monkeypatch.setattr(fa.Echo4Tiles, "checked_on_gpu", False)
+    monkeypatch.setattr(fa.Echo4Tiles, "checked_on_gpu", frozenset())
     why = fused.one_launch_reason(ECHO4, 2, jnp.bfloat16)
     assert why is not None and "not yet checked on a GPU" in why
     assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is None

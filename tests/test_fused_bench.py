@@ -298,7 +298,7 @@ def test_echo4_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong):
 
 def test_echo4_one_shot_only_and_unchecked_codecs_not_on_a_mesh(tmp_path, monkeypatch):
     from taco_jax.kernels import fused as fused_kernels
-    monkeypatch.setattr(fused_kernels.Echo4Tiles, "checked_on_gpu", False)
+    monkeypatch.setattr(fused_kernels.Echo4Tiles, "checked_on_gpu", frozenset())
     with pytest.raises(SystemExit, match="do not select the one-launch kernel for echo4"):
         bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--out",
                           str(tmp_path / "no.json")])

@@ -84,16 +84,16 @@ def one_launch_kernel(p: int) -> str:
 
 def one_launch_reason(codec, p: int, dtype) -> str | None:
     """Why `one_launch` does not cover this all-reduce (None: it does). A codec whose tile
-    math the kernel has but whose loopback checks have not passed on a GPU
-    (`checked_on_gpu` of its tile codec) is not selected."""
+    math the kernel has but whose loopback checks have not passed on a GPU with that
+    kernel (`checked_on_gpu` of its tile codec) is not selected."""
     if p < 2:
         return f"P={p}"
     kernel = one_launch_kernel(p)
     why = kernels.unsupported(codec, p, dtype, kernel)
-    if why is None and not kernels.tile_codec(codec).checked_on_gpu:
-        why = (f"{codec.name}: the one-launch kernel's tile math for it is built and "
-               f"lowered, not yet checked on a GPU (python -m bench.fused --codec "
-               f"{codec.name})")
+    if why is None and kernel not in kernels.tile_codec(codec).checked_on_gpu:
+        why = (f"{codec.name}: the one-launch {kernel.replace('_', '-')} kernel's tile math "
+               f"for it is built and lowered, not yet checked on a GPU (python -m "
+               f"bench.fused --codec {codec.name} --kernel {kernel})")
     return why
 
 

@@ -286,17 +286,14 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
 
 # -- wrappers ------------------------------------------------------------------------------------
 def unsupported(codec, p: int, dtype, kernel: str = "one_shot") -> str | None:
-    """Why the one-launch kernel does not cover this all-reduce (None: it does). kernel
-    "one_shot": the Hadamard FP8 codecs with B = 256 and echo4 (`tile_codec`); "two_shot":
-    the former only."""
+    """Why the one-launch kernel does not cover this all-reduce (None: it does): kernel
+    "one_shot" or "two_shot", each with the Hadamard FP8 codecs with B = 256 and echo4
+    (`tile_codec`)."""
     if not 2 <= p <= MAX_P:
         return f"P={p} devices (the kernel covers 2..{MAX_P})"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in IN_DTYPES]:
         return f"{jnp.dtype(dtype).name} data (covered: bfloat16, float16, float32)"
-    tiles = tile_codec(codec)
-    if kernel == "two_shot" and not isinstance(tiles, TacoTiles):
-        return f"{codec.name}: the two-shot kernel has the FP8 codecs' tile math only"
-    return tiles.unsupported(dtype)
+    return tile_codec(codec).unsupported(dtype)
 
 
 def check(codec, p, dtype, where, kernel="one_shot"):

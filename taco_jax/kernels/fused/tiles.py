@@ -33,13 +33,14 @@ ROWS, BLOCK, LINE = registers.ROWS, registers.BLOCK, 256
 class TacoTiles:
     """The Hadamard FP8 codecs with B = 256 (taco, taco-e5m2, taco-1scale): a block per tile
     row, taco_tiles.py's tile math (wgmma transform; f32 input is encoded from bf16).
-    `checked_on_gpu`: its loopback checks pass on a GPU, so the collectives may select it."""
+    `checked_on_gpu`: the one-launch kernels whose loopback checks pass on a GPU with it, so
+    that the collectives may select them."""
     codec: object
     # FusedConfig.decode == "sum_first": decode_add keeps the running sum before the
     # butterfly (the wgmma accumulators scaled by their gains) and `finish` completes it.
     sum_first: bool = False
     encode_parts: int = 1                  # FusedConfig.encode_parts
-    checked_on_gpu = True
+    checked_on_gpu = frozenset({"one_shot", "two_shot"})
 
     @property
     def row_bytes(self) -> int:
@@ -95,6 +96,64 @@ class TacoTiles:
         """What the kernel encodes of input v (for the references)."""
         return v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v
 
+    # -- the owner's sum of the two-shot kernel: its exact tile plus decoded wire tiles, in
+    # f32, encoded once. Summed as the transform's coefficients (`taco_tiles.coefficients`):
+    # a wire tile adds q·gain per code, with no transform, and the sum is quantized as it
+    # is (no transform back and forth).
+    def own_scratch(self, in_dtype) -> tuple:
+        """The owner's exact tile (its TMA copy) and, for f32 input, its split into two bf16
+        tiles (the transform's operands)."""
+        own = plgpu.SMEM((ROWS, BLOCK), in_dtype, transforms=self.x_transforms(in_dtype))
+        if not self.staged(in_dtype):
+            return (own,)
+        return (own, plgpu.SMEM((2, ROWS, BLOCK), jnp.bfloat16,
+                                transforms=taco_tiles.SMEM_TRANSFORMS))
+
+    def sum_init(self, own, consts):
+        """The owner's exact tile → its coefficients (f32). For f32 input the tile is held
+        as two bf16 tiles, its rounding and the remainder; the transform is linear, so both
+        go through one wgmma accumulator (to ~2⁻¹⁶ of the value, far below FP8's step)."""
+        x_smem = own[0]
+        if len(own) == 1:
+            acc = taco_tiles.transform_part(
+                lambda sl: x_smem.at[:, pl.ds(registers.FACTOR * sl, registers.FACTOR)],
+                consts[0], 0, 1)
+            return taco_tiles.coefficients(acc, self.codec)
+        hl = own[1]
+        v = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+        hi = v.astype(jnp.bfloat16)
+        hl[0] = hi
+        hl[1] = (v - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        b = taco_tiles.factor_cols(consts[0], 0, 1)
+        f = registers.FACTOR
+
+        def run(acc):
+            for sl in range(f):
+                for h in range(2):
+                    plgpu.wgmma(acc.at[:, pl.ds(f * sl, f)], hl.at[h].at[:, pl.ds(f * sl, f)], b)
+            plgpu.wgmma_wait(0)
+            return acc[...]
+        acc = pl.run_scoped(run, plgpu.ACC((ROWS, BLOCK), jnp.float32))
+        return taco_tiles.coefficients(acc, self.codec)
+
+    def sum_load(self, view):
+        """A wire tile (a (64, row_bytes) view) → registers, as `sum_add` takes it."""
+        return taco_tiles.load_wire_codes(view, self.codec)
+
+    def sum_add(self, total, wire, consts):
+        del consts
+        return taco_tiles.add_coefficients(*wire, self.codec, total)
+
+    def sum_encode(self, total):
+        """The sum → its wire (as `store` takes it)."""
+        return taco_tiles.encode_coefficients(total, self.codec)
+
+    def decode(self, view, consts, out_dtype, parts: int):
+        """A wire tile → its values in out_dtype: `parts` column parts (value layout)."""
+        codes, scales = taco_tiles.load_wire_tile(view, self.codec)
+        return taco_tiles.decode_tile(codes, scales, consts[1], self.codec, out_dtype, parts)
+
     def code_step(self, wire):
         """(rows, row_bytes) wire rows → (rows, 1) f32: the most that one step of one code
         of a row moves a decoded value (the code format's spacing at Qmax, times s, over
@@ -117,7 +176,7 @@ class Echo4Tiles:
     of any covered dtype encoded as it is (f32 too, as the codec does). Its loopback checks
     pass on an H200 (P = 2, 4, 8; bf16, f32; 1 KiB to 64 MiB; fused_echo4_checks.json)."""
     codec: object
-    checked_on_gpu = True
+    checked_on_gpu = frozenset({"one_shot"})
 
     @property
     def row_bytes(self) -> int:
@@ -159,6 +218,31 @@ class Echo4Tiles:
     def encoded(self, v):
         return v
 
+    # -- the owner's sum of the two-shot kernel (as TacoTiles'), in values: f32 in the value
+    # layout of 4-element vectors, encoded from f32 as the codec does
+    def own_scratch(self, in_dtype) -> tuple:
+        return (plgpu.SMEM((ROWS, BLOCK), in_dtype),)
+
+    def sum_init(self, own, consts):
+        del consts
+        return plgpu.load(own[0], layout=registers.value_layout(jnp.float32),
+                          optimized=False).astype(jnp.float32)
+
+    def sum_load(self, view):
+        return mosaic_echo4.load_wire_tile(view)
+
+    def sum_add(self, total, wire, consts):
+        del consts
+        return mosaic_echo4.decode_add(wire, registers.value_vec(jnp.float32), total)
+
+    def sum_encode(self, total):
+        return mosaic_echo4.encode_values(total)
+
+    def decode(self, view, consts, out_dtype, parts: int):
+        vec = registers.value_vec(out_dtype)
+        return [mosaic_echo4.decode_add(mosaic_echo4.load_wire_tile(view, part, parts), vec)
+                .astype(out_dtype) for part in range(parts)]
+
     def code_step(self, wire):
         """As `TacoTiles.code_step`: one step of the 4-bit grid is its scale s."""
         return quant.unpack_scales(wire[:, self.codec.block_size // 2:], 2)[0]
@@ -174,19 +258,9 @@ def tile_codec(codec):
 
 # -- decode and add, in registers ---------------------------------------------------------------
 def _row_gains(codec, sbytes) -> list:
-    """The decode gain of this thread's two rows (eq. 11, and eq. 13's second scale for
-    "ash"), times the transform's 1/√256: a vector<2> per row half."""
-    f32 = ir.F32Type.get()
-    gains = []
-    for i in range(2):
-        sv = vector.bitcast(ir.VectorType.get((codec.n_scales,), f32),
-                            sbytes.registers.reshape(2)[i])
-        gain = registers.elem(sv, 0)                                      # eq. 11
-        if codec.transform == "ash":                                      # eq. 13
-            gain = arith.mulf(gain, registers.ptx_f32("rcp.approx.ftz.f32", registers.elem(sv, 1)))
-        gains.append(vector.broadcast(ir.VectorType.get((2,), f32),
-                                      arith.mulf(gain, registers.f32_const(1 / np.sqrt(BLOCK)))))
-    return gains
+    """`taco_tiles.row_gains` as a vector<2> per row half (the WGMMA layout's pairs)."""
+    vty = ir.VectorType.get((2,), ir.F32Type.get())
+    return [vector.broadcast(vty, g) for g in taco_tiles.row_gains(codec, sbytes)]
 
 
 @functools.cache

@@ -34,6 +34,8 @@ Tile API, inside a `plgpu.kernel` with Lane lowering semantics:
 
   encode_tile(x_ref) -> wire
       x_ref: a (64, 256) bf16, f16 or f32 ref (SMEM without transforms, or GMEM).
+  encode_values(x) -> wire
+      x: (64, 256) f32 in registers, value layout of 4-element vectors.
   store_wire_tile(ref, wire)
       ref: a (64, 144) uint8 view of 64 wire rows (SMEM or GMEM; rows 8-byte aligned).
   load_wire_tile(ref, part=0, parts=1) -> wire
@@ -292,6 +294,12 @@ def encode_tile(x_ref):
     dtype = jnp.dtype(x_ref.dtype).type
     x = plgpu.load(x_ref, layout=registers.value_layout(dtype), optimized=False)
     return _encode_fn(dtype)(x)
+
+
+def encode_values(x):
+    """(64, 256) f32 values in registers (`registers.value_layout(jnp.float32)`) → the
+    tile's wire, as `encode_tile` returns it (a sum encoded where it was made)."""
+    return _encode_fn(jnp.float32)(x)
 
 
 def store_wire_tile(ref, wire):

@@ -230,45 +230,60 @@ def _codes(z, mult, codec):
     return zq.astype(code_ty).bitcast(ir.IntegerType.get_signless(8), output_is_signed=False)
 
 
+def _row_scale(ss, m, codec):
+    """A row's Σz0² and max|z0| → (its scale bytes as a vector<4·n_scales x i8>, the code
+    multiplier α·16/s): eqs. 6–7 and 9; a row whose Σz0² is NaN or whose max is not finite
+    gets s = α = NaN (it decodes to NaN)."""
+    f32 = ir.F32Type.get()
+    nan = f32_const(np.nan)
+    bad = arith.ori(arith.cmpf(arith.CmpFPredicate.UNO, ss, ss),
+                    arith.cmpf(arith.CmpFPredicate.UGE, m, f32_const(np.inf)))
+    if codec.transform == "ash":                                   # eqs. 6–7
+        a = arith.mulf(ptx_f32("rsqrt.approx.ftz.f32", arith.addf(ss, f32_const(quant.EPS))),
+                       f32_const(quant.TAU))
+        a = arith.minimumf(arith.maximumf(a, f32_const(quant.ALPHA_MIN)),
+                           f32_const(quant.ALPHA_MAX))
+        gain = arith.select(bad, nan, a)
+        g = arith.mulf(gain, f32_const(np.sqrt(BLOCK)))
+    else:
+        gain, g = None, f32_const(np.sqrt(BLOCK))
+    s = arith.maximumf(arith.mulf(arith.mulf(m, g), f32_const(1.0 / codec.qmax)),
+                       f32_const(quant.SCALE_MIN))                 # eq. 9
+    s = arith.select(bad, nan, s)
+    vals = [s] if gain is None else [s, gain]
+    v = vector.from_elements(ir.VectorType.get((len(vals),), f32), vals)
+    sbytes = vector.bitcast(ir.VectorType.get((4 * codec.n_scales,),
+                                              ir.IntegerType.get_signless(8)), v)
+    return sbytes, arith.mulf(g, ptx_f32("rcp.approx.ftz.f32", s))
+
+
+def _scale_array(row_bytes, codec) -> fa.FragmentedArray:
+    """Two rows' scale bytes (this thread's row halves) → a scale_layout array."""
+    width = 4 * codec.n_scales
+    slay = scale_tiled(width)
+    sregs = np.empty(slay.registers_shape((ROWS, width)), dtype=object)
+    for i, v in enumerate(row_bytes):
+        sregs.reshape(2)[i] = v
+    return _jax_private.fragmented_array(sregs, slay, is_signed=False)
+
+
 def _quantize_regs(acc, ss0, m0, codec):
     """acc: a part's accumulator (z0 = H·x/256 in slices); ss0, m0: the row statistics of
     the other parts (None if none). → codes of this part, scale bytes, code multiplier."""
     f32 = ir.F32Type.get()
     z = transformed(acc)
-    width = 4 * codec.n_scales
-    slay = scale_tiled(width)
-    sregs = np.empty(slay.registers_shape((ROWS, width)), dtype=object)
-    mults = []
+    sbytes, mults = [], []
     for i in range(2):
         ss, m = _row_stats([v for j in z[i] for v in j])           # Σz0² = mean(x²)
         if ss0 is not None:
             ss = arith.addf(ss, _row_values(ss0)[i])
             m = arith.maximumf(m, _row_values(m0)[i])
-        nan = f32_const(np.nan)
-        bad = arith.ori(arith.cmpf(arith.CmpFPredicate.UNO, ss, ss),
-                        arith.cmpf(arith.CmpFPredicate.UGE, m, f32_const(np.inf)))
-        if codec.transform == "ash":                               # eqs. 6–7
-            a = arith.mulf(ptx_f32("rsqrt.approx.ftz.f32",
-                                   arith.addf(ss, f32_const(quant.EPS))),
-                           f32_const(quant.TAU))
-            a = arith.minimumf(arith.maximumf(a, f32_const(quant.ALPHA_MIN)),
-                               f32_const(quant.ALPHA_MAX))
-            gain = arith.select(bad, nan, a)
-            g = arith.mulf(gain, f32_const(np.sqrt(BLOCK)))
-        else:
-            gain, g = None, f32_const(np.sqrt(BLOCK))
-        s = arith.maximumf(arith.mulf(arith.mulf(m, g), f32_const(1.0 / codec.qmax)),
-                           f32_const(quant.SCALE_MIN))             # eq. 9
-        s = arith.select(bad, nan, s)
-        mults.append(arith.mulf(g, ptx_f32("rcp.approx.ftz.f32", s)))
-        vals = [s] if gain is None else [s, gain]
-        v = vector.from_elements(ir.VectorType.get((len(vals),), f32), vals)
-        sregs.reshape(2)[i] = vector.bitcast(
-            ir.VectorType.get((width,), ir.IntegerType.get_signless(8)), v)
+        b, mult = _row_scale(ss, m, codec)
+        sbytes.append(b)
+        mults.append(mult)
     mult_v = [vector.broadcast(ir.VectorType.get((2,), f32), m) for m in mults]
     codes = _codes(z, mult_v, codec)                               # eqs. 8, 10
-    return (codes, _jax_private.fragmented_array(sregs, slay, is_signed=False),
-            _row_array(mults))
+    return codes, _scale_array(sbytes, codec), _row_array(mults)
 
 
 def _requantize_regs(acc, mult, codec):
@@ -277,9 +292,10 @@ def _requantize_regs(acc, mult, codec):
     return _codes(transformed(acc), mult_v, codec)
 
 
-def _decode_regs(acc, sbytes, codec, out_dtype):
-    """acc: a part's accumulator, slice c holding Σ_r' q[16c + r'] H[r', r] for this
-    part's r; sbytes: scale bytes → values of this part (value layout)."""
+def row_gains(codec, sbytes) -> list:
+    """The decode gain of this thread's two rows (f32 scalars): s (eq. 11), over α for
+    "ash" (eq. 13), times the transform's 1/√256: a code q of the row stands for the
+    coefficient z0 = q · gain (and the value H·(q·gain)·H)."""
     f32 = ir.F32Type.get()
     gains = []
     for i in range(2):
@@ -288,10 +304,70 @@ def _decode_regs(acc, sbytes, codec, out_dtype):
         gain = elem(sv, 0)                                         # eq. 11
         if codec.transform == "ash":                               # eq. 13
             gain = arith.mulf(gain, ptx_f32("rcp.approx.ftz.f32", elem(sv, 1)))
-        gains.append(vector.broadcast(ir.VectorType.get((2,), f32),
-                                      arith.mulf(gain, f32_const(1 / np.sqrt(BLOCK)))))
+        gains.append(arith.mulf(gain, f32_const(1 / np.sqrt(BLOCK))))
+    return gains
+
+
+def _decode_regs(acc, sbytes, codec, out_dtype):
+    """acc: a part's accumulator, slice c holding Σ_r' q[16c + r'] H[r', r] for this
+    part's r; sbytes: scale bytes → values of this part (value layout)."""
+    f32 = ir.F32Type.get()
+    gains = [vector.broadcast(ir.VectorType.get((2,), f32), g) for g in row_gains(codec, sbytes)]
     vals = assemble(transformed(acc), value_vec(out_dtype), f32, gains)      # eq. 12
     return vals.astype(mgpu_utils.dtype_to_ir_type(jnp.dtype(out_dtype)))
+
+
+# -- the coefficients z0 of a tile, in the wire layout (sums of decoded tiles) --------------
+# The transform is orthogonal: a wire tile decodes to the coefficients z0 = q·gain of its
+# rows before the inverse transform, and H·(Σ values) = Σ H·values. So tiles are summed as
+# coefficients, each element where its code sits on the wire (`wire_layout`), with neither a
+# transform per tile nor one back before the sum is encoded again: the owner's sum in the
+# two-shot all-reduce.
+def _rows_of(arr) -> np.ndarray:
+    """A wire-layout array's registers by this thread's row half: [i, …]."""
+    return arr.registers.reshape(2, -1)
+
+
+def coefficients_layout(codec):
+    return wire_layout(codec)
+
+
+def _coefficients_regs(acc, codec):
+    return assemble(transformed(acc), _code_vec(codec), ir.F32Type.get())
+
+
+def _add_coefficients_regs(total, codes, sbytes, codec):
+    f32 = ir.F32Type.get()
+    q = codes.bitcast(mgpu_utils.dtype_to_ir_type(CODE_FORMATS[codec.fmt])).astype(
+        ir.F16Type.get()).astype(f32)
+    vty = ir.VectorType.get((_code_vec(codec),), f32)
+    gains = [vector.broadcast(vty, g) for g in row_gains(codec, sbytes)]
+    qr, out = _rows_of(q), np.empty_like(q.registers)
+    view = None if total is None else _rows_of(total)
+    res = out.reshape(2, -1)
+    for i, k in np.ndindex(qr.shape):
+        v = arith.mulf(qr[i, k], gains[i])
+        res[i, k] = v if view is None else arith.addf(view[i, k], v)
+    return _jax_private.fragmented_array(out, q.layout, is_signed=None)
+
+
+def _quantize_coefficients_regs(z, codec):
+    f32 = ir.F32Type.get()
+    rows = _rows_of(z)
+    sbytes, mults = [], []
+    for i in range(2):
+        ss, m = _row_stats(list(rows[i]))
+        b, mult = _row_scale(ss, m, codec)
+        sbytes.append(b)
+        mults.append(vector.broadcast(ir.VectorType.get((_code_vec(codec),), f32), mult))
+    regs = np.empty_like(z.registers)
+    out = regs.reshape(2, -1)
+    for i, k in np.ndindex(rows.shape):
+        out[i, k] = arith.mulf(rows[i, k], mults[i])
+    zq = _jax_private.fragmented_array(regs, z.layout, is_signed=None)
+    code_ty = mgpu_utils.dtype_to_ir_type(CODE_FORMATS[codec.fmt])
+    codes = zq.astype(code_ty).bitcast(ir.IntegerType.get_signless(8), output_is_signed=False)
+    return codes, _scale_array(sbytes, codec)
 
 
 # -- Pallas-level tile functions ---------------------------------------------------------
@@ -367,6 +443,73 @@ def transform_part(lhs, h_smem, part: int, parts: int):
         plgpu.wgmma_wait(0)
         return acc[...]
     return pl.run_scoped(run, plgpu.ACC((ROWS, n * FACTOR), jnp.float32))
+
+
+@functools.cache
+def _coefficients_fn(codec):
+    coeff = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.float32, coefficients_layout(codec))
+
+    @plgpu.inline_mgpu(arg_types=(_acc_layout(),), return_type=coeff)
+    def coefficients(ctx, acc):
+        del ctx
+        return _coefficients_regs(acc, codec)
+    return coefficients
+
+
+@functools.cache
+def _add_coefficients_fn(codec, first: bool):
+    coeff = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.float32, coefficients_layout(codec))
+    args = (wire_layout(codec), scale_layout(codec)) + (() if first else (coefficients_layout(codec),))
+
+    @plgpu.inline_mgpu(arg_types=args, return_type=coeff)
+    def add(ctx, codes, sbytes, total=None):
+        del ctx
+        return _add_coefficients_regs(total, codes, sbytes, codec)
+    return add
+
+
+@functools.cache
+def _quantize_coefficients_fn(codec):
+    @plgpu.inline_mgpu(
+        arg_types=(coefficients_layout(codec),),
+        return_type=(plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.uint8, wire_layout(codec)),
+                     plgpu.ShapeDtypeStruct((ROWS, 4 * codec.n_scales), jnp.uint8,
+                                            scale_layout(codec))))
+    def quantize(ctx, z):
+        del ctx
+        return _quantize_coefficients_regs(z, codec)
+    return quantize
+
+
+def coefficients(acc, codec):
+    """A tile's transform accumulator (`transform_part`, one part) → its coefficients z0,
+    (64, 256) f32 in coefficients_layout(codec): element [r, j] is the coefficient whose
+    code is byte j of wire row r."""
+    return _coefficients_fn(codec)(acc)
+
+
+def load_wire_codes(ref, codec):
+    """Wire rows (a (64, row_bytes) uint8 view) → codes in the wire layout (where
+    `coefficients` holds their coefficients), scale bytes."""
+    codes = plgpu.load(ref.at[:, pl.ds(0, BLOCK)], layout=wire_layout(codec), optimized=False)
+    scales = plgpu.load(ref.at[:, pl.ds(BLOCK, 4 * codec.n_scales)], layout=scale_layout(codec),
+                        optimized=False)
+    return codes, scales
+
+
+def add_coefficients(codes, scales, codec, total=None):
+    """total + the coefficients of a wire tile (`load_wire_codes`), z0 = q · gain per row,
+    in f32: no transform."""
+    args = (codes, scales) + (() if total is None else (total,))
+    return _add_coefficients_fn(codec, total is None)(*args)
+
+
+def encode_coefficients(z, codec):
+    """Coefficients (coefficients_layout) → (codes, scale bytes) of their wire tile: the
+    encode's quantization (eqs. 6–10) without its transform (`encode_tile`'s wire, as
+    `store_wire_tile` takes it with [codes])."""
+    codes, scales = _quantize_coefficients_fn(codec)(z)
+    return [codes], scales
 
 
 def encode_tile(x_smem, h_smem, codec, parts: int = 1):
