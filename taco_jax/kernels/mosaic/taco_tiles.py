@@ -190,14 +190,19 @@ def assemble(z, vec: int, dtype, scale=None) -> fa.FragmentedArray:
 
 
 def _row_stats(vals):
-    """Σv² and max|v| over this thread's vectors, then over the 4 lanes of the row."""
+    """Σv² and max|v| over this thread's vectors (of any length), then over the 4 lanes of
+    the row."""
     ss = m = None
     for v in vals:
         sq, av = arith.mulf(v, v), mlir_math.absf(v)
         ss = sq if ss is None else arith.addf(ss, sq)
         m = av if m is None else arith.maximumf(m, av)   # NaN-propagating
-    ss = arith.addf(elem(ss, 0), elem(ss, 1))
-    m = arith.maximumf(elem(m, 0), elem(m, 1))
+    n = ir.VectorType(ss.type).shape[0]
+    ss_v, m_v = ss, m
+    ss, m = elem(ss_v, 0), elem(m_v, 0)
+    for k in range(1, n):
+        ss = arith.addf(ss, elem(ss_v, k))
+        m = arith.maximumf(m, elem(m_v, k))
     for d in (1, 2):
         ss = arith.addf(ss, mgpu_utils.shfl_bfly(ss, d))
         m = arith.maximumf(m, mgpu_utils.shfl_bfly(m, d))
