@@ -80,6 +80,11 @@ class FusedConfig:
     # through shared-memory barriers (`one_shot_ws`), so that no fence, semaphore spin or load
     # latency lies on the math's path.
     warp_specialized: bool = False
+    # The two-shot kernel, echo4: input tiles in shared memory tiled with a 128-byte swizzle
+    # (True) or as they are (False; None: the kernel's default). echo4 reads them by plain
+    # loads, 16 values of a row per lane, rows 512 bytes apart (bf16): unswizzled, a warp's
+    # loads fall on the same banks.
+    x_swizzle: bool | None = None
     # A measurement knob (ABLATIONS), "none" in use.
     ablate: str = "none"
 
@@ -111,6 +116,9 @@ class FusedConfig:
             raise ValueError("FusedConfig(warp_specialized=True) needs own_from_smem=True, "
                              "per_sm=1 (one program of four warpgroups per multiprocessor) "
                              "and no ablate knob")
+        if self.x_swizzle not in (None, True, False):
+            raise ValueError(f"FusedConfig.x_swizzle={self.x_swizzle!r} must be None, True or "
+                             f"False")
         if self.ablate not in ABLATIONS:
             raise ValueError(f"FusedConfig.ablate={self.ablate!r} must be one of "
                              f"{', '.join(ABLATIONS)}")

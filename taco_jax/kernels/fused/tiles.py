@@ -176,6 +176,7 @@ class Echo4Tiles:
     of any covered dtype encoded as it is (f32 too, as the codec does). Its loopback checks
     pass on an H200 (P = 2, 4, 8; bf16, f32; 1 KiB to 64 MiB; fused_echo4_checks.json)."""
     codec: object
+    swizzled: bool = False                 # FusedConfig.x_swizzle
     checked_on_gpu = frozenset({"one_shot"})
 
     @property
@@ -192,7 +193,10 @@ class Echo4Tiles:
         return False
 
     def x_transforms(self, in_dtype) -> tuple:
-        return ()                          # read into registers by plain loads
+        """Read into registers by plain loads: as they are, or (`swizzled`) tiled with a
+        128-byte swizzle, so that the value layout's loads (16 values of a row per lane, rows
+        a tile row's bytes apart) spread over the banks."""
+        return taco_tiles.swizzled(in_dtype) if self.swizzled else ()
 
     def x_slots(self, in_dtype) -> int:
         return 2
@@ -221,7 +225,7 @@ class Echo4Tiles:
     # -- the owner's sum of the two-shot kernel (as TacoTiles'), in values: f32 in the value
     # layout of 4-element vectors, encoded from f32 as the codec does
     def own_scratch(self, in_dtype) -> tuple:
-        return (plgpu.SMEM((ROWS, BLOCK), in_dtype),)
+        return (plgpu.SMEM((ROWS, BLOCK), in_dtype, transforms=self.x_transforms(in_dtype)),)
 
     def sum_init(self, own, consts):
         del consts

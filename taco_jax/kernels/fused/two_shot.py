@@ -38,7 +38,7 @@ from taco_jax.kernels.fused.config import SMEM_PER_SM, SMEM_RESERVED, FusedConfi
 from taco_jax.kernels.fused.launch import buffer_bytes, scratch_args, scratch_types
 from taco_jax.kernels.fused.one_shot import check
 from taco_jax.kernels.fused.peers import Loopback, Remote
-from taco_jax.kernels.fused.tiles import BLOCK, LINE, ROWS, stage_f32, tile_codec
+from taco_jax.kernels.fused.tiles import BLOCK, LINE, ROWS, Echo4Tiles, stage_f32, tile_codec
 from taco_jax.kernels.mosaic import registers, taco_tiles
 from taco_jax.numerics.blocks import from_blocks
 
@@ -109,6 +109,18 @@ def two_shot_config(codec, dtype) -> FusedConfig:
         return two
     except ValueError:
         return FusedConfig()
+
+
+def _tiles(codec, cfg: FusedConfig):
+    """The tile codec with the configuration's options (echo4: `x_swizzle`)."""
+    tiles = tile_codec(codec)
+    if isinstance(tiles, Echo4Tiles):
+        tiles = dataclasses.replace(tiles, swizzled=bool(cfg.x_swizzle))
+    elif cfg.x_swizzle:
+        raise ValueError(f"FusedConfig(x_swizzle=True): {codec.name}'s input tiles are the "
+                         f"transform's wgmma operands, in their own layout (echo4's are "
+                         f"read by plain loads)")
+    return tiles
 
 
 # -- the kernel ---------------------------------------------------------------------------------
@@ -276,7 +288,7 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
 def _launch_two_shot(blocks, codec, out_dtype, peers, cfg, mat=None):
     """blocks: (P·T·64, 256) or, in loopback, (P, P·T·64, 256): P segments of T tiles."""
     p = peers.p
-    tiles = tile_codec(codec)
+    tiles = _tiles(codec, cfg)
     n_rows = blocks.shape[-2]
     seg_tiles = n_rows // (p * ROWS)
     lead = blocks.shape[:-2]
@@ -343,7 +355,7 @@ def _two_shot_cfg(cfg: FusedConfig | None, codec, dtype) -> FusedConfig:
                          f"encode_parts={cfg.encode_parts}, store_parts={cfg.store_parts}, "
                          f"own_from_smem={cfg.own_from_smem}, warp_specialized="
                          f"{cfg.warp_specialized})")
-    _plan(tile_codec(codec), dtype, dtype, cfg)       # its shared memory fits, or why not
+    _plan(_tiles(codec, cfg), dtype, dtype, cfg)      # its shared memory fits, or why not
     return cfg
 
 
