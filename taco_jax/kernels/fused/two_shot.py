@@ -49,10 +49,12 @@ RING = (4, 3, 2)       # the reduce's and gather's slots for incoming wire tiles
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """One launch's shared-memory layout: input slots of the scatter, the ring of incoming
-    wire tiles of the reduce and gather, results staged for TMA or not."""
+    wire tiles of the reduce and gather, the gather's result slots staged for TMA (0: results
+    stored from registers; 2: a tile's store may still be reading one while the next tile
+    is decoded into the other)."""
     x_slots: int
     ring: int
-    tma_out: bool
+    y_slots: int
 
 
 def _phases(tiles, in_dtype, out_dtype, plan: _Plan) -> dict:
@@ -67,8 +69,8 @@ def _phases(tiles, in_dtype, out_dtype, plan: _Plan) -> dict:
     scatter.append(wire(2))
     reduce = [*tiles.own_scratch(in_dtype), wire(plan.ring), wire(1)]
     gather = [wire(plan.ring)]
-    if plan.tma_out:
-        gather.append(plgpu.SMEM((ROWS, BLOCK), out_dtype,
+    if plan.y_slots:
+        gather.append(plgpu.SMEM((plan.y_slots, ROWS, BLOCK), out_dtype,
                                  transforms=taco_tiles.swizzled(out_dtype)))
     return {"scatter": scatter, "reduce": reduce, "gather": gather}
 
@@ -81,16 +83,18 @@ def _program_bytes(tiles, in_dtype, out_dtype, plan: _Plan) -> int:
 
 
 def _plan(tiles, in_dtype, out_dtype, cfg: FusedConfig) -> _Plan:
-    """The deepest ring that fits `cfg.per_sm` programs per multiprocessor; ValueError
-    naming the need where not even two slots fit."""
+    """The deepest ring, then the most result slots, that fit `cfg.per_sm` programs per
+    multiprocessor; ValueError naming the need where not even two ring slots and one result
+    slot fit."""
     x_slots = cfg.x_slots or tiles.x_slots(in_dtype)
     tma_out = jnp.dtype(out_dtype).itemsize == 2 and cfg.out_store == "tma"
     room = SMEM_PER_SM // cfg.per_sm - SMEM_RESERVED
     for ring in RING:
-        plan = _Plan(x_slots, ring, tma_out)
-        need = _program_bytes(tiles, in_dtype, out_dtype, plan)
-        if need <= room:
-            return plan
+        for y_slots in ((2, 1) if tma_out else (0,)):
+            plan = _Plan(x_slots, ring, y_slots)
+            need = _program_bytes(tiles, in_dtype, out_dtype, plan)
+            if need <= room:
+                return plan
     raise ValueError(
         f"the two-shot kernel with FusedConfig(per_sm={cfg.per_sm}, x_slots={cfg.x_slots}, "
         f"out_store={cfg.out_store!r}): a program needs {need // 1024} KiB of shared memory "
@@ -257,6 +261,7 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
     # 3. every device decodes the P owners' sums: the same bytes everywhere
     def gather(r_smem, y_smem=None):
         n = p * count
+        y_slots = plan.y_slots
 
         def load_sum(e, slot):
             plgpu.copy_gmem_to_smem(recv2.at[e // count, w_rows(e % count)], r_smem.at[slot],
@@ -277,10 +282,11 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
             if y_smem is None:
                 taco_tiles.store_values(out, values)
             else:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last result store
-                taco_tiles.store_values(y_smem, values)
+                plgpu.wait_smem_to_gmem(y_slots - 1, wait_read_only=True)  # the slot's store
+                y = y_smem.at[e % y_slots]
+                taco_tiles.store_values(y, values)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(y_smem, out)
+                plgpu.copy_smem_to_gmem(y, out)
         plgpu.wait_smem_to_gmem(0)
     pl.run_scoped(gather, *phases["gather"])
 
