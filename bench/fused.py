@@ -63,7 +63,7 @@ from bench.common import env_facts, print_table, write_json
 
 MIB = 1 << 20
 DEFAULT_SIZES = ["1KiB", "1MiB+5", "16MiB", "64MiB", "256MiB", "1024MiB"]
-DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
 LINK_GBPS = 350.0            # 2×H200 NVLink, per direction, as lax.psum's wire rate allows
 FIXED_US = 15.0              # launch, XLA's barrier and the last signal's round trip
 # What lax.psum and the xla transport's NCCL calls reached on 2×H200 (256 MiB: 1077 µs for
@@ -452,7 +452,7 @@ def project(row: dict, row_bytes: int, link_gbps: float = LINK_GBPS,
     if (row.get("p") != 2 or row.get("per_device_us") is None or "compress_us" not in row
             or not row.get("checked", True)):
         return {}
-    wire_us = wire_bytes(row["bytes"], 2 if row["dtype"] == "bf16" else 4,
+    wire_us = wire_bytes(row["bytes"], jnp.dtype(DTYPES[row["dtype"]]).itemsize,
                          row_bytes, block) / link_gbps / 1e3
     one = fixed_us + max(row["per_device_us"], wire_us)
     three = fixed_us + row["compress_us"] + wire_us + row["decode_sum_us"]
@@ -681,7 +681,7 @@ def main(argv=None) -> int:
     a.p = a.p or ([2] if a.ablate else [2, 4, 8])
     a.sizes = a.sizes or [parse_size(s) for s in (ABLATE_SIZES if a.ablate
                                                    else DEFAULT_SIZES)]
-    a.dtypes = a.dtypes or (["bf16"] if a.ablate else list(DTYPES))
+    a.dtypes = a.dtypes or (["bf16"] if a.ablate else ["bf16", "f32"])
     a.calls = a.calls if a.calls is not None else (1 if a.ablate else 5)
     from taco_jax import codecs
     from taco_jax.kernels import fused as fused_kernels

@@ -85,6 +85,10 @@ class FusedConfig:
     # loads, 16 values of a row per lane, rows 512 bytes apart (bf16): unswizzled, a warp's
     # loads fall on the same banks.
     x_swizzle: bool | None = None
+    # The two-shot kernel: shared-memory slots for incoming wire tiles (the owner's copies,
+    # the sums), so that many are in flight (None: the most that fit, up to 7, the P − 1
+    # copies of a tile at P = 8).
+    ring: int | None = None
     # A measurement knob (ABLATIONS), "none" in use.
     ablate: str = "none"
 
@@ -116,6 +120,8 @@ class FusedConfig:
             raise ValueError("FusedConfig(warp_specialized=True) needs own_from_smem=True, "
                              "per_sm=1 (one program of four warpgroups per multiprocessor) "
                              "and no ablate knob")
+        if self.ring is not None and not 2 <= self.ring <= 8:
+            raise ValueError(f"FusedConfig.ring={self.ring} must be None or 2..8")
         if self.x_swizzle not in (None, True, False):
             raise ValueError(f"FusedConfig.x_swizzle={self.x_swizzle!r} must be None, True or "
                              f"False")

@@ -42,7 +42,7 @@ from taco_jax.kernels.fused.tiles import BLOCK, LINE, ROWS, Echo4Tiles, stage_f3
 from taco_jax.kernels.mosaic import registers, taco_tiles
 from taco_jax.numerics.blocks import from_blocks
 
-RING = (4, 3, 2)       # the reduce's and gather's slots for incoming wire tiles, most first
+RING = (7, 6, 5, 4, 3, 2)   # the reduce's and gather's slots for incoming wire tiles, most first
 
 
 # -- shared memory, per phase -------------------------------------------------------------------
@@ -89,7 +89,8 @@ def _plan(tiles, in_dtype, out_dtype, cfg: FusedConfig) -> _Plan:
     x_slots = cfg.x_slots or tiles.x_slots(in_dtype)
     tma_out = jnp.dtype(out_dtype).itemsize == 2 and cfg.out_store == "tma"
     room = SMEM_PER_SM // cfg.per_sm - SMEM_RESERVED
-    for ring in RING:
+    rings = RING if cfg.ring is None else (cfg.ring,)
+    for ring in rings:
         for y_slots in ((2, 1) if tma_out else (0,)):
             plan = _Plan(x_slots, ring, y_slots)
             need = _program_bytes(tiles, in_dtype, out_dtype, plan)
@@ -97,9 +98,9 @@ def _plan(tiles, in_dtype, out_dtype, cfg: FusedConfig) -> _Plan:
                 return plan
     raise ValueError(
         f"the two-shot kernel with FusedConfig(per_sm={cfg.per_sm}, x_slots={cfg.x_slots}, "
-        f"out_store={cfg.out_store!r}): a program needs {need // 1024} KiB of shared memory "
-        f"({tiles.codec.name}, {jnp.dtype(in_dtype).name}); {cfg.per_sm} per multiprocessor "
-        f"leave {room // 1024} KiB each")
+        f"out_store={cfg.out_store!r}, ring={cfg.ring}): a program needs {need // 1024} KiB "
+        f"of shared memory ({tiles.codec.name}, {jnp.dtype(in_dtype).name}); {cfg.per_sm} "
+        f"per multiprocessor leave {room // 1024} KiB each")
 
 
 def two_shot_config(codec, dtype) -> FusedConfig:
