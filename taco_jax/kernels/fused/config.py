@@ -80,11 +80,6 @@ class FusedConfig:
     # through shared-memory barriers (`one_shot_ws`), so that no fence, semaphore spin or load
     # latency lies on the math's path.
     warp_specialized: bool = False
-    # The two-shot kernel, echo4: input tiles in shared memory tiled with a 128-byte swizzle
-    # (True) or as they are (False; None: the kernel's default). echo4 reads them by plain
-    # loads, 16 values of a row per lane, rows 512 bytes apart (bf16): unswizzled, a warp's
-    # loads fall on the same banks.
-    x_swizzle: bool | None = None
     # The two-shot kernel: shared-memory slots for incoming wire tiles (the owner's copies,
     # the sums), so that many are in flight (None: the most that fit, up to 7, the P − 1
     # copies of a tile at P = 8).
@@ -122,9 +117,6 @@ class FusedConfig:
                              "and no ablate knob")
         if self.ring is not None and not 2 <= self.ring <= 8:
             raise ValueError(f"FusedConfig.ring={self.ring} must be None or 2..8")
-        if self.x_swizzle not in (None, True, False):
-            raise ValueError(f"FusedConfig.x_swizzle={self.x_swizzle!r} must be None, True or "
-                             f"False")
         if self.ablate not in ABLATIONS:
             raise ValueError(f"FusedConfig.ablate={self.ablate!r} must be one of "
                              f"{', '.join(ABLATIONS)}")

@@ -174,10 +174,11 @@ class Echo4Tiles:
     """echo4 (groups of 128, 4-bit codes): two groups per tile row, a tile row's wire their
     two codec rows (144 bytes), `mosaic_echo4`'s register math; no constant operands, input
     of any covered dtype encoded as it is (f32 too, as the codec does). Its loopback checks
-    pass on an H200 (P = 2, 4, 8; bf16, f32; 1 KiB to 64 MiB; fused_echo4_checks.json)."""
+    pass on an H200 with the one-shot kernel (P = 2, 4, 8; bf16, f32; 1 KiB to 64 MiB;
+    fused_echo4_checks.json) and the two-shot (P = 3..8; bf16, f16, f32; 1 KiB to 1 GiB;
+    fused_two_shot_checks.json)."""
     codec: object
-    swizzled: bool = False                 # FusedConfig.x_swizzle
-    checked_on_gpu = frozenset({"one_shot"})
+    checked_on_gpu = frozenset({"one_shot", "two_shot"})
 
     @property
     def row_bytes(self) -> int:
@@ -193,10 +194,7 @@ class Echo4Tiles:
         return False
 
     def x_transforms(self, in_dtype) -> tuple:
-        """Read into registers by plain loads: as they are, or (`swizzled`) tiled with a
-        128-byte swizzle, so that the value layout's loads (16 values of a row per lane, rows
-        a tile row's bytes apart) spread over the banks."""
-        return taco_tiles.swizzled(in_dtype) if self.swizzled else ()
+        return ()                          # read into registers by plain loads
 
     def x_slots(self, in_dtype) -> int:
         return 2
@@ -225,7 +223,7 @@ class Echo4Tiles:
     # -- the owner's sum of the two-shot kernel (as TacoTiles'), in values: f32 in the value
     # layout of 4-element vectors, encoded from f32 as the codec does
     def own_scratch(self, in_dtype) -> tuple:
-        return (plgpu.SMEM((ROWS, BLOCK), in_dtype, transforms=self.x_transforms(in_dtype)),)
+        return (plgpu.SMEM((ROWS, BLOCK), in_dtype),)
 
     def sum_init(self, own, consts):
         del consts

@@ -38,7 +38,7 @@ from taco_jax.kernels.fused.config import SMEM_PER_SM, SMEM_RESERVED, FusedConfi
 from taco_jax.kernels.fused.launch import buffer_bytes, scratch_args, scratch_types
 from taco_jax.kernels.fused.one_shot import check
 from taco_jax.kernels.fused.peers import Loopback, Remote
-from taco_jax.kernels.fused.tiles import BLOCK, LINE, ROWS, Echo4Tiles, stage_f32, tile_codec
+from taco_jax.kernels.fused.tiles import BLOCK, LINE, ROWS, stage_f32, tile_codec
 from taco_jax.kernels.mosaic import registers, taco_tiles
 from taco_jax.numerics.blocks import from_blocks
 
@@ -49,12 +49,11 @@ RING = (7, 6, 5, 4, 3, 2)   # the reduce's and gather's slots for incoming wire 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """One launch's shared-memory layout: input slots of the scatter, the ring of incoming
-    wire tiles of the reduce and gather, the gather's result slots staged for TMA (0: results
-    stored from registers; 2: a tile's store may still be reading one while the next tile
-    is decoded into the other)."""
+    wire tiles of the reduce and gather, the gather's results staged for TMA or stored from
+    registers."""
     x_slots: int
     ring: int
-    y_slots: int
+    tma_out: bool
 
 
 def _phases(tiles, in_dtype, out_dtype, plan: _Plan) -> dict:
@@ -69,8 +68,8 @@ def _phases(tiles, in_dtype, out_dtype, plan: _Plan) -> dict:
     scatter.append(wire(2))
     reduce = [*tiles.own_scratch(in_dtype), wire(plan.ring), wire(1)]
     gather = [wire(plan.ring)]
-    if plan.y_slots:
-        gather.append(plgpu.SMEM((plan.y_slots, ROWS, BLOCK), out_dtype,
+    if plan.tma_out:
+        gather.append(plgpu.SMEM((ROWS, BLOCK), out_dtype,
                                  transforms=taco_tiles.swizzled(out_dtype)))
     return {"scatter": scatter, "reduce": reduce, "gather": gather}
 
@@ -83,19 +82,17 @@ def _program_bytes(tiles, in_dtype, out_dtype, plan: _Plan) -> int:
 
 
 def _plan(tiles, in_dtype, out_dtype, cfg: FusedConfig) -> _Plan:
-    """The deepest ring, then the most result slots, that fit `cfg.per_sm` programs per
-    multiprocessor; ValueError naming the need where not even two ring slots and one result
-    slot fit."""
+    """The deepest ring (`RING`, or `cfg.ring`) that fits `cfg.per_sm` programs per
+    multiprocessor; ValueError naming the need where it does not."""
     x_slots = cfg.x_slots or tiles.x_slots(in_dtype)
     tma_out = jnp.dtype(out_dtype).itemsize == 2 and cfg.out_store == "tma"
     room = SMEM_PER_SM // cfg.per_sm - SMEM_RESERVED
     rings = RING if cfg.ring is None else (cfg.ring,)
     for ring in rings:
-        for y_slots in ((2, 1) if tma_out else (0,)):
-            plan = _Plan(x_slots, ring, y_slots)
-            need = _program_bytes(tiles, in_dtype, out_dtype, plan)
-            if need <= room:
-                return plan
+        plan = _Plan(x_slots, ring, tma_out)
+        need = _program_bytes(tiles, in_dtype, out_dtype, plan)
+        if need <= room:
+            return plan
     raise ValueError(
         f"the two-shot kernel with FusedConfig(per_sm={cfg.per_sm}, x_slots={cfg.x_slots}, "
         f"out_store={cfg.out_store!r}, ring={cfg.ring}): a program needs {need // 1024} KiB "
@@ -114,18 +111,6 @@ def two_shot_config(codec, dtype) -> FusedConfig:
         return two
     except ValueError:
         return FusedConfig()
-
-
-def _tiles(codec, cfg: FusedConfig):
-    """The tile codec with the configuration's options (echo4: `x_swizzle`)."""
-    tiles = tile_codec(codec)
-    if isinstance(tiles, Echo4Tiles):
-        tiles = dataclasses.replace(tiles, swizzled=bool(cfg.x_swizzle))
-    elif cfg.x_swizzle:
-        raise ValueError(f"FusedConfig(x_swizzle=True): {codec.name}'s input tiles are the "
-                         f"transform's wgmma operands, in their own layout (echo4's are "
-                         f"read by plain loads)")
-    return tiles
 
 
 # -- the kernel ---------------------------------------------------------------------------------
@@ -262,7 +247,6 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
     # 3. every device decodes the P owners' sums: the same bytes everywhere
     def gather(r_smem, y_smem=None):
         n = p * count
-        y_slots = plan.y_slots
 
         def load_sum(e, slot):
             plgpu.copy_gmem_to_smem(recv2.at[e // count, w_rows(e % count)], r_smem.at[slot],
@@ -283,11 +267,10 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
             if y_smem is None:
                 taco_tiles.store_values(out, values)
             else:
-                plgpu.wait_smem_to_gmem(y_slots - 1, wait_read_only=True)  # the slot's store
-                y = y_smem.at[e % y_slots]
-                taco_tiles.store_values(y, values)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last result store
+                taco_tiles.store_values(y_smem, values)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(y, out)
+                plgpu.copy_smem_to_gmem(y_smem, out)
         plgpu.wait_smem_to_gmem(0)
     pl.run_scoped(gather, *phases["gather"])
 
@@ -295,7 +278,7 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
 def _launch_two_shot(blocks, codec, out_dtype, peers, cfg, mat=None):
     """blocks: (P·T·64, 256) or, in loopback, (P, P·T·64, 256): P segments of T tiles."""
     p = peers.p
-    tiles = _tiles(codec, cfg)
+    tiles = tile_codec(codec)
     n_rows = blocks.shape[-2]
     seg_tiles = n_rows // (p * ROWS)
     lead = blocks.shape[:-2]
@@ -362,7 +345,7 @@ def _two_shot_cfg(cfg: FusedConfig | None, codec, dtype) -> FusedConfig:
                          f"encode_parts={cfg.encode_parts}, store_parts={cfg.store_parts}, "
                          f"own_from_smem={cfg.own_from_smem}, warp_specialized="
                          f"{cfg.warp_specialized})")
-    _plan(_tiles(codec, cfg), dtype, dtype, cfg)      # its shared memory fits, or why not
+    _plan(tile_codec(codec), dtype, dtype, cfg)       # its shared memory fits, or why not
     return cfg
 
 
