@@ -1,9 +1,9 @@
 """The fused all-reduce kernel on one GPU, through a loopback: checks, device time, and a
 projection for two GPUs.
 
-    python -m bench.fused [--p 2 4 8] [--sizes 1KiB 1MiB+5 16MiB ...] [--dtypes bf16 f32]
-                          [--time] [--out bench/results/fused_loopback.json]
-                          [--kernel two_shot] [--ablate [--variants ...]] [--fail-fast]
+    python -m bench.fused [--p 2 4 8] [--sizes 1KiB 1MiB+5 16MiB ...] [--dtypes bf16 f32 f16]
+                          [--codec taco|echo4] [--time] [--out bench/results/fused_loopback.json]
+                          [--update] [--kernel two_shot] [--ablate [--variants ...]] [--fail-fast]
 
 P virtual devices are P groups of programs of the one-launch kernel
 (`kernels.fused.loopback_allreduce`): the kernel body, tile math and protocol of
@@ -33,6 +33,9 @@ in series) is set beside what two GPUs measured for it there ("method_check").
 rows "one_launch_two_shot") the same way, its error gated on its jnp reference's
 (`two_shot_reference`: the same segments and owners) within TWO_SHOT_SLACK, the xla
 transport's reported beside it. `--fail-fast` runs nothing more after a hang or crash.
+`--update` keeps the --out file's rows of what this run does not measure (another codec,
+P, size, dtype or config), so one file holds both codecs' rows; every row names its codec
+and commit.
 
 `--ablate` times the one-shot kernel's VARIANTS side by side (P = 2, bf16, 16/64/256 MiB
 by default): measurement knobs (`FusedConfig.ablate`: a stage left out or done twice;
@@ -296,6 +299,27 @@ def worst_tiles(y, gold, exact, finite, p: int, k: int = 8) -> list[dict]:
              "err": float(e[t]), "gate_err": float(eg[t])} for t in order if e[t] > eg[t]]
 
 
+def kept_rows(path: str, codec: str, configs, config: str) -> list[dict]:
+    """--update: the rows of `path` that this run does not measure again: another codec
+    (a row without one is the file's codec's), or a (P, size, dtype) outside `configs`,
+    or another --config. A missing or unreadable file keeps nothing."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    measured = {(p, s, jnp.dtype(DTYPES[d]).name) for p, s, d in configs}
+    out = []
+    for r in old.get("rows", []):
+        r = {**r, "codec": r.get("codec", old.get("codec")),
+             "commit": r.get("commit", old.get("commit"))}
+        dt = DTYPES.get(r.get("dtype"))
+        key = (r.get("p"), r.get("bytes"), jnp.dtype(dt).name if dt is not None else None)
+        if r["codec"] != codec or r.get("config", "default") != config or key not in measured:
+            out.append(r)
+    return out
+
+
 def run_config(a) -> dict:
     from taco_jax import codecs
     codec = codecs.get(a.codec)
@@ -498,9 +522,11 @@ def method_check(row_bytes: int, link_gbps: float = LINK_GBPS,
 def annotate(payload: dict, row_bytes: int, block: int = 256) -> dict:
     """Derived figures (projections, the method's check) from a payload's measured ones;
     row_bytes, block: the codec's. The method's check is on the xla transport's taco rows
-    of two GPUs, so only a codec with taco's blocks (256) gets it."""
-    rows = [{**r, **project(r, row_bytes, block=block)} if r.get("ok") else r
-            for r in payload["rows"]]
+    of two GPUs, so only a codec with taco's blocks (256) gets it. Rows of another codec
+    (kept by --update) are left as they are."""
+    mine = payload.get("codec")
+    rows = [{**r, **project(r, row_bytes, block=block)}
+            if r.get("ok") and r.get("codec", mine) == mine else r for r in payload["rows"]]
     return {**payload, "rows": rows,
             "method_check": method_check(row_bytes) if block == 256 else []}
 
@@ -656,8 +682,8 @@ def main(argv=None) -> int:
                     help="FusedConfig fields of the loopback kernel, e.g. programs=66")
     ap.add_argument("--kernel", choices=["one_shot", "two_shot"], default="one_shot",
                     help="one_shot: the one-launch kernel (rows 'one_launch'); two_shot: "
-                         "the one-launch two-shot (rows 'one_launch_two_shot'; built, not "
-                         "yet selected by the collectives), its error within "
+                         "the one-launch two-shot as a loopback (rows "
+                         "'one_launch_two_shot'), its error within "
                          f"{TWO_SHOT_SLACK} × its jnp reference's")
     ap.add_argument("--fail-fast", action="store_true",
                     help="after a configuration times out or crashes, run no more (each "
@@ -675,6 +701,10 @@ def main(argv=None) -> int:
     ap.add_argument("--isolate", choices=["config", "group"], default="config")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default="bench/results/fused_loopback.json")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the --out file's rows of what this run does not measure "
+                         "(another codec, P, size, dtype or config); each row names its "
+                         "codec and commit")
     ap.add_argument("--one", nargs=3, metavar=("P", "BYTES,…", "DTYPE"), default=None,
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -693,8 +723,8 @@ def main(argv=None) -> int:
                          f"(--impl kernel on one GPU; not yet: "
                          f"{', '.join(sorted(needed - set(tiles.checked_on_gpu)))})")
     if a.kernel == "two_shot" and a.impl == "mesh":
-        raise SystemExit("bench.fused: --kernel two_shot runs as a loopback only (no "
-                         "collective selects it yet)")
+        raise SystemExit("bench.fused: --impl mesh runs the collectives, which take the "
+                         "kernel for each P (the two-shot at P >= 3): leave --kernel out")
     if a.ablate:
         a.time = True
         if a.kernel != "one_shot":
@@ -734,14 +764,20 @@ def main(argv=None) -> int:
     configs = [(p, s, d) for p in a.p for s in a.sizes for d in a.dtypes]
     config = "ablation" if a.ablate else " ".join(a.config or ()) or "default"
 
+    facts = env_facts()
+    kept = kept_rows(a.out, a.codec, configs, config) if a.update else []
+
     def payload(rows):
-        return {**env_facts(), "impl": a.impl, "codec": a.codec, "calls": a.calls,
+        rows = [{**r, "codec": r.get("codec", a.codec), "commit": r.get("commit",
+                                                                        facts["commit"])}
+                for r in rows]
+        return {**facts, "impl": a.impl, "codec": a.codec, "calls": a.calls,
                 "config": config,
                 "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,
                 "projection": "projected for 2 GPUs, not measured: fixed_us + "
                               "max(per_device_us, wire bytes / link_gbps), / 2xH200 "
                               "lax.psum (bench/results/collectives.json)",
-                "rows": rows, "method_check": []}
+                "rows": kept + rows, "method_check": []}
     if a.ablate:
         rows = []
         for name in a.variants:

@@ -58,15 +58,18 @@
 #                  fused_echo4_loopback_own.json (~200 s)
 #   fused_two_shot_time  python -m bench.fused --kernel two_shot --time: the one-launch
 #                  two-shot's loopback device time per device, P = 4 and 8, bf16, 16 / 64 /
-#                  256 MiB (checked first), beside the three-launch two-shot's kernels for
-#                  one device (compress, reduce, decompress)
-#                  → bench/results/fused_two_shot_loopback.json (~320 s)
+#                  256 MiB (checked first), taco then echo4 (--update: one file, rows by
+#                  codec), beside the three-launch two-shot's kernels for one device
+#                  (compress, reduce, decompress) → bench/results/fused_two_shot_loopback.json
+#                  (~110 s a codec)
 #   fused_two_shot python -m bench.fused --kernel two_shot: the one-launch two-shot's loopback
-#                  checks, P = 8, 4, 3, 5, 6, 7 in that order (FUSED_TWO_SHOT_P), bf16 then
-#                  f32, 16 MiB first, 1 KiB to 256 MiB (FUSED_TWO_SHOT_SIZES), 5 calls on
-#                  fresh inputs with NaN and Inf blocks; stops at the first hang or crash
-#                  (60 s per configuration; ≤ 540 s, FUSED_TWO_SHOT_S sets the limit) →
-#                  bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG}.json
+#                  checks of one codec (FUSED_TWO_SHOT_CODEC, default taco; echo4 the other),
+#                  P = 8, 4, 3, 5, 6, 7 in that order (FUSED_TWO_SHOT_P), bf16, f32 and f16
+#                  (FUSED_TWO_SHOT_DTYPES), 16 MiB first, 1 KiB to 256 MiB
+#                  (FUSED_TWO_SHOT_SIZES), 5 calls on fresh inputs with NaN and Inf blocks;
+#                  stops at the first hang or crash (60 s per configuration; ≤ 540 s,
+#                  FUSED_TWO_SHOT_S sets the limit) → rows by codec, the others' kept
+#                  (--update): bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG}.json
 #   fused_echo4    echo4 over the one-launch kernel (selected at P = 2 since these passed):
 #                  the byte checks of its Mosaic tile kernels (pytest -k gpu), the loopback
 #                  checks (P = 2, 4, 8; bf16, f32; 1 KiB, 1 MiB + 5 B, 16, 64 MiB; stops at
@@ -183,9 +186,11 @@ for s in "$@"; do
                     one_warpgroup halved_encode one_part --isolate group --calls 3 \
                     --timeout 40 --out bench/results/fused_levers.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-540}" python -m bench.fused \
-                      --kernel two_shot --p ${FUSED_TWO_SHOT_P:-8 4 3 5 6 7} --dtypes bf16 f32 \
+                      --kernel two_shot --codec "${FUSED_TWO_SHOT_CODEC:-taco}" \
+                      --p ${FUSED_TWO_SHOT_P:-8 4 3 5 6 7} \
+                      --dtypes ${FUSED_TWO_SHOT_DTYPES:-bf16 f32 f16} \
                       --sizes ${FUSED_TWO_SHOT_SIZES:-16MiB 1KiB 1MiB+5 64MiB 256MiB} \
-                      --calls 5 --isolate group --timeout 60 --fail-fast \
+                      --calls 5 --isolate group --timeout 60 --fail-fast --update \
                       --out "bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG:-}.json" ;;
     fused_p2) loopback_checks 2 && loopback_time ;;
     fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
@@ -196,10 +201,13 @@ for s in "$@"; do
                        --p 2 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB --isolate group \
                        --calls 1 --timeout 90 --config own_from_smem=true \
                        --out bench/results/fused_echo4_loopback_own.json ;;
-    fused_two_shot_time) step fused_two_shot_time 420 python -m bench.fused --kernel two_shot \
-                           --p 4 8 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB --calls 1 \
-                           --isolate group --timeout 90 \
-                           --out bench/results/fused_two_shot_loopback.json ;;
+    fused_two_shot_time)
+      for codec in taco echo4; do
+        step "fused_two_shot_time_$codec" 240 python -m bench.fused --kernel two_shot \
+          --codec "$codec" --p 4 8 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB \
+          --calls 1 --isolate group --timeout 90 --update \
+          --out bench/results/fused_two_shot_loopback.json || break
+      done ;;
     fused_echo4)
       step fused_echo4_tiles 30 python -m pytest -x -q tests/test_mosaic_echo4.py -k gpu
       step fused_echo4_checks 195 python -m bench.fused --codec echo4 --p 2 4 8 \

@@ -196,8 +196,8 @@ def two_shot_loopback(results: str = RESULTS) -> list[dict]:
     """The one-launch two-shot kernel's loopback rows (fused_two_shot_loopback.json): every
     checked bf16 row of the default variant at P ≥ 3, one per (codec, P, size):
     [{"codec", "p", "mib", "per_device_us", "separate_us", "source"}]. A row's codec is its
-    own "codec" field, else the file's "codec" (taco where neither says): echo4 rows of
-    the same schema are read as they appear."""
+    own "codec" field, else the file's "codec" (taco where neither says); its source names
+    its own "commit" where it has one, else the file's."""
     name = "two_shot_loopback"
     doc = _load(name, results)
     src = f"{INPUTS[name]}@{str(doc.get('commit'))[:7]}"
@@ -218,7 +218,8 @@ def two_shot_loopback(results: str = RESULTS) -> list[dict]:
         out.append({"codec": codec, "p": r["p"], "mib": r.get("mib"),
                     "per_device_us": _number(r, "per_device_us", name, results),
                     "separate_us": sep if isinstance(sep, (int, float)) and sep > 0 else None,
-                    "source": src})
+                    "source": (f"{INPUTS[name]}@{str(r['commit'])[:7]}" if r.get("commit")
+                               else src)})
     return out
 
 

@@ -323,9 +323,10 @@ def test_fused_two_shot_on_the_committed_results(tmp_path):
     assert proj.main(["--out", str(out)]) == 0
     res = json.loads(out.read_text())["fused_two_shot"]
     loop = json.loads((pathlib.Path(proj.RESULTS) / "fused_two_shot_loopback.json").read_text())
+    assert {r["codec"] for r in loop["rows"]} == {"taco", "echo4"}
     for r in loop["rows"]:
         mine = [x for x in res["rows"] if (x["codec"], x["p"], x["mib"], x["compute"]) ==
-                ("taco", r["p"], r["mib"], proj.LOOPBACK)]
+                (r["codec"], r["p"], r["mib"], proj.LOOPBACK)]
         assert [x["compute_us"] for x in mine] == [r["per_device_us"]] * 2
         assert {x["link_gbps"] for x in mine} == {350.0, 250.0}
     goals = [x for x in res["rows"] if "goal" in x]

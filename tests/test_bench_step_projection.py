@@ -126,11 +126,11 @@ def test_projection_on_synthetic_emulated_rows(tmp_path, capsys):
     assert f["goal_speedup"] == 1.15
     assert f["meets_goal"] is (f["speedup_vs_bf16"] >= 1.15)
     assert f["speedup_vs_bf16"] == round(bf16["projected_ms"] / f["projected_ms"], 3)
-    # P = 8: bf16 on the ring model; echo4 fused two-shot from its modelled compute
+    # P = 8: bf16 on the ring model; echo4 fused two-shot from its one-launch loopback
     ring = rows[8, 250.0, "bf16"]
     assert ring["comm_ms"] == pytest.approx(97 * (15 + 1.75 * b / 250e3) / 1e3, abs=1e-3)
     e = rows[8, 250.0, "echo4:fused"]
-    assert e["sites"][0]["priced_by"].startswith("fused: separate kernels, modelled")
+    assert e["sites"][0]["priced_by"].startswith("fused: one-launch loopback")
     wire8 = 1.75 * (b // 2) // 128 * 72 / 250e3
     assert all(s["allreduce_us"] >= 15 + wire8 - 0.01 for s in e["sites"])
     assert (8, 350.0, "taco:fused") not in rows               # no emulated row at P = 8
@@ -149,14 +149,21 @@ def test_a_new_fused_row_is_picked_up(tmp_path):
     """An echo4 row in fused_two_shot_loopback.json prices echo4's fused sites at its P."""
     d = results(tmp_path)
     doc = json.loads((d / "fused_two_shot_loopback.json").read_text())
+    doc["rows"] = [r for r in doc["rows"] if r.get("codec", "taco") == "taco"]
+    (d / "fused_two_shot_loopback.json").write_text(json.dumps(doc))
+    out = tmp_path / "p.json"
+    sp.main(["--results", str(d), "--out", str(out)])
+    before = next(r for r in json.loads(out.read_text())["rows"]
+                  if r["p"] == 8 and r["variant"] == "echo4:fused")
+    assert before["sites"][0]["priced_by"].startswith("fused: separate kernels, modelled")
     doc["rows"] += [{**r, "codec": "echo4", "per_device_us": 10 * r["per_device_us"]}
                     for r in doc["rows"] if r["p"] == 8]
     (d / "fused_two_shot_loopback.json").write_text(json.dumps(doc))
-    out = tmp_path / "p.json"
     sp.main(["--results", str(d), "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     e = next(r for r in rows if r["p"] == 8 and r["variant"] == "echo4:fused")
     assert e["sites"][0]["priced_by"].startswith("fused: one-launch loopback")
+    assert e["comm_ms"] > before["comm_ms"]          # 10 × taco's compute, above the wire
 
 
 def test_refuses_without_the_emulated_file(tmp_path):

@@ -25,6 +25,7 @@ from taco_jax.kernels.fused import one_shot, two_shot as fts
 from meshes import per_device
 
 TACO = codecs.get("taco")
+ECHO4 = codecs.get("echo4")
 
 # A lowering is computed once per run (several tests lower the same call: each a second or
 # more of Mosaic GPU lowering); a test that patches what a lowering reads calls `__wrapped__`.
@@ -71,13 +72,14 @@ def test_one_launch_lowers_for_f32_and_f16(gpu_here, dtype):
 
 
 def test_uncovered_calls_take_the_three_launch_schedules(gpu_here):
-    """echo4 at P = 4 (the two-shot kernel has the FP8 codecs' tile math only) and an int8
-    codec: compress/exchange/decode kernels, never a one-launch kernel."""
+    """An int8 codec (no tile codec) at P = 2 and 4: compress/exchange/decode kernels, never
+    a one-launch kernel; echo4 at P = 4 takes the two-shot (its checks passed on a GPU)."""
+    for p in (2, 4):
+        text = lowered_psum((p,), ("tp",), "tp", False, codec="taco-int8")
+        assert "taco_fused_allreduce" not in text and "taco_fused_two_shot" not in text
+        assert "taco_fused_exchange" in text
     text = lowered_psum((4,), ("tp",), "tp", False, codec="echo4")
-    assert "taco_fused_allreduce" not in text and "taco_fused_two_shot" not in text
-    assert "taco_fused_exchange" in text
-    assert "taco_fused_allreduce" not in lowered_psum((2,), ("tp",), "tp", False,
-                                                      codec="taco-int8")
+    assert "taco_fused_two_shot" in text and "taco_fused_exchange" not in text
 
 
 @pytest.mark.parametrize("p,dtype", [(2, jnp.bfloat16), (2, jnp.float32), (4, jnp.bfloat16),
@@ -449,8 +451,9 @@ def _rel(y, exact):
     return np.linalg.norm(y - exact) / np.linalg.norm(exact)
 
 
-@pytest.mark.parametrize("p,dtype", [(3, jnp.bfloat16), (4, jnp.float32)])
-def test_two_shot_reference_is_the_two_shot_schedule_within_its_error(p, dtype):
+@pytest.mark.parametrize("p,dtype,codec", [(3, jnp.bfloat16, "taco"), (4, jnp.float32, "taco"),
+                                           (3, jnp.float32, "echo4")])
+def test_two_shot_reference_is_the_two_shot_schedule_within_its_error(p, dtype, codec):
     """The kernel's reference (segments of whole tiles, owner's part exact, re-encoded from
     f32) against `two_shot.two_shot` (three launches, segments of whole blocks): both
     quantize at most twice, so both err like it, and they differ by about that error."""
@@ -458,13 +461,79 @@ def test_two_shot_reference_is_the_two_shot_schedule_within_its_error(p, dtype):
     k1, k2 = jax.random.split(jax.random.key(0))
     x = (jax.random.normal(k1, (p, n)) * jnp.exp(jax.random.normal(k2, (p, 1)))).astype(dtype)
     exact = np.sum(np.asarray(x, np.float64), axis=0)
-    got = fts.two_shot_reference(x, TACO)
-    want = per_device(lambda v: two_shot.two_shot(v, "tp", TACO, p, False), x)
+    codec = codecs.get(codec)
+    got = fts.two_shot_reference(x, codec)
+    want = per_device(lambda v: two_shot.two_shot(v, "tp", codec, p, False), x)
     assert got.dtype == dtype and got.shape == (n,)
     e_got, e_want = _rel(got, exact), _rel(want[0], exact)
-    one_shot_err = _rel(fa.fused_allreduce_reference(x, TACO), exact)
+    one_shot_err = _rel(fa.fused_allreduce_reference(x, codec), exact)
     assert 0 < e_got <= 1.1 * e_want and e_got > one_shot_err   # two quantizations, not one
     assert _rel(got, want[0]) < 2 * e_want
+
+
+def test_a_decoded_blocks_coefficients_are_its_codes_times_the_row_gain():
+    """What the two-shot's owner sums on (`taco_tiles.add_coefficients`): the transform is
+    orthogonal, so a wire row decodes to a block X whose coefficients Z = H X H / 256 are
+    its codes times s / (16 α), wire byte 16i + j holding Z[j, i]; no transform is needed
+    to add a copy, and the owner quantizes its sum as it is."""
+    from taco_jax.numerics import hadamard, quant
+    k1, k2 = jax.random.split(jax.random.key(3))
+    x = (jax.random.normal(k1, (8, 256)) * jnp.exp(jax.random.normal(k2, (8, 1)))).astype(
+        jnp.bfloat16)
+    w = TACO.compress_reference(x)
+    blocks = np.asarray(TACO.decompress_reference(w), np.float64).reshape(8, 16, 16)
+    h = np.asarray(hadamard.sylvester(16), np.float64)
+    zmat = h @ blocks @ h / 256
+    z = zmat.transpose(0, 2, 1).reshape(8, 256)
+    codes = np.asarray(jax.lax.bitcast_convert_type(w[:, :256], jnp.float8_e4m3fn)
+                       .astype(jnp.float32), np.float64)
+    s, alpha = np.asarray(quant.unpack_scales(w[:, 256:], TACO.n_scales), np.float64)
+    np.testing.assert_allclose(z, codes * s / (16 * alpha), rtol=0,
+                               atol=1e-6 * np.abs(z).max())
+    assert not np.allclose(zmat.reshape(8, 256), codes * s / (16 * alpha))   # Zᵀ, not Z
+
+
+@pytest.mark.parametrize("codec,dtype,per_sm,ring", [
+    ("taco", jnp.bfloat16, 2, 3), ("taco", jnp.float16, 2, 3), ("taco", jnp.float32, 1, 4),
+    ("echo4", jnp.bfloat16, 2, 7), ("echo4", jnp.float32, 1, 7)])
+def test_two_shot_config_fits_two_programs_at_16_bit_input(codec, dtype, per_sm, ring):
+    """Each phase's buffers are scoped to it: at 16-bit input the largest phase fits half a
+    multiprocessor's shared memory, with the deepest ring that does (one slot more does not
+    fit, below the most the kernel takes)."""
+    c = codecs.get(codec)
+    cfg = fts.two_shot_config(c, dtype)
+    assert cfg.per_sm == per_sm
+    got = fa.two_shot_layout(c, dtype)
+    assert got["per_sm"] == per_sm and got["ring"] == ring
+    assert got["program_bytes"] <= got["room_bytes"]
+    assert got["room_bytes"] == fa.SMEM_PER_SM // per_sm - fa.SMEM_RESERVED
+    if ring < 7:
+        with pytest.raises(ValueError, match="shared memory"):
+            fa.two_shot_layout(c, dtype, dataclasses.replace(cfg, ring=ring + 1))
+
+
+def test_two_shot_refuses_a_launch_that_does_not_fit_or_is_not_its_own():
+    with pytest.raises(ValueError, match="FusedConfig.ring=9"):
+        fa.FusedConfig(ring=9)
+    with pytest.raises(ValueError, match=r"ring=7\): a program needs \d+ KiB"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+                              fa.FusedConfig(per_sm=2, ring=7))
+    with pytest.raises(ValueError, match="per_sm 1 or 2"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO, fa.FusedConfig(per_sm=3))
+    with pytest.raises(ValueError, match="warp_specialized"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+                              fa.FusedConfig(own_from_smem=True, warp_specialized=True))
+    with pytest.raises(ValueError, match="shared memory"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.float32), ECHO4, fa.FusedConfig(per_sm=2))
+
+
+def test_two_shot_ring_changes_the_kernel():
+    x = jax.ShapeDtypeStruct((4, 64 * 256 * 9), jnp.bfloat16)
+
+    def lowered(cfg):
+        return jax.jit(lambda v: fts.loopback_two_shot(v, ECHO4, cfg)).trace(x).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert lowered(fa.FusedConfig(per_sm=2, ring=4)) != lowered(fa.FusedConfig(per_sm=2, ring=7))
 
 
 def test_two_shot_reference_keeps_non_finite_blocks_nan():
@@ -477,7 +546,6 @@ def test_two_shot_reference_keeps_non_finite_blocks_nan():
 
 
 # -- echo4 through the tile codec --------------------------------------------------------------
-ECHO4 = codecs.get("echo4")
 
 
 @pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((1, 2), ("data", "tp")),
@@ -550,9 +618,12 @@ def test_other_4bit_codecs_are_refused_by_name(codec, match):
         fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get(codec))
 
 
-def test_two_shot_refuses_echo4():
-    with pytest.raises(ValueError, match="echo4: the two-shot kernel"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), ECHO4)
+@pytest.mark.parametrize("p,dtype", [(3, jnp.bfloat16), (4, jnp.float32), (8, jnp.float16)])
+def test_two_shot_lowers_for_echo4(p, dtype):
+    x = jax.ShapeDtypeStruct((p, 64 * 256 * 5 + 17), dtype)
+    text = jax.jit(lambda v: fts.loopback_two_shot(v, ECHO4)).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("taco_fused_two_shot") >= 1 and text.count("custom_call") == 1
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

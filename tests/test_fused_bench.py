@@ -162,7 +162,8 @@ def test_config_pairs_apply_over_the_kernels_default():
     assert not bench_fused.fused_config(["parts=1"], taco, 4, jnp.bfloat16).own_from_smem
     assert bench_fused.fused_config(["ablate=no_decode"], taco, 2, jnp.float32).per_sm == 1
     two = bench_fused.fused_config(["programs=8"], taco, 4, jnp.bfloat16, "two_shot")
-    assert two == fa.FusedConfig(programs=8)
+    assert two == dataclasses.replace(fa.two_shot_config(taco, jnp.bfloat16), programs=8)
+    assert two.per_sm == 2
 
 
 def test_ablation_table_takes_differences_to_the_default():
@@ -257,7 +258,7 @@ def test_two_shot_times_beside_the_three_launch_two_shots_kernels(tmp_path, caps
 
 
 def test_two_shot_is_a_loopback_only_and_takes_no_knobs(tmp_path):
-    with pytest.raises(SystemExit, match="loopback only|cannot run here"):
+    with pytest.raises(SystemExit, match="leave --kernel out|cannot run here"):
         bench_fused.main(["--kernel", "two_shot", "--impl", "mesh", "--out",
                           str(tmp_path / "no.json")])
     with pytest.raises(SystemExit, match="one-shot kernel's variants"):
@@ -296,15 +297,26 @@ def test_echo4_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong):
     assert out.strip().splitlines()[-1].startswith("bench.fused: FAILED P=2")
 
 
-def test_echo4_one_shot_only_and_unchecked_codecs_not_on_a_mesh(tmp_path, monkeypatch):
+def test_unchecked_codecs_not_on_a_mesh(tmp_path, monkeypatch):
     from taco_jax.kernels import fused as fused_kernels
+    monkeypatch.setattr(fused_kernels.Echo4Tiles, "checked_on_gpu", frozenset({"one_shot"}))
+    with pytest.raises(SystemExit, match="not select the one-launch kernel for echo4.*two_shot"):
+        bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--p", "4", "--out",
+                          str(tmp_path / "no.json")])
     monkeypatch.setattr(fused_kernels.Echo4Tiles, "checked_on_gpu", frozenset())
-    with pytest.raises(SystemExit, match="do not select the one-launch kernel for echo4"):
+    with pytest.raises(SystemExit, match="not select the one-launch kernel for echo4"):
         bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--out",
                           str(tmp_path / "no.json")])
-    with pytest.raises(SystemExit, match="FP8 codecs' tile math only, not echo4"):
-        bench_fused.main(["--codec", "echo4", "--kernel", "two_shot", "--impl", "emulated",
-                          "--out", str(tmp_path / "no.json")])
+
+
+def test_echo4_two_shot_checks_pass_on_its_model(tmp_path, capsys):
+    """echo4 through the two-shot: its jnp reference (segments of whole tiles, the owner's
+    f32 sum encoded once) is what the checks gate on."""
+    rc, res, _ = run(tmp_path, capsys, "--kernel", "two_shot", "--codec", "echo4", p="3")
+    assert rc == 0 and res["rows"]
+    for r in res["rows"]:
+        assert r["ok"] and r["kernel"] == "emulated_two_shot"
+        assert r["rel_err"] == r["reference_rel_err"] and 0.05 < r["rel_err"] < 0.3
 
 
 def test_echo4_projection_counts_its_wire():
@@ -324,3 +336,24 @@ def test_ablation_table_takes_differences_to_the_base_named():
                                                  ("no_sync", 27.0)]]
     got = {r["variant"]: r for r in bench_fused.ablation_table(rows, "one_warpgroup")}
     assert got["no_sync"]["delta_us"] == -3.0 and got["default"]["delta_us"] == -5.0
+
+
+def test_update_keeps_the_other_codecs_rows_and_replaces_its_own(tmp_path, capsys):
+    """--update: one file holds both codecs' two-shot rows, each with its codec and commit;
+    measuring a codec again replaces its rows, never the other's."""
+    out = tmp_path / "two.json"
+    base = ["--kernel", "two_shot", "--p", "3", *SMALL, "--out", str(out)]
+    assert bench_fused.main([*base, "--codec", "taco"]) == 0
+    assert bench_fused.main([*base, "--codec", "echo4", "--update"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({r["codec"] for r in rows}) == ["echo4", "taco"]
+    assert all(r.get("commit") for r in rows) and len(rows) == 4    # 2 sizes × 2 codecs
+    n = len(rows)
+    taco_errs = sorted(r["rel_err"] for r in rows if r["codec"] == "taco")
+    assert bench_fused.main([*base, "--codec", "taco", "--update"]) == 0
+    again = json.loads(out.read_text())["rows"]
+    assert len(again) == n
+    assert sorted(r["rel_err"] for r in again if r["codec"] == "taco") == taco_errs
+    assert bench_fused.main([*base, "--codec", "echo4"]) == 0           # no --update: replaced
+    assert {r["codec"] for r in json.loads(out.read_text())["rows"]} == {"echo4"}
+    capsys.readouterr()

@@ -46,7 +46,7 @@ def test_unknown_step_is_refused(tmp_path):
 def fake_python(tmp_path, fused_rc: int) -> dict:
     """A `python` on PATH that logs its arguments and fails bench.fused with fused_rc."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     exe = bin_dir / "python"
     exe.write_text("#!/usr/bin/env bash\n"
                    f'echo "$*" >> "{tmp_path}/calls.log"\n'
@@ -56,12 +56,15 @@ def fake_python(tmp_path, fused_rc: int) -> dict:
             "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
-def run_fake(tmp_path, steps, module: str):
-    """The script's steps with the logging `python`: (the run, the calls of `module`)."""
-    env = fake_python(tmp_path, 0)
+def run_fake(tmp_path, steps, module: str, env: dict | None = None):
+    """The script's steps with the logging `python` (env: more variables): (the run, the
+    calls of `module` in this run)."""
+    log = tmp_path / "calls.log"
+    log.unlink(missing_ok=True)
+    env = {**fake_python(tmp_path, 0), **(env or {})}
     r = subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True,
                        env=env, timeout=60, cwd=tmp_path)
-    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines() if module in c]
+    calls = [c for c in log.read_text().splitlines() if module in c] if log.exists() else []
     return r, calls
 
 
@@ -92,7 +95,8 @@ def test_fused_steps_run_the_ablation_and_the_two_shot_checks(tmp_path, steps, w
         assert flag in call and "--out bench/results/fused_" in call
     if "--kernel two_shot" in want:
         two = calls[want.index("--kernel two_shot")]
-        assert "--p 8 4 3 5 6 7" in two and "--dtypes bf16 f32" in two and "--fail-fast" in two
+        assert "--p 8 4 3 5 6 7" in two and "--dtypes bf16 f32 f16" in two
+        assert "--fail-fast" in two
         assert "--sizes 16MiB 1KiB 1MiB+5 64MiB 256MiB" in two and "--calls 5" in two
 
 
@@ -115,11 +119,23 @@ def test_fused_echo4_own_checks_then_times_echo4_decoding_its_staging(tmp_path):
     assert "fused_echo4_loopback_own.json" in calls[1]
 
 
-def test_fused_two_shot_time_times_the_checked_two_shot(tmp_path):
+def test_fused_two_shot_time_times_the_checked_two_shot_per_codec_into_one_file(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_two_shot_time"], "bench.fused")
-    assert r.returncode == 0 and len(calls) == 1
-    assert "--kernel two_shot --p 4 8" in calls[0] and "--time" in calls[0]
-    assert "--out bench/results/fused_two_shot_loopback.json" in calls[0]
+    assert r.returncode == 0 and len(calls) == 2
+    assert ["--codec taco" in calls[0], "--codec echo4" in calls[1]] == [True, True]
+    for c in calls:
+        assert "--kernel two_shot" in c and "--p 4 8" in c and "--time" in c and "--update" in c
+        assert "--out bench/results/fused_two_shot_loopback.json" in c
+
+
+def test_fused_two_shot_checks_one_codec_into_the_shared_file(tmp_path):
+    r, calls = run_fake(tmp_path, ["fused_two_shot"], "bench.fused")
+    assert r.returncode == 0 and len(calls) == 1 and "--codec taco" in calls[0]
+    assert "--update" in calls[0] and "--dtypes bf16 f32 f16" in calls[0]
+    r, calls = run_fake(tmp_path, ["fused_two_shot"], "bench.fused",
+                        env={"FUSED_TWO_SHOT_CODEC": "echo4"})
+    assert len(calls) == 1 and "--codec echo4" in calls[0]
+    assert "fused_two_shot_checks.json" in calls[0]
 
 
 def test_fused_levers_time_the_levers_checked(tmp_path):

@@ -153,32 +153,36 @@ def test_fused_under_vmap_on_cpu_is_a_clear_error_and_auto_takes_xla():
 
 
 def test_what_the_loopback_does_not_cover_keeps_the_separate_kernels(loopback):
-    """echo4 at P = 4 (the two-shot kernel has the FP8 codecs' tile math only) and
-    all_gather: the fused transport's separate kernels, the exchange left to the vmap."""
+    """taco-int8 at P = 4 (no tile codec: the one-launch kernels have FP8 and echo4's tile
+    math) and all_gather: the fused transport's separate kernels, the exchange left to the
+    vmap."""
     xs = jnp.asarray(gauss((4, 2, 512), seed=9))
     telemetry.clear_sites()
-    y = emulated(lambda v: taco_jax.psum(v, "tp", codec="echo4", min_bytes=0,
+    y = emulated(lambda v: taco_jax.psum(v, "tp", codec="taco-int8", min_bytes=0,
                                          transport="fused"), xs)
     g = emulated(lambda v: taco_jax.all_gather(v, "tp", min_bytes=0, transport="fused"), xs)
     assert loopback == []
     assert {s.transport for s, _ in telemetry.sites() if s.compressed} == {
         "fused (exchange emulated)"}
-    y_xla = emulated(lambda v: taco_jax.psum(v, "tp", codec="echo4", min_bytes=0,
+    y_xla = emulated(lambda v: taco_jax.psum(v, "tp", codec="taco-int8", min_bytes=0,
                                              transport="xla"), xs)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=0, atol=0)
     assert g.shape == (4, 4, 2, 512)
 
 
-def test_one_launch_covers_p2_one_shot_and_p3_to_8_two_shot_for_taco():
+def test_one_launch_covers_p2_one_shot_and_p3_to_8_two_shot_for_taco_and_echo4():
     taco, echo4 = codecs.get("taco"), codecs.get("echo4")
     assert fused.one_launch_kernel(2) == "one_shot" and fused.one_launch_kernel(8) == "two_shot"
     for p in (2, 3, 4, 8):
         assert fused.one_launch_reason(taco, p, jnp.bfloat16) is None
-    assert fused.one_launch_reason(echo4, 2, jnp.bfloat16) is None
-    assert "two-shot" in fused.one_launch_reason(echo4, 4, jnp.bfloat16)
+    for p in (2, 3, 4, 8):
+        assert fused.one_launch_reason(echo4, p, jnp.bfloat16) is None
+    assert "taco-int8" in fused.one_launch_reason(codecs.get("taco-int8"), 4, jnp.bfloat16)
     assert "P=9" in fused.one_launch_reason(taco, 9, jnp.bfloat16)
     # wire bytes: the one-shot sends all its codes once, the two-shot 2(P − 1)/P of them
     n = 8 * 64 * 256 * 10
     rows = n // 256
     assert fused.one_launch_wire_bytes(taco, 2, n) == rows * taco.row_bytes
     assert fused.one_launch_wire_bytes(taco, 8, n) == 2 * 7 * (rows // 8) * taco.row_bytes
+    # echo4: a tile row of 256 values is two groups of 128 on the wire
+    assert fused.one_launch_wire_bytes(echo4, 8, n) == 2 * 7 * (rows // 8) * 2 * echo4.row_bytes

@@ -100,12 +100,13 @@ def one_launch_reason(codec, p: int, dtype) -> str | None:
 def one_launch_wire_bytes(codec, p: int, n: int) -> int:
     """Bytes one device sends in one call of `one_launch` on n values: the one-shot sends
     its codes to its peer; the two-shot P − 1 of its P segments, then its owned segment's
-    codes to P − 1 peers (whole tiles of 64 blocks per segment)."""
+    codes to P − 1 peers (whole tiles of 64 rows of 256 values per segment; a row is
+    256 / B codec blocks on the wire)."""
     n_blocks = -(-n // codec.block_size)
     if one_launch_kernel(p) == "one_shot":
         return (p - 1) * n_blocks * codec.row_bytes
     seg_rows = -(-max(n, 1) // (p * ROWS * BLOCK)) * ROWS
-    return 2 * (p - 1) * seg_rows * codec.row_bytes
+    return 2 * (p - 1) * seg_rows * (BLOCK // codec.block_size) * codec.row_bytes
 
 
 def one_launch(x, axis, codec, p: int, vma: bool):

@@ -14,7 +14,8 @@ from taco_jax.kernels.fused.one_shot_ws import ws_unsupported
 from taco_jax.kernels.fused.peers import Loopback, Remote, signal_released
 from taco_jax.kernels.fused.tiles import Echo4Tiles, TacoTiles, tile_codec
 from taco_jax.kernels.fused.two_shot import (loopback_two_shot, two_shot_allreduce,
-                                             two_shot_config, two_shot_reference)
+                                             two_shot_config, two_shot_layout,
+                                             two_shot_reference)
 
 __all__ = ["ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SMEM_PER_SM", "SMEM_RESERVED",
            "WARP_SPECIALIZED", "FusedConfig", "exchange_kernel",
@@ -22,4 +23,4 @@ __all__ = ["ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SMEM_PER_SM", "SMEM_RESE
            "loopback_allreduce", "reference_mismatch", "reference_steps", "smem_bytes",
            "unsupported", "ws_unsupported", "Loopback", "Remote", "signal_released",
            "Echo4Tiles", "TacoTiles", "tile_codec", "loopback_two_shot", "two_shot_allreduce",
-           "two_shot_config", "two_shot_reference"]
+           "two_shot_config", "two_shot_layout", "two_shot_reference"]
