@@ -312,8 +312,13 @@ def test_unchecked_codecs_not_on_a_mesh(tmp_path, monkeypatch):
 def test_echo4_two_shot_checks_pass_on_its_model(tmp_path, capsys):
     """echo4 through the two-shot: its jnp reference (segments of whole tiles, the owner's
     f32 sum encoded once) is what the checks gate on."""
-    rc, res, _ = run(tmp_path, capsys, "--kernel", "two_shot", "--codec", "echo4", p="3")
-    assert rc == 0 and res["rows"]
+    out = tmp_path / "echo4.json"
+    rc = bench_fused.main(["--kernel", "two_shot", "--codec", "echo4", "--p", "3", "--sizes",
+                           "3KiB+5", "--dtypes", "bf16", "--calls", "2", "--impl", "emulated",
+                           "--out", str(out)])
+    res = json.loads(out.read_text())
+    capsys.readouterr()
+    assert rc == 0 and len(res["rows"]) == 1
     for r in res["rows"]:
         assert r["ok"] and r["kernel"] == "emulated_two_shot"
         assert r["rel_err"] == r["reference_rel_err"] and 0.05 < r["rel_err"] < 0.3
@@ -340,20 +345,18 @@ def test_ablation_table_takes_differences_to_the_base_named():
 
 def test_update_keeps_the_other_codecs_rows_and_replaces_its_own(tmp_path, capsys):
     """--update: one file holds both codecs' two-shot rows, each with its codec and commit;
-    measuring a codec again replaces its rows, never the other's."""
+    measuring a codec again replaces its rows, never the other's (nor another size's)."""
     out = tmp_path / "two.json"
-    base = ["--kernel", "two_shot", "--p", "3", *SMALL, "--out", str(out)]
-    assert bench_fused.main([*base, "--codec", "taco"]) == 0
-    assert bench_fused.main([*base, "--codec", "echo4", "--update"]) == 0
+    base = ["--kernel", "two_shot", "--p", "3", "--dtypes", "bf16", "--calls", "1",
+            "--isolate", "group", "--impl", "emulated", "--out", str(out)]
+    assert bench_fused.main([*base, "--sizes", "1KiB", "3KiB+5", "--codec", "taco"]) == 0
+    doc = json.loads(out.read_text())
+    assert all(r["codec"] == "taco" and r["commit"] == doc["commit"] for r in doc["rows"])
+    echo = [{**r, "codec": "echo4", "rel_err": 0.5} for r in doc["rows"]]
+    out.write_text(json.dumps({**doc, "rows": doc["rows"] + echo}))
+    assert bench_fused.main([*base, "--sizes", "1KiB", "--codec", "taco", "--update"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert sorted({r["codec"] for r in rows}) == ["echo4", "taco"]
-    assert all(r.get("commit") for r in rows) and len(rows) == 4    # 2 sizes × 2 codecs
-    n = len(rows)
-    taco_errs = sorted(r["rel_err"] for r in rows if r["codec"] == "taco")
-    assert bench_fused.main([*base, "--codec", "taco", "--update"]) == 0
-    again = json.loads(out.read_text())["rows"]
-    assert len(again) == n
-    assert sorted(r["rel_err"] for r in again if r["codec"] == "taco") == taco_errs
-    assert bench_fused.main([*base, "--codec", "echo4"]) == 0           # no --update: replaced
-    assert {r["codec"] for r in json.loads(out.read_text())["rows"]} == {"echo4"}
+    assert sorted((r["codec"], r["bytes"]) for r in rows) == [
+        ("echo4", 1024), ("echo4", 3077), ("taco", 1024), ("taco", 3077)]
+    assert [r["rel_err"] for r in rows if r["codec"] == "echo4"] == [0.5, 0.5]
     capsys.readouterr()
