@@ -70,6 +70,11 @@
 #                  stops at the first hang or crash (60 s per configuration; ≤ 540 s,
 #                  FUSED_TWO_SHOT_S sets the limit) → rows by codec, the others' kept
 #                  (--update): bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG}.json
+#   fused_two_shot_phases  where the two-shot's time goes: taco and echo4, P = 4 and 8, bf16,
+#                  256 MiB, timed as it is and with FusedConfig(ablate=scatter_only /
+#                  no_gather) (its later phases left out: scatter = scatter_only, reduce =
+#                  no_gather − scatter_only, gather = the kernel − no_gather), rows by codec
+#                  and config → bench/results/fused_two_shot_phases.json (~45 s a run, ≤ 540 s)
 #   fused_echo4    echo4 over the one-launch kernel (selected at P = 2 since these passed):
 #                  the byte checks of its Mosaic tile kernels (pytest -k gpu), the loopback
 #                  checks (P = 2, 4, 8; bf16, f32; 1 KiB, 1 MiB + 5 B, 16, 64 MiB; stops at
@@ -207,6 +212,16 @@ for s in "$@"; do
           --codec "$codec" --p 4 8 --dtypes bf16 --time --sizes 16MiB 64MiB 256MiB \
           --calls 1 --isolate group --timeout 90 --update \
           --out bench/results/fused_two_shot_loopback.json || break
+      done ;;
+    fused_two_shot_phases)
+      rm -f bench/results/fused_two_shot_phases.json
+      for codec in taco echo4; do
+        for cfg in "" "--config ablate=scatter_only" "--config ablate=no_gather"; do
+          step "fused_two_shot_phases_$codec" 90 python -m bench.fused --kernel two_shot \
+            --codec "$codec" --p 4 8 --dtypes bf16 --time --sizes 256MiB --calls 1 \
+            --isolate group --timeout 80 --update $cfg \
+            --out bench/results/fused_two_shot_phases.json || break 2
+        done
       done ;;
     fused_echo4)
       step fused_echo4_tiles 30 python -m pytest -x -q tests/test_mosaic_echo4.py -k gpu

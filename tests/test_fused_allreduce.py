@@ -527,6 +527,26 @@ def test_two_shot_refuses_a_launch_that_does_not_fit_or_is_not_its_own():
         fts.loopback_two_shot(jnp.ones((3, 512), jnp.float32), ECHO4, fa.FusedConfig(per_sm=2))
 
 
+def test_two_shot_phase_knobs_leave_phases_out_and_belong_to_it():
+    """ablate="scatter_only" / "no_gather": the two-shot without its last phases (timed
+    only), so that differences give each phase's time; neither kernel takes the other's
+    knobs."""
+    x = jax.ShapeDtypeStruct((4, 64 * 256 * 8), jnp.bfloat16)
+
+    def lowered(ablate):
+        cfg = fa.FusedConfig(per_sm=2, ablate=ablate)
+        return jax.jit(lambda v: fts.loopback_two_shot(v, TACO, cfg)).trace(x).lower(
+            lowering_platforms=("cuda",)).as_text()
+    sizes = [len(lowered(a)) for a in ("scatter_only", "no_gather", "none")]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 3
+    with pytest.raises(ValueError, match="two-shot kernel's measurement knob"):
+        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), TACO,
+                              fa.FusedConfig(ablate="no_gather"))
+    with pytest.raises(ValueError, match="takes ablate none, scatter_only, no_gather"):
+        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+                              fa.FusedConfig(ablate="no_decode"))
+
+
 def test_two_shot_ring_changes_the_kernel():
     x = jax.ShapeDtypeStruct((4, 64 * 256 * 9), jnp.bfloat16)
 

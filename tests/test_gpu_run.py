@@ -316,3 +316,13 @@ def test_train_step_emulated_runs_each_preset_then_the_projection(tmp_path):
                 "echo4:fused --steps 10 --update --out bench/results/train_step_emulated.json"
                 in c)
     assert calls[-1] == "-m bench.step_projection"
+
+
+def test_fused_two_shot_phases_times_each_codec_as_it_is_and_without_its_last_phases(tmp_path):
+    r, calls = run_fake(tmp_path, ["fused_two_shot_phases"], "bench.fused")
+    assert r.returncode == 0 and len(calls) == 6
+    for codec, part in zip(["taco"] * 3 + ["echo4"] * 3, calls):
+        assert f"--codec {codec}" in part and "--update" in part and "--time" in part
+        assert "--out bench/results/fused_two_shot_phases.json" in part
+    assert ["ablate=scatter_only" in c for c in calls[:3]] == [False, True, False]
+    assert ["ablate=no_gather" in c for c in calls[3:]] == [False, False, True]

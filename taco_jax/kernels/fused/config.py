@@ -26,7 +26,12 @@ ABLATIONS = {
     "no_peer_stores": "each tile stored into this device's own slot only",
     "no_signal": "no semaphore signal or wait (stores still waited for)",
     "no_sync": "no semaphore signal or wait, no wait for the stores to land",
+    # the two-shot kernel's: its phases left out from the end, so that differences give
+    # each phase's time (scatter; + reduce; + gather, the kernel as it is)
+    "scatter_only": "the two-shot: its scatter and first handshake only",
+    "no_gather": "the two-shot: scatter and reduce, the P sums not decoded",
 }
+TWO_SHOT_ABLATIONS = ("none", "scatter_only", "no_gather")
 SMEM_PER_SM = 228 * 1024     # Hopper: shared memory per multiprocessor …
 SMEM_RESERVED = 1024         # … of which each resident program's runtime takes this
 

@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax.kernels.fused.config import (IN_DTYPES, MAX_P, SLIM_2_PER_SM, FP8_DECODE,
-                                           SMEM_PER_SM, SMEM_RESERVED, WARP_SPECIALIZED,
-                                           FusedConfig)
+                                           SMEM_PER_SM, SMEM_RESERVED, TWO_SHOT_ABLATIONS,
+                                           WARP_SPECIALIZED, FusedConfig)
 from taco_jax.kernels.fused.launch import buffer_bytes, call
 from taco_jax.kernels.fused.one_shot_ws import launch_ws
 from taco_jax.kernels.fused.peers import Loopback, Remote
@@ -262,6 +262,9 @@ def _check_resident(p, codec, in_dtype, out_dtype, cfg):
 def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     """blocks: (n_rows, 256) or, in loopback, (P, n_rows, 256); n_rows % 64 == 0."""
     p = peers.p
+    if cfg.ablate != "none" and cfg.ablate in TWO_SHOT_ABLATIONS:
+        raise ValueError(f"FusedConfig(ablate={cfg.ablate!r}) is the two-shot kernel's "
+                         f"measurement knob, not the one-shot's")
     tiles = tile_codec(codec)
     if cfg.decode == "sum_first":
         if not isinstance(tiles, TacoTiles):

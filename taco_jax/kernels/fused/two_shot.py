@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from taco_jax.kernels.fused.config import SMEM_PER_SM, SMEM_RESERVED, FusedConfig
+from taco_jax.kernels.fused.config import (SMEM_PER_SM, SMEM_RESERVED, TWO_SHOT_ABLATIONS,
+                                           FusedConfig)
 from taco_jax.kernels.fused.launch import buffer_bytes, scratch_args, scratch_types
 from taco_jax.kernels.fused.one_shot import check
 from taco_jax.kernels.fused.peers import Loopback, Remote
@@ -209,6 +210,8 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
                 me, w_rows(e % count)])
     pl.run_scoped(scatter, *phases["scatter"])
     handshake(0)
+    if cfg.ablate == "scatter_only":
+        return
 
     # 2. the owner: its exact segment + the P − 1 peers' copies (in the order me + 1, …),
     # in f32, encoded once, into every device's slot `me` (its own last)
@@ -259,6 +262,9 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
                 plgpu.copy_smem_to_gmem(stage, out.at[me, w_rows(i)])
     pl.run_scoped(reduce, *phases["reduce"])
     handshake(1)
+    if cfg.ablate == "no_gather":
+        plgpu.wait_smem_to_gmem(0)
+        return
 
     # 3. every device decodes the P owners' sums: the same bytes everywhere
     def gather(r_smem, y_smem=None):
@@ -348,12 +354,13 @@ def _segments(flat, p: int):
 
 def _two_shot_cfg(cfg: FusedConfig | None, codec, dtype) -> FusedConfig:
     """The two-shot kernel reads `programs`, `per_sm` (1 or 2: a program holds up to 255
-    registers a thread), `parts`, `x_slots` and `out_store`; the measurement knobs and the
-    decode options are the one-shot kernel's. None: `two_shot_config`."""
+    registers a thread), `parts`, `x_slots`, `out_store`, `ring` and its measurement knobs
+    (`ablate` in TWO_SHOT_ABLATIONS: phases left out, results wrong, timed only); the decode
+    options are the one-shot kernel's. None: `two_shot_config`."""
     cfg = cfg or two_shot_config(codec, dtype)
-    if cfg.ablate != "none" or cfg.per_sm > 2:
-        raise ValueError(f"the two-shot kernel takes no ablate and per_sm 1 or 2 (got "
-                         f"ablate={cfg.ablate!r}, per_sm={cfg.per_sm})")
+    if cfg.ablate not in TWO_SHOT_ABLATIONS or cfg.per_sm > 2:
+        raise ValueError(f"the two-shot kernel takes ablate {', '.join(TWO_SHOT_ABLATIONS)} "
+                         f"and per_sm 1 or 2 (got ablate={cfg.ablate!r}, per_sm={cfg.per_sm})")
     if (cfg.decode != "per_source" or cfg.encode_parts != 1 or cfg.store_parts
             or cfg.own_from_smem or cfg.warp_specialized):
         raise ValueError(f"the two-shot kernel takes no decode, encode_parts, store_parts, "
