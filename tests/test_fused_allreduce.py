@@ -512,6 +512,28 @@ def test_two_shot_config_fits_two_programs_at_16_bit_input(codec, dtype, per_sm,
             fa.two_shot_layout(c, dtype, dataclasses.replace(cfg, ring=ring + 1))
 
 
+@pytest.mark.parametrize("codec,dtype", [("taco", jnp.bfloat16), ("taco", jnp.float32),
+                                         ("echo4", jnp.bfloat16), ("echo4", jnp.float32)])
+def test_two_shot_layout_counts_what_the_lowering_allocates(monkeypatch, codec, dtype):
+    """The shared memory Pallas allocates for the two-shot's scratch (its largest phase, the
+    operands) is what `two_shot_layout` counts, less its 1 KiB for the barriers: two
+    programs a multiprocessor are resident where it says so (else the handshakes hang)."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    seen = []
+    lower = mgpu_core._lower_as_gpu_kernel
+
+    def spy(*a, **k):
+        seen.append(k["smem_scratch_shape"][0].shape[0])
+        return lower(*a, **k)
+    monkeypatch.setattr(mgpu_core, "_lower_as_gpu_kernel", spy)
+    codec = codecs.get(codec)
+    x = jax.ShapeDtypeStruct((4, 64 * 256 * 4 * 3 + 17), dtype)
+    jax.jit(lambda v: fts.loopback_two_shot(v, codec)).trace(x).lower(
+        lowering_platforms=("cuda",))
+    got = fa.two_shot_layout(codec, dtype)
+    assert seen and seen[-1] + 1024 == got["program_bytes"] <= got["room_bytes"]
+
+
 def test_two_shot_refuses_a_launch_that_does_not_fit_or_is_not_its_own():
     with pytest.raises(ValueError, match="FusedConfig.ring=9"):
         fa.FusedConfig(ring=9)
