@@ -4,7 +4,8 @@ tiles between devices themselves, and the fused transport's exchange kernel: `co
 and the decode-and-sum), `launch`, one file per kernel body (`one_shot`, `one_shot_ws`,
 `two_shot`, `exchange`). The names below are their public face."""
 from taco_jax.kernels.fused.config import (ABLATIONS, FP8_DECODE, SLIM_2_PER_SM, SMEM_PER_SM,
-                                           SMEM_RESERVED, WARP_SPECIALIZED, FusedConfig)
+                                           SMEM_RESERVED, TWO_SHOT_ABLATIONS, WARP_SPECIALIZED,
+                                           FusedConfig)
 from taco_jax.kernels.fused.exchange import exchange_kernel
 from taco_jax.kernels.fused.one_shot import (default_config, fused_allreduce,
                                              fused_allreduce_reference, loopback_allreduce,
@@ -17,7 +18,7 @@ from taco_jax.kernels.fused.two_shot import (loopback_two_shot, two_shot_allredu
                                              two_shot_config, two_shot_layout,
                                              two_shot_reference)
 
-__all__ = ["ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SMEM_PER_SM", "SMEM_RESERVED",
+__all__ = ["ABLATIONS", "TWO_SHOT_ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SMEM_PER_SM", "SMEM_RESERVED",
            "WARP_SPECIALIZED", "FusedConfig", "exchange_kernel",
            "default_config", "fused_allreduce", "fused_allreduce_reference",
            "loopback_allreduce", "reference_mismatch", "reference_steps", "smem_bytes",

@@ -1,6 +1,7 @@
 """The fused all-reduce kernels' launch configuration: `FusedConfig` (each field with its
 reason), the measured presets the one-shot kernel's `default_config` combines, the
-measurement knobs (`ABLATIONS`) and the shared-memory budget of a multiprocessor."""
+measurement knobs (`ABLATIONS`, `TWO_SHOT_ABLATIONS`) and the shared-memory budget of a
+multiprocessor."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,12 +27,14 @@ ABLATIONS = {
     "no_peer_stores": "each tile stored into this device's own slot only",
     "no_signal": "no semaphore signal or wait (stores still waited for)",
     "no_sync": "no semaphore signal or wait, no wait for the stores to land",
-    # the two-shot kernel's: its phases left out from the end, so that differences give
-    # each phase's time (scatter; + reduce; + gather, the kernel as it is)
-    "scatter_only": "the two-shot: its scatter and first handshake only",
-    "no_gather": "the two-shot: scatter and reduce, the P sums not decoded",
 }
-TWO_SHOT_ABLATIONS = ("none", "scatter_only", "no_gather")
+# The two-shot kernel's: its phases left out from the end, so that differences give each
+# phase's time (scatter; + reduce; + gather, the kernel as it is).
+TWO_SHOT_ABLATIONS = {
+    "none": "the kernel as it is",
+    "scatter_only": "its scatter and first handshake only",
+    "no_gather": "scatter and reduce, the P sums not decoded",
+}
 SMEM_PER_SM = 228 * 1024     # Hopper: shared memory per multiprocessor …
 SMEM_RESERVED = 1024         # … of which each resident program's runtime takes this
 
@@ -89,7 +92,7 @@ class FusedConfig:
     # the sums), so that many are in flight (None: the most that fit, up to 7, the P − 1
     # copies of a tile at P = 8).
     ring: int | None = None
-    # A measurement knob (ABLATIONS), "none" in use.
+    # A measurement knob (ABLATIONS, TWO_SHOT_ABLATIONS), "none" in use.
     ablate: str = "none"
 
     def __post_init__(self):
@@ -122,9 +125,10 @@ class FusedConfig:
                              "and no ablate knob")
         if self.ring is not None and not 2 <= self.ring <= 8:
             raise ValueError(f"FusedConfig.ring={self.ring} must be None or 2..8")
-        if self.ablate not in ABLATIONS:
+        if self.ablate not in ABLATIONS and self.ablate not in TWO_SHOT_ABLATIONS:
             raise ValueError(f"FusedConfig.ablate={self.ablate!r} must be one of "
-                             f"{', '.join(ABLATIONS)}")
+                             f"{', '.join(ABLATIONS)} (the one-shot kernel's) or "
+                             f"{', '.join(TWO_SHOT_ABLATIONS)} (the two-shot's)")
 
     def grid(self, n_tiles: int, devices_here: int) -> int:
         """Programs per device: ≤ per_sm × this GPU's multiprocessors / devices_here."""

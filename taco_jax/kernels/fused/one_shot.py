@@ -43,8 +43,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from taco_jax.kernels.fused.config import (IN_DTYPES, MAX_P, SLIM_2_PER_SM, FP8_DECODE,
-                                           SMEM_PER_SM, SMEM_RESERVED, TWO_SHOT_ABLATIONS,
+from taco_jax.kernels.fused.config import (ABLATIONS, IN_DTYPES, MAX_P, SLIM_2_PER_SM,
+                                           FP8_DECODE, SMEM_PER_SM, SMEM_RESERVED,
                                            WARP_SPECIALIZED, FusedConfig)
 from taco_jax.kernels.fused.launch import buffer_bytes, call
 from taco_jax.kernels.fused.one_shot_ws import launch_ws
@@ -262,7 +262,7 @@ def _check_resident(p, codec, in_dtype, out_dtype, cfg):
 def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     """blocks: (n_rows, 256) or, in loopback, (P, n_rows, 256); n_rows % 64 == 0."""
     p = peers.p
-    if cfg.ablate != "none" and cfg.ablate in TWO_SHOT_ABLATIONS:
+    if cfg.ablate not in ABLATIONS:
         raise ValueError(f"FusedConfig(ablate={cfg.ablate!r}) is the two-shot kernel's "
                          f"measurement knob, not the one-shot's")
     tiles = tile_codec(codec)

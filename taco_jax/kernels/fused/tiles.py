@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, vector
+from jaxlib.mlir.dialects import arith
 
 from taco_jax import _jax_private
 from taco_jax.kernels.mosaic import echo4 as mosaic_echo4, registers, taco_tiles
@@ -261,8 +261,7 @@ def tile_codec(codec):
 # -- decode and add, in registers ---------------------------------------------------------------
 def _row_gains(codec, sbytes) -> list:
     """`taco_tiles.row_gains` as a vector<2> per row half (the WGMMA layout's pairs)."""
-    vty = ir.VectorType.get((2,), ir.F32Type.get())
-    return [vector.broadcast(vty, g) for g in taco_tiles.row_gains(codec, sbytes)]
+    return taco_tiles.row_gains(codec, sbytes, 2)
 
 
 @functools.cache

@@ -199,9 +199,11 @@ def _row_stats(vals):
         m = av if m is None else arith.maximumf(m, av)   # NaN-propagating
     n = ir.VectorType(ss.type).shape[0]
     ss_v, m_v = ss, m
-    ss, m = elem(ss_v, 0), elem(m_v, 0)
+    ss = elem(ss_v, 0)
     for k in range(1, n):
         ss = arith.addf(ss, elem(ss_v, k))
+    m = elem(m_v, 0)
+    for k in range(1, n):
         m = arith.maximumf(m, elem(m_v, k))
     for d in (1, 2):
         ss = arith.addf(ss, mgpu_utils.shfl_bfly(ss, d))
@@ -255,11 +257,12 @@ def _row_scale(ss, m, codec):
     s = arith.maximumf(arith.mulf(arith.mulf(m, g), f32_const(1.0 / codec.qmax)),
                        f32_const(quant.SCALE_MIN))                 # eq. 9
     s = arith.select(bad, nan, s)
+    mult = arith.mulf(g, ptx_f32("rcp.approx.ftz.f32", s))
     vals = [s] if gain is None else [s, gain]
     v = vector.from_elements(ir.VectorType.get((len(vals),), f32), vals)
     sbytes = vector.bitcast(ir.VectorType.get((4 * codec.n_scales,),
                                               ir.IntegerType.get_signless(8)), v)
-    return sbytes, arith.mulf(g, ptx_f32("rcp.approx.ftz.f32", s))
+    return sbytes, mult
 
 
 def _scale_array(row_bytes, codec) -> fa.FragmentedArray:
@@ -297,10 +300,10 @@ def _requantize_regs(acc, mult, codec):
     return _codes(transformed(acc), mult_v, codec)
 
 
-def row_gains(codec, sbytes) -> list:
-    """The decode gain of this thread's two rows (f32 scalars): s (eq. 11), over α for
-    "ash" (eq. 13), times the transform's 1/√256: a code q of the row stands for the
-    coefficient z0 = q · gain (and the value H·(q·gain)·H)."""
+def row_gains(codec, sbytes, vec: int | None = None) -> list:
+    """The decode gain of this thread's two rows: s (eq. 11), over α for "ash" (eq. 13),
+    times the transform's 1/√256: a code q of the row stands for the coefficient
+    z0 = q · gain (and the value H·(q·gain)·H). f32 scalars, or vector<vec> broadcasts."""
     f32 = ir.F32Type.get()
     gains = []
     for i in range(2):
@@ -309,7 +312,9 @@ def row_gains(codec, sbytes) -> list:
         gain = elem(sv, 0)                                         # eq. 11
         if codec.transform == "ash":                               # eq. 13
             gain = arith.mulf(gain, ptx_f32("rcp.approx.ftz.f32", elem(sv, 1)))
-        gains.append(arith.mulf(gain, f32_const(1 / np.sqrt(BLOCK))))
+        gain = arith.mulf(gain, f32_const(1 / np.sqrt(BLOCK)))
+        gains.append(gain if vec is None else
+                     vector.broadcast(ir.VectorType.get((vec,), f32), gain))
     return gains
 
 
@@ -317,7 +322,7 @@ def _decode_regs(acc, sbytes, codec, out_dtype):
     """acc: a part's accumulator, slice c holding Σ_r' q[16c + r'] H[r', r] for this
     part's r; sbytes: scale bytes → values of this part (value layout)."""
     f32 = ir.F32Type.get()
-    gains = [vector.broadcast(ir.VectorType.get((2,), f32), g) for g in row_gains(codec, sbytes)]
+    gains = row_gains(codec, sbytes, 2)
     vals = assemble(transformed(acc), value_vec(out_dtype), f32, gains)      # eq. 12
     return vals.astype(mgpu_utils.dtype_to_ir_type(jnp.dtype(out_dtype)))
 
@@ -345,8 +350,7 @@ def _add_coefficients_regs(total, codes, sbytes, codec):
     f32 = ir.F32Type.get()
     q = codes.bitcast(mgpu_utils.dtype_to_ir_type(CODE_FORMATS[codec.fmt])).astype(
         ir.F16Type.get()).astype(f32)
-    vty = ir.VectorType.get((_code_vec(codec),), f32)
-    gains = [vector.broadcast(vty, g) for g in row_gains(codec, sbytes)]
+    gains = row_gains(codec, sbytes, _code_vec(codec))
     qr, out = _rows_of(q), np.empty_like(q.registers)
     view = None if total is None else _rows_of(total)
     res = out.reshape(2, -1)
