@@ -49,3 +49,11 @@ def h200(monkeypatch):
     from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+
+
+@pytest.fixture
+def gpu_here(monkeypatch):
+    """The fused transport's platform check passes (what the fused-kernel tests lower is a
+    CUDA program)."""
+    from taco_jax.collectives import fused
+    monkeypatch.setattr(fused, "_platform_reason", lambda: None)

@@ -1,0 +1,39 @@
+"""What the fused-kernel tests share: `lowered_psum` (taco_jax.psum over the fused transport
+on a mesh, lowered for CUDA, once per run) and `rel_l2` (the `gpu_here` fixture is in
+conftest.py)."""
+import functools
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import taco_jax
+
+# A lowering is computed once per run (several tests lower the same call: each a second or
+# more of Mosaic GPU lowering); a test that patches what a lowering reads calls `__wrapped__`.
+cached = functools.lru_cache(maxsize=None)
+
+
+@cached
+def lowered_psum(shape, names, axis, vma, dtype=jnp.bfloat16, codec="taco"):
+    """HLO text of taco_jax.psum(transport="fused") over `axis` of a mesh `names` → shape,
+    lowered for CUDA; every other axis shards the input too."""
+    n = int(np.prod(shape))
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
+    spec = P(names)
+
+    def body(v):
+        y = taco_jax.psum(v[0], axis, min_bytes=0, transport="fused", codec=codec)
+        return y[None]
+    out_spec = P(tuple(a for a in names if a != axis)) if vma else spec
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=vma)
+    x = jax.ShapeDtypeStruct((n, 3, 5000), dtype, sharding=NamedSharding(mesh, spec))
+    return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def rel_l2(y, exact):
+    """‖y − exact‖ / ‖exact‖ in f64."""
+    y, exact = np.asarray(y, np.float64), np.asarray(exact, np.float64)
+    return np.linalg.norm(y - exact) / np.linalg.norm(exact)
