@@ -159,23 +159,22 @@ def test_ablation_workers(tmp_path, capsys):
     """--workers 2: two child drivers train the variants at once; their rows are merged into
     one JSON and table, each with the parent's commit; a re-run trains nothing."""
     from experiments import ablation
-    args = ["--steps", "2", "--variants", "none", "taco", "fwd:taco", "--workers", "2",
+    args = ["--steps", "2", "--variants", "none", "fwd:taco", "--workers", "2",
             "--out-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "a.json"),
             "--plot", str(tmp_path / "a.png"), "--set", *_small(tmp_path / "cache")]
     out = ablation.main(args)
     rows = {r["variant"]: r for r in out["rows"]}
-    assert set(rows) == {"none", "taco", "fwd:taco"} and "unfinished" not in out
+    assert set(rows) == {"none", "fwd:taco"} and "unfinished" not in out
     assert all(math.isfinite(r["final_val_loss"]) for r in rows.values())
     assert len({r["commit"] for r in rows.values()}) == 1
     saved = json.loads((tmp_path / "a.json").read_text())
-    assert [r["variant"] for r in saved["rows"]] == ["none", "taco", "fwd:taco"]
+    assert [r["variant"] for r in saved["rows"]] == ["none", "fwd:taco"]
     assert (tmp_path / "a.png").stat().st_size > 0
     capsys.readouterr()
     again = ablation.main(args)     # everything is finished: read back, no workers
     assert "[ablation] worker" not in capsys.readouterr().out
     assert [r["final_val_loss"] for r in again["rows"]] == [rows[v]["final_val_loss"]
-                                                            for v in ("none", "taco",
-                                                                      "fwd:taco")]
+                                                            for v in ("none", "fwd:taco")]
 
 
 def _row(variant, loss, seed=None):

@@ -77,8 +77,7 @@ def test_two_shot_refuses_what_it_does_not_cover():
     assert fts.loopback_two_shot(jnp.ones((3, 0), jnp.bfloat16), TACO).shape == (3, 0)
 
 
-@pytest.mark.parametrize("p,dtype,codec", [(3, jnp.bfloat16, "taco"), (4, jnp.float32, "taco"),
-                                           (3, jnp.float32, "echo4")])
+@pytest.mark.parametrize("p,dtype,codec", [(3, jnp.bfloat16, "taco"), (3, jnp.float32, "echo4")])
 def test_two_shot_reference_is_the_two_shot_schedule_within_its_error(p, dtype, codec):
     """The kernel's reference (segments of whole tiles, owner's part exact, re-encoded from
     f32) against `two_shot.two_shot` (three launches, segments of whole blocks): both
