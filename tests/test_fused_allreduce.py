@@ -182,7 +182,6 @@ SUM_FIRST = fa.FusedConfig(decode="sum_first")
     (2, SUM_FIRST, jnp.bfloat16), (4, SUM_FIRST, jnp.float32),
     (2, fa.FusedConfig(decode="sum_first", parts=1), jnp.bfloat16),
     (4, dataclasses.replace(fa.SLIM_2_PER_SM, decode="sum_first"), jnp.float16),
-    (4, fa.FusedConfig(decode="sum_first"), jnp.bfloat16),
     (4, fa.FusedConfig(decode="sum_first", ablate="decode_twice"), jnp.bfloat16)])
 def test_sum_first_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
     """P = 2 (both tiles resident) and P ≥ 3 (tiles streamed through two slots; P = 8 runs
