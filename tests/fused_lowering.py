@@ -1,5 +1,6 @@
 """What the fused-kernel tests share: `lowered_psum` (taco_jax.psum over the fused transport
-on a mesh, lowered for CUDA, once per run) and `rel_l2` (the `gpu_here` fixture is in
+on a mesh, lowered for CUDA, once per run), `scratch_bytes` (a Mosaic kernel's shared
+memory as the lowering allocates it) and `rel_l2` (the `gpu_here` fixture is in
 conftest.py)."""
 import functools
 
@@ -37,3 +38,19 @@ def rel_l2(y, exact):
     """‖y − exact‖ / ‖exact‖ in f64."""
     y, exact = np.asarray(y, np.float64), np.asarray(exact, np.float64)
     return np.linalg.norm(y - exact) / np.linalg.norm(exact)
+
+
+def scratch_bytes(monkeypatch, fn, x) -> int:
+    """The shared memory Pallas allocates for the scratch of the (last) Mosaic GPU kernel in
+    fn, lowered for CUDA on x (each buffer aligned to 1 KiB; the barriers not counted)."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    seen = []
+    lower = mgpu_core._lower_as_gpu_kernel
+
+    def spy(*a, **k):
+        seen.append(k["smem_scratch_shape"][0].shape[0])
+        return lower(*a, **k)
+    monkeypatch.setattr(mgpu_core, "_lower_as_gpu_kernel", spy)
+    jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",))
+    assert seen, "no Mosaic GPU kernel was lowered"
+    return seen[-1]

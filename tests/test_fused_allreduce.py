@@ -25,7 +25,7 @@ from meshes import per_device
 TACO = codecs.get("taco")
 ECHO4 = codecs.get("echo4")
 
-from fused_lowering import cached, lowered_psum, rel_l2
+from fused_lowering import cached, lowered_psum, rel_l2, scratch_bytes
 
 
 @pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((1, 2), ("data", "tp")),
@@ -335,19 +335,10 @@ def test_smem_bytes_is_what_the_lowering_allocates(monkeypatch, codec, dtype, cf
     """The shared memory Pallas allocates for the kernel's scratch (each buffer aligned to
     1 KiB) is smem_bytes less its 1 KiB for the barriers: the residency check counts what
     the kernel takes, no more, no less."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
-    seen = []
-    lower = mgpu_core._lower_as_gpu_kernel
-
-    def spy(*a, **k):
-        seen.append(k["smem_scratch_shape"][0].shape[0])
-        return lower(*a, **k)
-    monkeypatch.setattr(mgpu_core, "_lower_as_gpu_kernel", spy)
     codec = codecs.get(codec)
     x = jax.ShapeDtypeStruct((2, 64 * 256 * 3 + 17), dtype)
-    jax.jit(lambda v: fa.loopback_allreduce(v, codec, cfg)).trace(x).lower(
-        lowering_platforms=("cuda",))
-    assert seen and seen[-1] + 1024 == fa.smem_bytes(2, codec, dtype, cfg=cfg)
+    allocated = scratch_bytes(monkeypatch, lambda v: fa.loopback_allreduce(v, codec, cfg), x)
+    assert allocated + 1024 == fa.smem_bytes(2, codec, dtype, cfg=cfg)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
