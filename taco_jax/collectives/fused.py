@@ -89,7 +89,7 @@ def one_launch_reason(codec, p: int, dtype) -> str | None:
     if p < 2:
         return f"P={p}"
     kernel = one_launch_kernel(p)
-    why = kernels.unsupported(codec, p, dtype, kernel)
+    why = kernels.unsupported(codec, p, dtype)
     if why is None and kernel not in kernels.tile_codec(codec).checked_on_gpu:
         why = (f"{codec.name}: the one-launch {kernel.replace('_', '-')} kernel's tile math "
                f"for it is built and lowered, not yet checked on a GPU (python -m "

@@ -288,10 +288,10 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
 
 
 # -- wrappers ------------------------------------------------------------------------------------
-def unsupported(codec, p: int, dtype, kernel: str = "one_shot") -> str | None:
-    """Why the one-launch kernel does not cover this all-reduce (None: it does): kernel
-    "one_shot" or "two_shot", each with the Hadamard FP8 codecs with B = 256 and echo4
-    (`tile_codec`)."""
+def unsupported(codec, p: int, dtype) -> str | None:
+    """Why the one-launch kernels do not cover this all-reduce (None: they do; the one-shot
+    and the two-shot cover the same calls): the Hadamard FP8 codecs with B = 256 and echo4
+    (`tile_codec`), P = 2..8."""
     if not 2 <= p <= MAX_P:
         return f"P={p} devices (the kernel covers 2..{MAX_P})"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in IN_DTYPES]:
@@ -299,8 +299,8 @@ def unsupported(codec, p: int, dtype, kernel: str = "one_shot") -> str | None:
     return tile_codec(codec).unsupported(dtype)
 
 
-def check(codec, p, dtype, where, kernel="one_shot"):
-    why = unsupported(codec, p, dtype, kernel)
+def check(codec, p, dtype, where):
+    why = unsupported(codec, p, dtype)
     if why is not None:
         raise ValueError(f"{where}: {why}")
 

@@ -259,11 +259,6 @@ def tile_codec(codec):
 
 
 # -- decode and add, in registers ---------------------------------------------------------------
-def _row_gains(codec, sbytes) -> list:
-    """`taco_tiles.row_gains` as a vector<2> per row half (the WGMMA layout's pairs)."""
-    return taco_tiles.row_gains(codec, sbytes, 2)
-
-
 @functools.cache
 def _decode_add_fn(codec, vec: int, parts: int, first: bool):
     """One column part of a decoded tile (f32, value layout of `vec`-element vectors), plus
@@ -280,7 +275,7 @@ def _decode_add_fn(codec, vec: int, parts: int, first: bool):
     def decode_add(ctx, acc, sbytes, total=None):
         del ctx
         vals = taco_tiles.assemble(taco_tiles.transformed(acc), vec, ir.F32Type.get(),
-                                _row_gains(codec, sbytes))                # eq. 12
+                                taco_tiles.row_gains(codec, sbytes, 2))                # eq. 12
         return vals if total is None else total + vals
     return decode_add
 
@@ -296,7 +291,7 @@ def _gain_add_fn(codec, parts: int, first: bool):
     @plgpu.inline_mgpu(arg_types=args, return_type=out)
     def gain_add(ctx, acc, sbytes, total=None):
         del ctx
-        gains = _row_gains(codec, sbytes)
+        gains = taco_tiles.row_gains(codec, sbytes, 2)
         regs = acc.registers.reshape(-1, 2)                  # [column group, row half]
         prev = None if total is None else total.registers.reshape(-1, 2)
         res = np.empty_like(regs)
@@ -352,11 +347,10 @@ def _zeros(vec: int, parts: int):
 
 
 def sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="none",
-               init=None, emit=None, sources=None):
-    """init + Σ_j decode(wire tile j), j = 0 … n_src − 1 in that order, summed in f32:
-    `parts` arrays (init: `parts` f32 arrays in the same layout, or None). load(j, slot)
-    starts the TMA copy of source j's wire tile into r_smem[slot] (arriving on
-    r_bar[slot]); the first copies were started by `first_loads`. When every source has
+               emit=None, sources=None):
+    """Σ_j decode(wire tile j), j = 0 … n_src − 1 in that order, summed in f32: `parts`
+    arrays. load(j, slot) starts the TMA copy of source j's wire tile into r_smem[slot]
+    (arriving on r_bar[slot]); the first copies were started by `first_loads`. When every source has
     a slot each tile is read once; else (P > 2, to fit shared memory) the tiles stream
     through 2 slots once per column part, the next copy issued as soon as the previous
     occupant of its slot is in registers. ablate "decode_twice" / "no_decode": each tile
@@ -367,15 +361,12 @@ def sum_tiles(load, r_smem, r_bar, tiles, consts, n_src, vec, parts, ablate="non
     wait): where source j's tile is in r_smem (a traced index) and a callable that waits for
     it (FusedConfig.own_from_smem: this device's tile in its staging slot, no copy to wait
     for); None: source j in slot j, on r_bar[j] (or streamed, as above)."""
-    if init is not None and getattr(tiles, "sum_first", False):
-        raise ValueError("sum_tiles: an init in the value layout cannot join a sum kept "
-                         "before the transform (decode='sum_first')")
     row = tiles.row_bytes
     resident = sources is not None or n_src <= r_smem.shape[0]
     seq = [(part, j) for part in range(parts) for j in range(n_src)]
     slot_of = (lambda e: seq[e][1]) if resident else (lambda e: e % 2)   # noqa: E731
     reps = {"decode_twice": 2, "no_decode": 0}.get(ablate, 1)
-    totals = list(init) if init is not None else [None] * parts
+    totals = [None] * parts
     for e, (part, j) in enumerate(seq):
         if sources is not None:
             slot, wait = sources(j)

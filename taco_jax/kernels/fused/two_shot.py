@@ -262,8 +262,7 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
                 plgpu.copy_smem_to_gmem(stage, out.at[me, w_rows(i)])
     pl.run_scoped(reduce, *phases["reduce"])
     handshake(1)
-    if cfg.ablate == "no_gather":
-        plgpu.wait_smem_to_gmem(0)
+    if cfg.ablate == "no_gather":           # the handshake waited for every store
         return
 
     # 3. every device decodes the P owners' sums: the same bytes everywhere
@@ -384,7 +383,7 @@ def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
 
     Args and Raises: as `fused_allreduce` (P = 2..8; meant for P ≥ 3).
     Returns: an array of x's shape and dtype."""
-    check(codec, p, x.dtype, "two_shot_allreduce", "two_shot")
+    check(codec, p, x.dtype, "two_shot_allreduce")
     cfg = _two_shot_cfg(cfg, codec, x.dtype)
     if x.size == 0:
         return x
@@ -399,7 +398,7 @@ def loopback_two_shot(xs, codec, cfg: FusedConfig | None = None):
     """`two_shot_allreduce` on one GPU for P = xs.shape[0] virtual devices (as
     `loopback_allreduce`): returns (P, …), row d what device d computes."""
     p = xs.shape[0]
-    check(codec, p, xs.dtype, "loopback_two_shot", "two_shot")
+    check(codec, p, xs.dtype, "loopback_two_shot")
     cfg = _two_shot_cfg(cfg, codec, xs.dtype)
     if xs.size == 0:
         return xs
