@@ -49,9 +49,11 @@ def test_two_shot_lowers_on_meshes_of_one_two_three_axes(shape, names, vma):
     assert text.count("taco_fused_two_shot") >= 1 and text.count("custom_call") == 1
 
 
-@pytest.mark.parametrize("p,dtype", [(3, jnp.bfloat16), (4, jnp.float32), (8, jnp.float16)])
-def test_two_shot_loopback_lowers_and_fits_shared_memory(p, dtype):
-    x = jax.ShapeDtypeStruct((p, 64 * 256 * 5 + 17), dtype)
+@pytest.mark.parametrize("p,dtype,n", [(3, jnp.bfloat16, 64 * 256 * 5 + 17),
+                                       (4, jnp.float32, 64 * 256 * 5 + 17),
+                                       (8, jnp.float16, 64 * 256 * 8 * 35)])   # 35 tiles, 33 programs
+def test_two_shot_loopback_lowers_and_fits_shared_memory(p, dtype, n):
+    x = jax.ShapeDtypeStruct((p, n), dtype)
     text = jax.jit(lambda v: fts.loopback_two_shot(v, TACO)).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("taco_fused_two_shot") >= 1
@@ -201,3 +203,31 @@ def test_two_shot_reference_keeps_non_finite_blocks_nan():
     blk = np.arange(y.size) // 256
     bad = np.isin(blk, [0, (64 * 256 * 2 + 300) // 256])
     assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
+
+
+@pytest.mark.parametrize("p, seg_tiles, nprog", [(8, 1024, 33), (4, 2048, 66), (3, 7, 7),
+                                                 (8, 5, 3), (5, 64, 264), (8, 35, 33)])
+def test_each_tile_goes_to_one_program_and_the_extras_spread(p, seg_tiles, nprog):
+    """Program b's tiles of a segment (`_shares`) cover every tile once over the programs,
+    whatever the segment; the loops over several segments (`_items`) visit exactly them;
+    and the remainder's extra tiles fall on different programs in different segments, so
+    the longest loop over all P segments is ceil(P·seg_tiles / nprog) when P·r ≤ nprog."""
+    nprog = min(nprog, seg_tiles)           # as FusedConfig.grid caps it
+    q, r = divmod(seg_tiles, nprog)
+    longest = 0
+    for seg in range(p):
+        seen = []
+        for b in range(nprog):
+            first, count = fts._shares(seg_tiles, nprog, np.int32(b))
+            seen += [int(first(seg)) + i * nprog for i in range(int(count(seg)))]
+        assert sorted(seen) == list(range(seg_tiles))
+    for b in range(nprog):
+        first, count = fts._shares(seg_tiles, nprog, np.int32(b))
+        segs = [(2 + k) % p for k in range(p)]
+        n, locate = fts._items(segs, count)
+        got = [tuple(int(v) for v in locate(np.int32(e))) for e in range(int(n))]
+        assert got == [(s, i) for s in segs for i in range(int(count(s)))]
+        longest = max(longest, int(n))
+    if p * r <= nprog:
+        assert longest == -(-p * seg_tiles // nprog)
+    assert longest <= p * -(-seg_tiles // nprog)

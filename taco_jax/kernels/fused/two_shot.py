@@ -131,6 +131,35 @@ def two_shot_layout(codec, dtype, cfg: FusedConfig | None = None) -> dict:
 
 
 # -- the kernel ---------------------------------------------------------------------------------
+def _shares(seg_tiles: int, nprog: int, b):
+    """Program b's tiles of each segment: first(seg) + i·nprog for i < count(seg). A segment
+    of q·nprog + r tiles gives r programs one more; the r start one window further in each
+    segment ((b + seg·r) mod nprog < r), so the extras of the P segments fall on different
+    programs rather than all on the first r, whose loops over every segment set the
+    kernel's time. Every device maps a segment alike, so the sender and the owner of a
+    tile are programs b of both, and the per-program handshakes stay."""
+    q, r = divmod(seg_tiles, nprog)
+    if r == 0:
+        return (lambda seg: b), (lambda seg: q)
+    first = lambda seg: (b + seg * r) % nprog                       # noqa: E731
+    return first, lambda seg: q + (first(seg) < r).astype(jnp.int32)
+
+
+def _items(segs, count):
+    """One loop over this program's tiles of the segments `segs` in order: (n, locate),
+    locate(e) = (segment, i) of item e."""
+    counts = [count(seg) for seg in segs]
+
+    def locate(e):
+        seg, i, start = segs[0], e, 0
+        for s, c in zip(segs[1:], counts[:-1]):
+            start = start + c
+            later = e >= start
+            seg, i = jnp.where(later, s, seg), jnp.where(later, e - start, i)
+        return seg, i
+    return sum(counts[1:], counts[0]), locate
+
+
 def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, c_bar, x_bar,
                    r_bar, o_bar, sem_scratch, *, peers, tiles, seg_tiles, in_dtype, out_dtype,
                    cfg, plan):
@@ -141,10 +170,10 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
     recv1, recv2 = peers.local(recv1_gmem, me), peers.local(recv2_gmem, me)
     row = tiles.row_bytes
     lines = ROWS * row // LINE
-    count = (seg_tiles - b + nprog - 1) // nprog          # this program's tiles per segment
-    tile = lambda i: b + i * nprog                        # noqa: E731  (in a segment)
-    x_rows = lambda seg, i: pl.ds((seg * seg_tiles + tile(i)) * ROWS, ROWS)   # noqa: E731
-    w_rows = lambda i: pl.ds(tile(i) * lines, lines)      # noqa: E731
+    first, count = _shares(seg_tiles, nprog, b)
+    tile = lambda seg, i: first(seg) + i * nprog          # noqa: E731  (in segment seg)
+    x_rows = lambda seg, i: pl.ds((seg * seg_tiles + tile(seg, i)) * ROWS, ROWS)  # noqa: E731
+    w_rows = lambda seg, i: pl.ds(tile(seg, i) * lines, lines)                     # noqa: E731
     others = [(me + k) % p for k in range(1, p)]
     ring = plan.ring
     phases = _phases(tiles, in_dtype, out_dtype, plan)
@@ -173,11 +202,11 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
     def scatter(x_smem, *rest):
         xb_smem, w_smem = rest if len(rest) == 2 else (None, rest[0])
         x_slots = x_smem.shape[0]
-        n = (p - 1) * count
+        n, locate = _items(others, count)
 
         def load_x(e):
-            dst = (me + 1 + e // count) % p
-            plgpu.copy_gmem_to_smem(x_mine.at[x_rows(dst, e % count)], x_smem.at[e % x_slots],
+            dst, i = locate(e)
+            plgpu.copy_gmem_to_smem(x_mine.at[x_rows(dst, i)], x_smem.at[e % x_slots],
                                     x_bar.at[e % x_slots])
 
         def prefetch(e):
@@ -205,9 +234,9 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
             stage = w_smem.at[e % 2]
             tiles.store(stage.reshape(ROWS, row), wire)
             plgpu.commit_smem()
-            dst = (me + 1 + e // count) % p
+            dst, i = locate(e)
             plgpu.copy_smem_to_gmem(stage, peers.peer(recv1_gmem, me, dst).at[
-                me, w_rows(e % count)])
+                me, w_rows(dst, i)])
     pl.run_scoped(scatter, *phases["scatter"])
     handshake(0)
     if cfg.ablate == "scatter_only":
@@ -218,22 +247,23 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
     def reduce(*bufs):
         own, r_smem, w_smem = bufs[:-2], bufs[-2], bufs[-1]
         n_src = p - 1
-        n = count * n_src
+        mine = count(me)
+        n = mine * n_src
 
         def load_copy(f, slot):
             src = (me + 1 + f % n_src) % p
-            plgpu.copy_gmem_to_smem(recv1.at[src, w_rows(f // n_src)], r_smem.at[slot],
+            plgpu.copy_gmem_to_smem(recv1.at[src, w_rows(me, f // n_src)], r_smem.at[slot],
                                     r_bar.at[slot])
 
         def load_own(i):
             plgpu.copy_gmem_to_smem(x_mine.at[x_rows(me, i)], own[0], o_bar)
 
-        @pl.when(count > 0)
+        @pl.when(mine > 0)
         def _():
             load_own(0)
         ring_loads(n, load_copy)
 
-        @pl.loop(0, count)
+        @pl.loop(0, mine)
         def _(i):
             plgpu.barrier_wait(o_bar)
             total = tiles.sum_init(own, consts)
@@ -248,7 +278,7 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
                 def _():
                     load_copy(f + ring, slot)
                 if k == 0:
-                    @pl.when(i + 1 < count)
+                    @pl.when(i + 1 < mine)
                     def _():
                         load_own(i + 1)
                 total = tiles.sum_add(total, wire, consts)
@@ -259,7 +289,7 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
             plgpu.commit_smem()
             for k in range(1, p + 1):
                 out = recv2 if k == p else peers.peer(recv2_gmem, me, (me + k) % p)
-                plgpu.copy_smem_to_gmem(stage, out.at[me, w_rows(i)])
+                plgpu.copy_smem_to_gmem(stage, out.at[me, w_rows(me, i)])
     pl.run_scoped(reduce, *phases["reduce"])
     handshake(1)
     if cfg.ablate == "no_gather":           # the handshake waited for every store
@@ -267,10 +297,11 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
 
     # 3. every device decodes the P owners' sums: the same bytes everywhere
     def gather(r_smem, y_smem=None):
-        n = p * count
+        n, locate = _items(list(range(p)), count)
 
         def load_sum(e, slot):
-            plgpu.copy_gmem_to_smem(recv2.at[e // count, w_rows(e % count)], r_smem.at[slot],
+            owner, i = locate(e)
+            plgpu.copy_gmem_to_smem(recv2.at[owner, w_rows(owner, i)], r_smem.at[slot],
                                     r_bar.at[slot])
         ring_loads(n, load_sum)
 
@@ -284,7 +315,7 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
             @pl.when(e + ring < n)
             def _():
                 load_sum(e + ring, slot)
-            out = y_mine.at[x_rows(e // count, e % count)]
+            out = y_mine.at[x_rows(*locate(e))]
             if y_smem is None:
                 taco_tiles.store_values(out, values)
             else:
