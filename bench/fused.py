@@ -299,23 +299,32 @@ def worst_tiles(y, gold, exact, finite, p: int, k: int = 8) -> list[dict]:
              "err": float(e[t]), "gate_err": float(eg[t])} for t in order if e[t] > eg[t]]
 
 
-def kept_rows(path: str, codec: str, configs, config: str) -> list[dict]:
-    """--update: the rows of `path` that this run does not measure again: another codec
-    (a row without one is the file's codec's), or a (P, size, dtype) outside `configs`,
-    or another --config. A missing or unreadable file keeps nothing."""
+def read_rows(path: str) -> dict | None:
+    """--update: the --out file as it was before this run (None: missing or unreadable)."""
     try:
         with open(path) as f:
-            old = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
-        return []
-    measured = {(p, s, jnp.dtype(DTYPES[d]).name) for p, s, d in configs}
+        return None
+
+
+def row_key(r: dict) -> tuple:
+    """(P, bytes, dtype name): what a row measured."""
+    dt = DTYPES.get(r.get("dtype"))
+    return r.get("p"), r.get("bytes"), jnp.dtype(dt).name if dt is not None else None
+
+
+def kept_rows(old: dict | None, codec: str, measured: set, config: str) -> list[dict]:
+    """--update: the rows of the earlier file `old` that this run has not measured again:
+    another codec (a row without one is the file's codec's), another --config, or a
+    `row_key` outside `measured` (what the run has measured so far, so a run cut short
+    keeps the earlier rows of what it did not reach)."""
     out = []
-    for r in old.get("rows", []):
+    for r in (old or {}).get("rows", []):
         r = {**r, "codec": r.get("codec", old.get("codec")),
              "commit": r.get("commit", old.get("commit"))}
-        dt = DTYPES.get(r.get("dtype"))
-        key = (r.get("p"), r.get("bytes"), jnp.dtype(dt).name if dt is not None else None)
-        if r["codec"] != codec or r.get("config", "default") != config or key not in measured:
+        if r["codec"] != codec or r.get("config", "default") != config or \
+                row_key(r) not in measured:
             out.append(r)
     return out
 
@@ -765,12 +774,13 @@ def main(argv=None) -> int:
     config = "ablation" if a.ablate else " ".join(a.config or ()) or "default"
 
     facts = env_facts()
-    kept = kept_rows(a.out, a.codec, configs, config) if a.update else []
+    old = read_rows(a.out) if a.update else None
 
     def payload(rows):
         rows = [{**r, "codec": r.get("codec", a.codec), "commit": r.get("commit",
                                                                         facts["commit"])}
                 for r in rows]
+        kept = kept_rows(old, a.codec, {row_key(r) for r in rows}, config)
         return {**facts, "impl": a.impl, "codec": a.codec, "calls": a.calls,
                 "config": config,
                 "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,

@@ -360,3 +360,16 @@ def test_update_keeps_the_other_codecs_rows_and_replaces_its_own(tmp_path, capsy
         ("echo4", 1024), ("echo4", 3077), ("taco", 1024), ("taco", 3077)]
     assert [r["rel_err"] for r in rows if r["codec"] == "echo4"] == [0.5, 0.5]
     capsys.readouterr()
+
+
+def test_update_cut_short_keeps_the_rows_it_did_not_reach():
+    """A run stopped by its time limit has written the rows it measured; the earlier rows
+    of the configurations it had not reached yet stay in the file."""
+    old = {"codec": "taco", "commit": "a" * 40,
+           "rows": [{"p": 7, "bytes": b, "dtype": "f32", "rel_err": 0.1} for b in (1, 2)]}
+    done = {bench_fused.row_key({"p": 7, "bytes": 1, "dtype": "f32"})}
+    kept = bench_fused.kept_rows(old, "taco", done, "default")
+    assert [(r["bytes"], r["commit"]) for r in kept] == [(2, "a" * 40)]
+    assert len(bench_fused.kept_rows(old, "echo4", done, "default")) == 2
+    assert len(bench_fused.kept_rows(old, "taco", done, "ablate=no_gather")) == 2
+    assert bench_fused.kept_rows(None, "taco", done, "default") == []

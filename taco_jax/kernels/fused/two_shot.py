@@ -1,7 +1,8 @@
 """The compressed two-shot all-reduce in one Pallas Mosaic GPU kernel (Hopper), for P ≥ 3
 (`two_shot_allreduce`, `loopback_two_shot`), for the FP8 codecs and echo4 (`tiles`' tile
-codecs): x is cut into P segments of whole tiles; program b of every device takes tiles
-b, b + n, … of each segment.
+codecs): x is cut into P segments of whole tiles; program b of every device takes every
+n-th tile of each segment, from a start that moves by the segment's remainder from one
+segment to the next (`_shares`: no program takes an extra tile in every segment).
 
   1. scatter: for each owner j ≠ me (me + 1, me + 2, …), encode segment j's tiles and
      store them into j's first receive buffer (slot me), one pipelined loop over all of
