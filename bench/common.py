@@ -34,6 +34,21 @@ def load_rows_doc(path: str, what: str, missing: str = "") -> dict:
     return doc
 
 
+def sources_hash() -> str:
+    """12 hex digits of sha256 over the taco_jax package's Python sources (paths and
+    bytes): two runs with the same hash ran the same library, whatever else the commits
+    between them changed (docs, benchmarks, results)."""
+    import hashlib
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "taco_jax")
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        h.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def env_facts() -> dict:
     commit = os.environ.get("GIT_COMMIT")       # a copied tree on a GPU machine has no git
     if not commit:
@@ -46,7 +61,8 @@ def env_facts() -> dict:
     dev = jax.devices()[0]
     return {"device": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
             "n_devices": jax.device_count(), "jax": jax.__version__,
-            "commit": commit, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "commit": commit, "sources": sources_hash(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def write_json(path: str, payload: dict) -> str:

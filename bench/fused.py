@@ -329,6 +329,17 @@ def kept_rows(old: dict | None, codec: str, measured: set, config: str) -> list[
     return out
 
 
+def passed_rows(old: dict | None, codec: str, config: str, sources: str,
+                calls: int) -> set:
+    """--missing: the `row_key`s of `old`'s rows of this codec and config that passed
+    their checks on at least `calls` calls with the library sources `sources`
+    (`common.sources_hash`)."""
+    return {row_key(r) for r in (old or {}).get("rows", [])
+            if r.get("codec", old.get("codec")) == codec and r.get("ok") and
+            r.get("config", "default") == config and r.get("sources") == sources and
+            r.get("calls", 0) >= max(calls, 1)}
+
+
 def run_config(a) -> dict:
     from taco_jax import codecs
     codec = codecs.get(a.codec)
@@ -714,6 +725,10 @@ def main(argv=None) -> int:
                     help="keep the --out file's rows of what this run does not measure "
                          "(another codec, P, size, dtype or config); each row names its "
                          "codec and commit")
+    ap.add_argument("--missing", action="store_true",
+                    help="with --update: run only the configurations without a passing "
+                         "row in --out from the same library sources (rows name them), so "
+                         "a long matrix resumes where a run cut short left it")
     ap.add_argument("--one", nargs=3, metavar=("P", "BYTES,…", "DTYPE"), default=None,
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -722,6 +737,9 @@ def main(argv=None) -> int:
                                                    else DEFAULT_SIZES)]
     a.dtypes = a.dtypes or (["bf16"] if a.ablate else ["bf16", "f32"])
     a.calls = a.calls if a.calls is not None else (1 if a.ablate else 5)
+    if a.missing and (not a.update or a.ablate or a.time):
+        raise SystemExit("bench.fused: --missing resumes checks: it needs --update and "
+                         "takes neither --ablate nor --time")
     from taco_jax import codecs
     from taco_jax.kernels import fused as fused_kernels
     tiles = fused_kernels.tile_codec(codecs.get(a.codec))
@@ -776,10 +794,20 @@ def main(argv=None) -> int:
     facts = env_facts()
     old = read_rows(a.out) if a.update else None
 
+    if a.missing:
+        done = passed_rows(old, a.codec, config, facts["sources"], a.calls)
+        skip = [c for c in configs if row_key({"p": c[0], "bytes": c[1], "dtype": c[2]})
+                in done]
+        configs = [c for c in configs if c not in skip]
+        print(f"--missing: {len(skip)} configurations already passed with these sources "
+              f"({facts['sources']}), {len(configs)} to run")
+        if not configs:
+            return 0
+
     def payload(rows):
-        rows = [{**r, "codec": r.get("codec", a.codec), "commit": r.get("commit",
-                                                                        facts["commit"])}
-                for r in rows]
+        rows = [{**r, "codec": r.get("codec", a.codec),
+                 "commit": r.get("commit", facts["commit"]),
+                 "sources": r.get("sources", facts["sources"])} for r in rows]
         kept = kept_rows(old, a.codec, {row_key(r) for r in rows}, config)
         return {**facts, "impl": a.impl, "codec": a.codec, "calls": a.calls,
                 "config": config,

@@ -70,6 +70,12 @@
 #                  stops at the first hang or crash (60 s per configuration; ≤ 540 s,
 #                  FUSED_TWO_SHOT_S sets the limit) → rows by codec, the others' kept
 #                  (--update): bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG}.json
+#   fused_two_shot_matrix  the two-shot's loopback checks over the whole matrix: taco then
+#                  echo4, P = 8, 3, 4, 5, 6, 7, bf16 and f32, 1 KiB, 1 MiB + 5 B, 16, 64, 256,
+#                  1024 MiB, 5 calls; only what has not passed with these library sources
+#                  (--missing: rows name their sources' hash), so a call cut short by its
+#                  limit (FUSED_MATRIX_S per codec, default 270 s) resumes in the next one
+#                  → bench/results/fused_two_shot_checks.json
 #   fused_two_shot_phases  where the two-shot's time goes: taco and echo4, P = 4 and 8, bf16,
 #                  256 MiB, timed as it is and with FusedConfig(ablate=scatter_only /
 #                  no_gather) (its later phases left out: scatter = scatter_only, reduce =
@@ -197,6 +203,14 @@ for s in "$@"; do
                       --sizes ${FUSED_TWO_SHOT_SIZES:-16MiB 1KiB 1MiB+5 64MiB 256MiB} \
                       --calls 5 --isolate group --timeout 60 --fail-fast --update \
                       --out "bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG:-}.json" ;;
+    fused_two_shot_matrix)
+      for codec in taco echo4; do
+        step "fused_two_shot_matrix_$codec" "${FUSED_MATRIX_S:-270}" python -m bench.fused \
+          --kernel two_shot --codec "$codec" --p 8 3 4 5 6 7 --dtypes bf16 f32 \
+          --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB --calls 5 --isolate group \
+          --timeout 90 --fail-fast --update --missing \
+          --out bench/results/fused_two_shot_checks.json
+      done ;;
     fused_p2) loopback_checks 2 && loopback_time ;;
     fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
                        --p 2 --isolate group --calls 5 --timeout 60 \

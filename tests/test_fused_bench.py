@@ -373,3 +373,23 @@ def test_update_cut_short_keeps_the_rows_it_did_not_reach():
     assert len(bench_fused.kept_rows(old, "echo4", done, "default")) == 2
     assert len(bench_fused.kept_rows(old, "taco", done, "ablate=no_gather")) == 2
     assert bench_fused.kept_rows(None, "taco", done, "default") == []
+
+
+def test_missing_runs_only_what_has_not_passed_with_these_sources(tmp_path, capsys):
+    """--missing resumes a matrix: a configuration whose row passed with the same library
+    sources (and as many calls) is skipped; one from other sources runs again."""
+    out = tmp_path / "two.json"
+    base = ["--kernel", "two_shot", "--p", "3", "--dtypes", "bf16", "--calls", "1",
+            "--isolate", "group", "--impl", "emulated", "--sizes", "1KiB", "--codec",
+            "taco", "--out", str(out), "--update"]
+    assert bench_fused.main(base) == 0
+    doc = json.loads(out.read_text())
+    assert [r["sources"] for r in doc["rows"]] == [doc["sources"]]
+    capsys.readouterr()
+    assert bench_fused.main([*base, "--missing"]) == 0
+    assert "1 configurations already passed" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == doc
+    assert bench_fused.main([*base, "--missing", "--calls", "2"]) == 0      # more calls
+    assert "0 configurations already passed" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--missing"):
+        bench_fused.main([*base[:-1], "--missing"])                          # no --update

@@ -326,3 +326,13 @@ def test_fused_two_shot_phases_times_each_codec_as_it_is_and_without_its_last_ph
         assert "--out bench/results/fused_two_shot_phases.json" in part
     assert ["ablate=scatter_only" in c for c in calls[:3]] == [False, True, False]
     assert ["ablate=no_gather" in c for c in calls[3:]] == [False, False, True]
+
+
+def test_fused_two_shot_matrix_resumes_the_whole_check_matrix_per_codec(tmp_path):
+    r, calls = run_fake(tmp_path, ["fused_two_shot_matrix"], "bench.fused")
+    assert r.returncode == 0 and len(calls) == 2
+    for codec, c in zip(["taco", "echo4"], calls):
+        assert f"--codec {codec}" in c and "--missing" in c and "--update" in c
+        assert "--p 8 3 4 5 6 7" in c and "--dtypes bf16 f32" in c and "--calls 5" in c
+        assert "--sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB" in c
+        assert "--out bench/results/fused_two_shot_checks.json" in c
