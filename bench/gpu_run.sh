@@ -103,6 +103,9 @@
 #   ncu_fused      Nsight Compute full set of the one-launch fused all-reduce (P = 2 loopback,
 #                  bf16, NCU_MIB MiB, default 16; one checked call of bench.fused): its SASS
 #                  source page summarized (bench/results/ncu_src_fused.json), the details page
+#   ncu_two_shot   the same for the one-launch two-shot (P = NCU_P, default 8, loopback,
+#                  bf16, NCU_MIB MiB, default 64, codec NCU_CODEC, default echo4): where its
+#                  phases stall, per SASS line → bench/results/ncu_src_two_shot_<codec>.json
 #   ablation       python -m experiments.ablation (convergence per codec; ABL_* variables:
 #                  ABL_BUDGET seconds, ABL_VARIANTS, ABL_NAME, ABL_SET, ABL_WORKERS)
 set -u
@@ -289,6 +292,19 @@ for s in "$@"; do
                python -m bench.ncu_source "$OUT/ncu_src_fused.csv.gz" --label fused-allreduce \
                  --device "$DEVICE" --jax "$JAXV" \
                  --out bench/results/ncu_src_fused.json > "$OUT/ncu_fused_summary.log" 2>&1 ;;
+    ncu_two_shot) codec=${NCU_CODEC:-echo4}
+                  step ncu_two_shot 240 ncu -k regex:taco_fused_two_shot -c 1 --set full \
+                    -o /tmp/ncu_two_shot python -m bench.fused --kernel two_shot --one \
+                    "${NCU_P:-8}" "$(( ${NCU_MIB:-64} << 20 ))" bf16 --impl kernel --calls 1 \
+                    --codec "$codec"
+                  ncu -i /tmp/ncu_two_shot.ncu-rep --page source --csv --print-source sass \
+                    | gzip > "$OUT/ncu_src_two_shot.csv.gz"
+                  ncu -i /tmp/ncu_two_shot.ncu-rep --page details --csv \
+                    > "$OUT/ncu_details_two_shot.csv"
+                  python -m bench.ncu_source "$OUT/ncu_src_two_shot.csv.gz" \
+                    --label "two-shot-$codec" --device "$DEVICE" --jax "$JAXV" \
+                    --out "bench/results/ncu_src_two_shot_$codec.json" \
+                    > "$OUT/ncu_two_shot_summary.log" 2>&1 ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m experiments.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
                 --workers "${ABL_WORKERS:-1}" \
