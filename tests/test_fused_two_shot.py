@@ -41,9 +41,10 @@ def lowered_two_shot(shape, names, axis, vma, dtype=jnp.bfloat16):
     return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("shape,names", [((3,), ("tp",)), ((2, 4), ("data", "tp")),
-                                         ((1, 2, 4), ("data", "pipe", "tp"))])
-@pytest.mark.parametrize("vma", [False, True])
+@pytest.mark.parametrize("shape,names,vma", [
+    ((3,), ("tp",), False), ((4,), ("tp",), True), ((8,), ("tp",), False),
+    ((2, 4), ("data", "tp"), True), ((1, 8), ("data", "tp"), False),
+    ((1, 2, 4), ("data", "pipe", "tp"), False), ((1, 1, 8), ("data", "pipe", "tp"), True)])
 def test_two_shot_lowers_on_meshes_of_one_two_three_axes(shape, names, vma):
     text = lowered_two_shot(shape, names, "tp", vma)
     assert text.count("taco_fused_two_shot") >= 1 and text.count("custom_call") == 1
