@@ -131,6 +131,14 @@ step() {  # step NAME TIMEOUT_S CMD...
   return $rc
 }
 
+ncu_pages() {  # ncu_pages REPORT TAG LABEL JSON: a profile's SASS source page (summarized
+  # by bench.ncu_source into JSON) and its details page, as $OUT/ncu_{src,details}_TAG.*
+  ncu -i "$1.ncu-rep" --page source --csv --print-source sass | gzip > "$OUT/ncu_src_$2.csv.gz"
+  ncu -i "$1.ncu-rep" --page details --csv > "$OUT/ncu_details_$2.csv"
+  python -m bench.ncu_source "$OUT/ncu_src_$2.csv.gz" --label "$3" --device "$DEVICE" \
+    --jax "$JAXV" --out "$4" > "$OUT/ncu_$2_summary.log" 2>&1
+}
+
 # The fused transport takes part in the later steps only if the fused step passed (or did
 # not run in this batch).
 FUSED=(fused)
@@ -275,36 +283,19 @@ for s in "$@"; do
              step ncu_src 200 ncu -k "regex:${codec}_compress" -c 1 --set full \
                -o /tmp/ncu_src python -m bench.one_kernel compress "$codec" \
                --mib "${NCU_MIB:-16}"
-             ncu -i /tmp/ncu_src.ncu-rep --page source --csv --print-source sass \
-               | gzip > "$OUT/ncu_src_compress$suffix.csv.gz"
-             ncu -i /tmp/ncu_src.ncu-rep --page details --csv \
-               > "$OUT/ncu_details_compress$suffix.csv"
-             python -m bench.ncu_source "$OUT/ncu_src_compress$suffix.csv.gz" \
-               --device "$DEVICE" --jax "$JAXV" \
-               --label "compress-$codec" --out "bench/results/ncu_src$suffix.json" \
-               > "$OUT/ncu_src_summary$suffix.log" 2>&1 ;;
+             ncu_pages /tmp/ncu_src "compress$suffix" "compress-$codec" \
+               "bench/results/ncu_src$suffix.json" ;;
     ncu_fused) step ncu_fused 240 ncu -k regex:fused_allreduce -c 1 --set full \
                  -o /tmp/ncu_fused python -m bench.fused --one 2 \
                  "$(( ${NCU_MIB:-16} << 20 ))" bf16 --impl kernel --calls 1 --codec taco
-               ncu -i /tmp/ncu_fused.ncu-rep --page source --csv --print-source sass \
-                 | gzip > "$OUT/ncu_src_fused.csv.gz"
-               ncu -i /tmp/ncu_fused.ncu-rep --page details --csv > "$OUT/ncu_details_fused.csv"
-               python -m bench.ncu_source "$OUT/ncu_src_fused.csv.gz" --label fused-allreduce \
-                 --device "$DEVICE" --jax "$JAXV" \
-                 --out bench/results/ncu_src_fused.json > "$OUT/ncu_fused_summary.log" 2>&1 ;;
+               ncu_pages /tmp/ncu_fused fused fused-allreduce bench/results/ncu_src_fused.json ;;
     ncu_two_shot) codec=${NCU_CODEC:-echo4}
                   step ncu_two_shot 240 ncu -k regex:taco_fused_two_shot -c 1 --set full \
                     -o /tmp/ncu_two_shot python -m bench.fused --kernel two_shot --one \
                     "${NCU_P:-8}" "$(( ${NCU_MIB:-64} << 20 ))" bf16 --impl kernel --calls 1 \
                     --codec "$codec"
-                  ncu -i /tmp/ncu_two_shot.ncu-rep --page source --csv --print-source sass \
-                    | gzip > "$OUT/ncu_src_two_shot.csv.gz"
-                  ncu -i /tmp/ncu_two_shot.ncu-rep --page details --csv \
-                    > "$OUT/ncu_details_two_shot.csv"
-                  python -m bench.ncu_source "$OUT/ncu_src_two_shot.csv.gz" \
-                    --label "two-shot-$codec" --device "$DEVICE" --jax "$JAXV" \
-                    --out "bench/results/ncu_src_two_shot_$codec.json" \
-                    > "$OUT/ncu_two_shot_summary.log" 2>&1 ;;
+                  ncu_pages /tmp/ncu_two_shot two_shot "two-shot-$codec" \
+                    "bench/results/ncu_src_two_shot_$codec.json" ;;
     ablation) step ablation $(( ${ABL_BUDGET:-520} + 60 )) python -m experiments.ablation \
                 --config small --steps 2000 --budget-s "${ABL_BUDGET:-520}" \
                 --workers "${ABL_WORKERS:-1}" \

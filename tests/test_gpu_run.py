@@ -273,19 +273,31 @@ def test_ncu_src_profiles_the_codec_asked_for(tmp_path, codec, kernel, out):
     assert f"bench/results/{out}" in summary
 
 
-def test_ncu_fused_profiles_one_checked_call_of_the_loopback_kernel(tmp_path):
+def run_ncu(tmp_path, step):
+    """Run an ncu step with a fake ncu that logs its calls: (result, calls)."""
     env = fake_python(tmp_path, 0)
     bin_dir = tmp_path / "bin"
     (bin_dir / "ncu").write_text(f'#!/usr/bin/env bash\necho "ncu $*" >> "{tmp_path}/calls.log"\n')
     (bin_dir / "ncu").chmod(0o755)
-    r = subprocess.run(["bash", str(SCRIPT), "ncu_fused"], capture_output=True, text=True,
+    r = subprocess.run(["bash", str(SCRIPT), step], capture_output=True, text=True,
                        env=env, timeout=60, cwd=tmp_path)
-    calls = (tmp_path / "calls.log").read_text().splitlines()
+    return r, (tmp_path / "calls.log").read_text().splitlines()
+
+
+@pytest.mark.parametrize("step,kernel,command,summary", [
+    ("ncu_fused", "fused_allreduce",
+     f"bench.fused --one 2 {16 << 20} bf16 --impl kernel --calls 1 --codec taco",
+     "ncu_src_fused.json"),
+    ("ncu_two_shot", "taco_fused_two_shot",
+     f"bench.fused --kernel two_shot --one 8 {64 << 20} bf16 --impl kernel --calls 1 "
+     "--codec echo4", "ncu_src_two_shot_echo4.json")])
+def test_ncu_steps_profile_one_checked_call_of_a_loopback_kernel(tmp_path, step, kernel,
+                                                                 command, summary):
+    r, calls = run_ncu(tmp_path, step)
     assert r.returncode == 0, r.stderr
     profile = next(c for c in calls if c.startswith("ncu -k"))
-    assert "regex:fused_allreduce" in profile and "-c 1" in profile
-    assert f"bench.fused --one 2 {16 << 20} bf16 --impl kernel --calls 1" in profile
-    assert any("bench/results/ncu_src_fused.json" in c for c in calls)
+    assert f"regex:{kernel}" in profile and "-c 1" in profile and command in profile
+    assert any(f"bench/results/{summary}" in c for c in calls)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -336,19 +348,3 @@ def test_fused_two_shot_matrix_resumes_the_whole_check_matrix_per_codec(tmp_path
         assert "--p 8 3 4 5 6 7" in c and "--dtypes bf16 f32" in c and "--calls 5" in c
         assert "--sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB" in c
         assert "--out bench/results/fused_two_shot_checks.json" in c
-
-
-def test_ncu_two_shot_profiles_one_checked_call_of_the_two_shot(tmp_path):
-    env = fake_python(tmp_path, 0)
-    bin_dir = tmp_path / "bin"
-    (bin_dir / "ncu").write_text(f'#!/usr/bin/env bash\necho "ncu $*" >> "{tmp_path}/calls.log"\n')
-    (bin_dir / "ncu").chmod(0o755)
-    r = subprocess.run(["bash", str(SCRIPT), "ncu_two_shot"], capture_output=True, text=True,
-                       env=env, timeout=60, cwd=tmp_path)
-    calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert r.returncode == 0, r.stderr
-    profile = next(c for c in calls if c.startswith("ncu -k"))
-    assert "regex:taco_fused_two_shot" in profile and "-c 1" in profile
-    assert f"bench.fused --kernel two_shot --one 8 {64 << 20} bf16 --impl kernel" in profile
-    assert "--codec echo4" in profile
-    assert any("bench/results/ncu_src_two_shot_echo4.json" in c for c in calls)
