@@ -47,6 +47,11 @@
 #                  program, the encode in two column halves, the decode in one column pass;
 #                  P = 2 loopback, bf16, 16 / 64 / 256 MiB → bench/results/fused_levers.json
 #                  (~180 s)
+#   fused_echo4_levers  python -m bench.fused --ablate --codec echo4 --variants default
+#                  one_warpgroup: echo4's one-shot (P = 2 loopback, bf16, 16 / 64 / 256 MiB) as
+#                  it is (one program per multiprocessor) and with two programs of half the
+#                  shared memory each, side by side, each checked on 3 calls
+#                  → bench/results/fused_echo4_levers.json (~120 s)
 #   fused_p2       python -m bench.fused --p 2: the default launch's P = 2 loopback checks
 #                  (bf16, f32, 1 KiB … 1 GiB, 5 calls) and, if they pass, its timing (bf16,
 #                  16 / 64 / 256 MiB) → bench/results/fused_loopback_checks_p2.json,
@@ -207,6 +212,9 @@ for s in "$@"; do
     fused_levers) step fused_levers 300 python -m bench.fused --ablate --variants default \
                     one_warpgroup halved_encode one_part --isolate group --calls 3 \
                     --timeout 40 --out bench/results/fused_levers.json ;;
+    fused_echo4_levers) step fused_echo4_levers 240 python -m bench.fused --ablate \
+                          --codec echo4 --variants default one_warpgroup --isolate group \
+                          --calls 3 --timeout 40 --out bench/results/fused_echo4_levers.json ;;
     fused_two_shot) step fused_two_shot "${FUSED_TWO_SHOT_S:-540}" python -m bench.fused \
                       --kernel two_shot --codec "${FUSED_TWO_SHOT_CODEC:-taco}" \
                       --p ${FUSED_TWO_SHOT_P:-8 4 3 5 6 7} \

@@ -138,12 +138,15 @@ def test_fused_two_shot_checks_one_codec_into_the_shared_file(tmp_path):
     assert "fused_two_shot_checks.json" in calls[0]
 
 
-def test_fused_levers_time_the_levers_checked(tmp_path):
-    r, calls = run_fake(tmp_path, ["fused_levers"], "bench.fused")
+@pytest.mark.parametrize("step,codec,names,out", [
+    ("fused_levers", None, ("one_warpgroup", "halved_encode", "one_part"), "fused_levers"),
+    ("fused_echo4_levers", "echo4", ("one_warpgroup",), "fused_echo4_levers")])
+def test_fused_levers_time_the_levers_checked(tmp_path, step, codec, names, out):
+    r, calls = run_fake(tmp_path, [step], "bench.fused")
     assert r.returncode == 0 and len(calls) == 1
-    names = ("one_warpgroup", "halved_encode", "one_part")
-    assert "--ablate --variants default " + " ".join(names) in calls[0]
-    assert "--out bench/results/fused_levers.json" in calls[0] and "--calls 3" in calls[0]
+    assert "--variants default " + " ".join(names) in calls[0] and "--ablate" in calls[0]
+    assert f"--out bench/results/{out}.json" in calls[0] and "--calls 3" in calls[0]
+    assert (f"--codec {codec}" in calls[0]) if codec else "--codec" not in calls[0]
     from bench import fused
     for name in names:
         assert not any(k.startswith("ablate=") for k in fused.VARIANTS[name][0])   # checked
