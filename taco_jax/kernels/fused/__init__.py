@@ -18,8 +18,8 @@ from taco_jax.kernels.fused.two_shot import (loopback_two_shot, two_shot_allredu
                                              two_shot_config, two_shot_layout,
                                              two_shot_reference)
 
-__all__ = ["ABLATIONS", "TWO_SHOT_ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SMEM_PER_SM", "SMEM_RESERVED",
-           "WARP_SPECIALIZED", "FusedConfig", "exchange_kernel",
+__all__ = ["ABLATIONS", "TWO_SHOT_ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SMEM_PER_SM",
+           "SMEM_RESERVED", "WARP_SPECIALIZED", "FusedConfig", "exchange_kernel",
            "default_config", "fused_allreduce", "fused_allreduce_reference",
            "loopback_allreduce", "reference_mismatch", "reference_steps", "smem_bytes",
            "unsupported", "ws_unsupported", "Loopback", "Remote", "signal_released",
