@@ -50,7 +50,9 @@ failing; times there are the host timer's (rows "timer": "host").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -306,6 +308,19 @@ def read_rows(path: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+@contextlib.contextmanager
+def locked(path: str):
+    """An exclusive lock beside `path` (path + ".lock") while its rows are read and
+    written, so that --update runs side by side (other codecs, dtypes or P) merge into one
+    file instead of the last writer's rows replacing the others'."""
+    with open(path + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def row_key(r: dict) -> tuple:
@@ -792,10 +807,8 @@ def main(argv=None) -> int:
     config = "ablation" if a.ablate else " ".join(a.config or ()) or "default"
 
     facts = env_facts()
-    old = read_rows(a.out) if a.update else None
-
     if a.missing:
-        done = passed_rows(old, a.codec, config, facts["sources"], a.calls)
+        done = passed_rows(read_rows(a.out), a.codec, config, facts["sources"], a.calls)
         skip = [c for c in configs if row_key({"p": c[0], "bytes": c[1], "dtype": c[2]})
                 in done]
         configs = [c for c in configs if c not in skip]
@@ -808,7 +821,10 @@ def main(argv=None) -> int:
         rows = [{**r, "codec": r.get("codec", a.codec),
                  "commit": r.get("commit", facts["commit"]),
                  "sources": r.get("sources", facts["sources"])} for r in rows]
-        kept = kept_rows(old, a.codec, {row_key(r) for r in rows}, config)
+        # --update: the file as it is now (under `locked`), not as it was when this run
+        # began, so the rows another run has written since stay
+        kept = kept_rows(read_rows(a.out) if a.update else None, a.codec,
+                         {row_key(r) for r in rows}, config)
         return {**facts, "impl": a.impl, "codec": a.codec, "calls": a.calls,
                 "config": config,
                 "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,
@@ -816,18 +832,23 @@ def main(argv=None) -> int:
                               "max(per_device_us, wire bytes / link_gbps), / 2xH200 "
                               "lax.psum (bench/results/collectives.json)",
                 "rows": kept + rows, "method_check": []}
+    def save(rows, final: bool = False):
+        with locked(a.out):
+            result = annotate(payload(rows), codec.row_bytes, codec.block_size)
+            if final and a.ablate:
+                result["ablation"] = ablation_table(result["rows"], a.base)
+            write_json(a.out, result)
+        return result
     if a.ablate:
         rows = []
         for name in a.variants:
             a.config, a.variant = VARIANTS[name][0] or None, name
-            rows += run_children(a, configs,
-                                 lambda got: write_json(a.out, payload(rows + got)))
+            rows += run_children(a, configs, lambda got: save(rows + got))
     else:
-        rows = run_children(a, configs, lambda rows: write_json(a.out, payload(rows)))
-    result = annotate(payload(rows), codec.row_bytes, codec.block_size)
+        rows = run_children(a, configs, save)
+    result = save(rows, final=True)
     rows = result["rows"]
     if a.ablate:
-        result["ablation"] = ablation_table(rows, a.base)
         print(f"per-device time of each variant, and its difference to {a.base}'s:")
         print_table(result["ablation"], ["p", "dtype", "mib", "variant", "checked", "ok",
                                          "per_device_us", "delta_us", "delta_frac",
@@ -840,7 +861,6 @@ def main(argv=None) -> int:
     if result["method_check"]:
         print("the projection's method on the xla transport (2×H200 measured):")
         print_table(result["method_check"], list(result["method_check"][0]))
-    write_json(a.out, result)
     failed = [r for r in rows if not r.get("ok")]
     if failed:
         r = failed[0]

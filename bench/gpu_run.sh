@@ -75,12 +75,15 @@
 #                  stops at the first hang or crash (60 s per configuration; ≤ 540 s,
 #                  FUSED_TWO_SHOT_S sets the limit) → rows by codec, the others' kept
 #                  (--update): bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG}.json
-#   fused_two_shot_matrix  the two-shot's loopback checks over the whole matrix: taco then
-#                  echo4, P = 8, 3, 4, 5, 6, 7, bf16 and f32, 1 KiB, 1 MiB + 5 B, 16, 64, 256,
+#   fused_two_shot_matrix  the two-shot's loopback checks over the whole matrix: taco and
+#                  echo4, P = 3 … 8, bf16 and f32, 1 KiB, 1 MiB + 5 B, 16, 64, 256,
 #                  1024 MiB, 5 calls; only what has not passed with these library sources
 #                  (--missing: rows name their sources' hash), so a call cut short by its
-#                  limit (FUSED_MATRIX_S per codec, default 270 s) resumes in the next one
-#                  → bench/results/fused_two_shot_checks.json
+#                  limit (FUSED_MATRIX_S, default 520 s) resumes in the next one. The four
+#                  (codec, dtype) runs go side by side (compiling is most of a check's
+#                  time), each from another P so that their 1 GiB inputs rarely meet, with
+#                  memory taken as needed (not preallocated); FUSED_MATRIX_JOBS=1 runs them
+#                  one after another → bench/results/fused_two_shot_checks.json
 #   fused_two_shot_phases  where the two-shot's time goes: taco and echo4, P = 4 and 8, bf16,
 #                  256 MiB, timed as it is and with FusedConfig(ablate=scatter_only /
 #                  no_gather) (its later phases left out: scatter = scatter_only, reduce =
@@ -223,13 +226,21 @@ for s in "$@"; do
                       --calls 5 --isolate group --timeout 60 --fail-fast --update \
                       --out "bench/results/fused_two_shot_checks${FUSED_TWO_SHOT_TAG:-}.json" ;;
     fused_two_shot_matrix)
-      for codec in taco echo4; do
-        step "fused_two_shot_matrix_$codec" "${FUSED_MATRIX_S:-270}" python -m bench.fused \
-          --kernel two_shot --codec "$codec" --p 8 3 4 5 6 7 --dtypes bf16 f32 \
+      jobs=${FUSED_MATRIX_JOBS:-4} k=0 prealloc=true
+      [ "$jobs" -gt 1 ] && prealloc=false
+      for run in "taco bf16 8 3 4 5 6 7" "taco f32 5 6 7 8 3 4" "echo4 bf16 3 4 8 5 6 7" \
+                 "echo4 f32 6 7 3 4 5 8"; do
+        set -- $run
+        step "fused_two_shot_matrix_$1_$2" "${FUSED_MATRIX_S:-520}" \
+          env XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc python -m bench.fused \
+          --kernel two_shot --codec "$1" --dtypes "$2" --p "${@:3}" \
           --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB --calls 5 --isolate group \
           --timeout 90 --fail-fast --update --missing \
-          --out bench/results/fused_two_shot_checks.json
-      done ;;
+          --out bench/results/fused_two_shot_checks.json &
+        k=$((k + 1))
+        [ $((k % jobs)) -eq 0 ] && wait
+      done
+      wait ;;
     fused_p2) loopback_checks 2 && loopback_time ;;
     fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
                        --p 2 --isolate group --calls 5 --timeout 60 \

@@ -362,6 +362,28 @@ def test_update_keeps_the_other_codecs_rows_and_replaces_its_own(tmp_path, capsy
     capsys.readouterr()
 
 
+def test_update_runs_side_by_side_keep_each_others_rows(tmp_path, monkeypatch, capsys):
+    """Two --update runs into one file at once (another dtype each): every write re-reads
+    the file under its lock, so a row the other run wrote after this one began stays."""
+    out = tmp_path / "two.json"
+    base = ["--kernel", "two_shot", "--p", "3", "--calls", "1", "--isolate", "group",
+            "--impl", "emulated", "--sizes", "1KiB", "--codec", "taco", "--out", str(out),
+            "--update"]
+    children = bench_fused.run_children
+
+    def interleaved(a, configs, save):       # the f32 run writes while bf16's is running
+        rows = children(a, configs, save)
+        if a.dtypes == ["bf16"]:
+            assert bench_fused.main([*base, "--dtypes", "f32"]) == 0
+        return rows
+    monkeypatch.setattr(bench_fused, "run_children", interleaved)
+    assert bench_fused.main([*base, "--dtypes", "bf16"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["dtype"] for r in rows) == ["bf16", "f32"]
+    assert (tmp_path / "two.json.lock").exists()
+    capsys.readouterr()
+
+
 def test_update_cut_short_keeps_the_rows_it_did_not_reach():
     """A run stopped by its time limit has written the rows it measured; the earlier rows
     of the configurations it had not reached yet stay in the file."""

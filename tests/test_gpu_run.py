@@ -343,11 +343,19 @@ def test_fused_two_shot_phases_times_each_codec_as_it_is_and_without_its_last_ph
     assert ["ablate=no_gather" in c for c in calls[3:]] == [False, False, True]
 
 
-def test_fused_two_shot_matrix_resumes_the_whole_check_matrix_per_codec(tmp_path):
-    r, calls = run_fake(tmp_path, ["fused_two_shot_matrix"], "bench.fused")
-    assert r.returncode == 0 and len(calls) == 2
-    for codec, c in zip(["taco", "echo4"], calls):
-        assert f"--codec {codec}" in c and "--missing" in c and "--update" in c
-        assert "--p 8 3 4 5 6 7" in c and "--dtypes bf16 f32" in c and "--calls 5" in c
+@pytest.mark.parametrize("jobs", ["4", "1"])
+def test_fused_two_shot_matrix_resumes_the_whole_check_matrix(tmp_path, jobs):
+    """Four runs (codec × dtype), each over every P and size, into one file."""
+    r, calls = run_fake(tmp_path, ["fused_two_shot_matrix"], "bench.fused",
+                        {"FUSED_MATRIX_JOBS": jobs})
+    assert r.returncode == 0 and len(calls) == 4
+    runs = set()
+    for c in calls:
+        assert "--missing" in c and "--update" in c and "--calls 5" in c
         assert "--sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB 1024MiB" in c
         assert "--out bench/results/fused_two_shot_checks.json" in c
+        ps = re.search(r"--p ([\d ]+)", c).group(1).split()
+        assert sorted(ps) == list("345678")
+        runs.add((re.search(r"--codec (\w+)", c).group(1),
+                  re.search(r"--dtypes (\w+)", c).group(1)))
+    assert runs == {(c, d) for c in ("taco", "echo4") for d in ("bf16", "f32")}
