@@ -124,10 +124,11 @@ def test_two_programs_per_multiprocessor_fit_when_slim(p):
 def test_default_launch_shape_is_two_slim_programs_per_sm_where_they_fit():
     """The measured default: at P = 2 for the FP8 codecs' 16-bit input the warp-specialized
     kernel; above, 2 programs per multiprocessor with half the shared memory; one per
-    multiprocessor for f32 input (its staging does not fit twice) and for echo4 (the shape
-    its GPU checks passed with). The FP8 codecs' decode stores each part once summed and
-    sums the P accumulators first, and at P = 2 decodes this device's tile from its
-    staging; echo4 has no transform to sum before."""
+    multiprocessor for f32 input (its staging does not fit twice). echo4 runs 2 programs a
+    multiprocessor for every input dtype (its staging is small enough twice, f32 too). The
+    FP8 codecs' decode stores each part once summed and sums the P accumulators first, and
+    at P = 2 decodes this device's tile from its staging; echo4 has no transform to sum
+    before."""
     for p in (2, 4, 8):
         fp8 = dict(store_parts=True, decode="sum_first", own_from_smem=p == 2)
         slim = dataclasses.replace(fa.SLIM_2_PER_SM, **fp8)
@@ -135,7 +136,8 @@ def test_default_launch_shape_is_two_slim_programs_per_sm_where_they_fit():
             ws = fa.FusedConfig(**fp8, warp_specialized=True, per_sm=1) if p == 2 else None
             assert fa.default_config(TACO, p, dt) == (ws or slim)
         assert fa.default_config(TACO, p, jnp.float32) == fa.FusedConfig(**fp8)
-        assert fa.default_config(codecs.get("echo4"), p, jnp.bfloat16) == fa.FusedConfig()
+        for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+            assert fa.default_config(codecs.get("echo4"), p, dt) == fa.SLIM_2_PER_SM
 
 
 def test_calls_without_a_config_launch_the_default(monkeypatch):
@@ -387,7 +389,7 @@ def test_echo4_loopback_lowers_and_fits_shared_memory(p, dtype):
 
 @pytest.mark.parametrize("cfg", [fa.FusedConfig(parts=1),
                                  fa.FusedConfig(ablate="decode_twice"),
-                                 fa.FusedConfig(x_slots=1, out_store="registers")])
+                                 fa.FusedConfig()])
 def test_echo4_lowers_with_the_kernels_knobs(cfg):
     assert lowered_echo4_loopback(2, jnp.bfloat16, cfg).count("taco_fused_allreduce") >= 1
 
