@@ -27,7 +27,7 @@ Every program of every device must be resident at once (a program waits for its 
 programs): the grid is at most `FusedConfig.per_sm` programs per multiprocessor per
 device (1 … 4), and n only where the shared memory of n fits (`smem_bytes`,
 `_check_resident`): 2 with one input slot and results stored from registers, for the FP8
-codecs' 16-bit input. `FusedConfig` (config.py) describes the other variants of the body
+codecs' 16-bit input and for echo4. `FusedConfig` (config.py) describes the other variants of the body
 (the decode's order, each part stored once summed, this device's tile decoded from its
 staging, the measurement knobs); the warp-specialized body is `one_shot_ws`'s. The
 two-shot for P ≥ 3 in one kernel is `two_shot`'s.
