@@ -128,53 +128,36 @@ def _small(cache):
             "train.codec_error=false"]
 
 
-def test_ablation_smoke(tmp_path, capsys):
+def test_ablation_workers(tmp_path, capsys):
+    """--workers 2: two child drivers (each the one-worker driver) train the variants at
+    once; their rows are merged into one JSON, table and plots, each with the parent's
+    commit; the runs' configs say what was trained; a re-run trains nothing."""
     from experiments import ablation
-    args = ["--steps", "3", "--variants", "none", "taco+feedback", "--out-dir",
-            str(tmp_path / "runs"), "--json", str(tmp_path / "a.json"), "--plot",
-            str(tmp_path / "a.png"), "--set", *_small(tmp_path / "cache")]
+    args = ["--steps", "3", "--variants", "none", "taco+feedback", "--workers", "2",
+            "--out-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "a.json"),
+            "--plot", str(tmp_path / "a.png"), "--set", *_small(tmp_path / "cache")]
     out = ablation.main(args)
     rows = {r["variant"]: r for r in out["rows"]}
-    assert set(rows) == {"none", "taco+feedback"}
+    assert set(rows) == {"none", "taco+feedback"} and "unfinished" not in out
     assert rows["none"]["degradation_pct"] == 0.0 and not rows["none"]["diverged"]
     fb = rows["taco+feedback"]
     assert fb["feedback"] and fb["codec"] == "taco" and math.isfinite(fb["final_val_loss"])
     assert abs(fb["degradation_pct"]) < 5 and len(fb["curve"]["step"]) == 3
+    assert len({r["commit"] for r in rows.values()}) == 1
     saved = json.loads((tmp_path / "a.json").read_text())
+    assert [r["variant"] for r in saved["rows"]] == ["none", "taco+feedback"]
     assert {"device", "commit", "preset", "steps", "rows"} <= set(saved)
     assert saved["steps"] == 3 and saved["device"] == "cpu"
     assert (tmp_path / "a.png").stat().st_size > 0
     assert (tmp_path / "a_paired.png").stat().st_size > 0     # the per-seed forest plot
     cfg = (tmp_path / "runs" / "taco+feedback" / "config.yaml").read_text()
     assert "min_bytes: 0" in cfg and "feedback: true" in cfg and "tp: 2" in cfg
-    # resumable: a second call reads the finished runs back instead of training again
-    capsys.readouterr()
-    again = ablation.main(args)
-    assert "training in" not in capsys.readouterr().out
-    assert [r["final_val_loss"] for r in again["rows"]] == [r["final_val_loss"]
-                                                            for r in out["rows"]]
-
-
-def test_ablation_workers(tmp_path, capsys):
-    """--workers 2: two child drivers train the variants at once; their rows are merged into
-    one JSON and table, each with the parent's commit; a re-run trains nothing."""
-    from experiments import ablation
-    args = ["--steps", "2", "--variants", "none", "fwd:taco", "--workers", "2",
-            "--out-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "a.json"),
-            "--plot", str(tmp_path / "a.png"), "--set", *_small(tmp_path / "cache")]
-    out = ablation.main(args)
-    rows = {r["variant"]: r for r in out["rows"]}
-    assert set(rows) == {"none", "fwd:taco"} and "unfinished" not in out
-    assert all(math.isfinite(r["final_val_loss"]) for r in rows.values())
-    assert len({r["commit"] for r in rows.values()}) == 1
-    saved = json.loads((tmp_path / "a.json").read_text())
-    assert [r["variant"] for r in saved["rows"]] == ["none", "fwd:taco"]
-    assert (tmp_path / "a.png").stat().st_size > 0
     capsys.readouterr()
     again = ablation.main(args)     # everything is finished: read back, no workers
-    assert "[ablation] worker" not in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "[ablation] worker" not in text and "training in" not in text
     assert [r["final_val_loss"] for r in again["rows"]] == [rows[v]["final_val_loss"]
-                                                            for v in ("none", "fwd:taco")]
+                                                            for v in ("none", "taco+feedback")]
 
 
 def _row(variant, loss, seed=None):

@@ -183,8 +183,7 @@ SUM_FIRST = fa.FusedConfig(decode="sum_first")
 @pytest.mark.parametrize("p,cfg,dtype", [
     (2, SUM_FIRST, jnp.bfloat16), (4, SUM_FIRST, jnp.float32),
     (2, fa.FusedConfig(decode="sum_first", parts=1), jnp.bfloat16),
-    (4, dataclasses.replace(fa.SLIM_2_PER_SM, decode="sum_first"), jnp.float16),
-    (4, fa.FusedConfig(decode="sum_first", ablate="decode_twice"), jnp.bfloat16)])
+    (4, dataclasses.replace(fa.SLIM_2_PER_SM, decode="sum_first"), jnp.float16)])
 def test_sum_first_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
     """P = 2 (both tiles resident) and P ≥ 3 (tiles streamed through two slots; P = 8 runs
     the same code as 4, more sources): one kernel, not the per-source decode's."""
@@ -223,8 +222,7 @@ def test_sum_first_is_refused_where_it_has_no_meaning():
 @pytest.mark.parametrize("p,cfg,dtype", [
     (2, fa.FusedConfig(encode_parts=2), jnp.bfloat16),
     (2, dataclasses.replace(fa.SLIM_2_PER_SM, encode_parts=2), jnp.bfloat16),
-    (4, fa.FusedConfig(encode_parts=2, decode="sum_first"), jnp.float32),
-    (4, fa.FusedConfig(encode_parts=2), jnp.float16)])
+    (4, fa.FusedConfig(encode_parts=2, decode="sum_first"), jnp.float32)])
 def test_encode_halves_lower_in_loopback_and_change_the_kernel(p, cfg, dtype):
     text = lowered_loopback(p, dtype, cfg)
     assert text.count("taco_fused_allreduce") >= 1
@@ -247,8 +245,7 @@ def test_encode_halves_are_refused_where_they_have_no_meaning():
     (2, dataclasses.replace(fa.SLIM_2_PER_SM, store_parts=True), jnp.bfloat16),
     (2, fa.FusedConfig(store_parts=True), jnp.bfloat16),               # results by TMA
     (4, fa.FusedConfig(store_parts=True, decode="sum_first"), jnp.float32),
-    (4, fa.FusedConfig(store_parts=True), jnp.float16),
-    (2, fa.FusedConfig(store_parts=True, ablate="no_decode"), jnp.bfloat16)])
+    (4, fa.FusedConfig(store_parts=True), jnp.float16)])
 def test_store_parts_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
     text = lowered_loopback(p, dtype, cfg)
     assert text.count("taco_fused_allreduce") >= 1
@@ -472,8 +469,7 @@ def test_echo4_reference_keeps_non_finite_groups_nan():
                          x_slots=1, out_store="registers", per_sm=2), jnp.bfloat16),
     (fa.default_config(TACO, 2, jnp.float32), jnp.float32),
     (fa.FusedConfig(), jnp.bfloat16),                                   # results by TMA
-    (fa.FusedConfig(parts=1), jnp.float16),
-    (fa.FusedConfig(ablate="no_peer_stores"), jnp.bfloat16)])
+    (fa.FusedConfig(parts=1), jnp.float16)])
 def test_own_from_smem_lowers_in_loopback_and_changes_the_kernel(cfg, dtype):
     own = dataclasses.replace(cfg, own_from_smem=True)
     text = lowered_loopback(2, dtype, own)

@@ -343,9 +343,23 @@ def test_ablation_table_takes_differences_to_the_base_named():
     assert got["no_sync"]["delta_us"] == -3.0 and got["default"]["delta_us"] == -5.0
 
 
-def test_update_keeps_the_other_codecs_rows_and_replaces_its_own(tmp_path, capsys):
+def measured_rows(monkeypatch, rel_err: float = 0.1):
+    """bench.fused's runs without their child processes: each configuration a passing row
+    (the --update and --missing bookkeeping does not depend on what a check measured)."""
+    def children(a, configs, save=lambda rows: None):
+        rows = [{"p": p, "mib": round(n / bench_fused.MIB, 6), "bytes": n, "dtype": d,
+                 "config": "default", "variant": "default", "ok": True, "reason": None,
+                 "calls": a.calls, "rel_err": rel_err} for p, n, d in configs]
+        save(rows)
+        return rows
+    monkeypatch.setattr(bench_fused, "run_children", children)
+
+
+def test_update_keeps_the_other_codecs_rows_and_replaces_its_own(tmp_path, capsys,
+                                                                 monkeypatch):
     """--update: one file holds both codecs' two-shot rows, each with its codec and commit;
     measuring a codec again replaces its rows, never the other's (nor another size's)."""
+    measured_rows(monkeypatch)
     out = tmp_path / "two.json"
     base = ["--kernel", "two_shot", "--p", "3", "--dtypes", "bf16", "--calls", "1",
             "--isolate", "group", "--impl", "emulated", "--out", str(out)]
@@ -365,6 +379,7 @@ def test_update_keeps_the_other_codecs_rows_and_replaces_its_own(tmp_path, capsy
 def test_update_runs_side_by_side_keep_each_others_rows(tmp_path, monkeypatch, capsys):
     """Two --update runs into one file at once (another dtype each): every write re-reads
     the file under its lock, so a row the other run wrote after this one began stays."""
+    measured_rows(monkeypatch)
     out = tmp_path / "two.json"
     base = ["--kernel", "two_shot", "--p", "3", "--calls", "1", "--isolate", "group",
             "--impl", "emulated", "--sizes", "1KiB", "--codec", "taco", "--out", str(out),
@@ -397,9 +412,11 @@ def test_update_cut_short_keeps_the_rows_it_did_not_reach():
     assert bench_fused.kept_rows(None, "taco", done, "default") == []
 
 
-def test_missing_runs_only_what_has_not_passed_with_these_sources(tmp_path, capsys):
+def test_missing_runs_only_what_has_not_passed_with_these_sources(tmp_path, capsys,
+                                                                  monkeypatch):
     """--missing resumes a matrix: a configuration whose row passed with the same library
     sources (and as many calls) is skipped; one from other sources runs again."""
+    measured_rows(monkeypatch)
     out = tmp_path / "two.json"
     base = ["--kernel", "two_shot", "--p", "3", "--dtypes", "bf16", "--calls", "1",
             "--isolate", "group", "--impl", "emulated", "--sizes", "1KiB", "--codec",

@@ -33,7 +33,7 @@ def _run(cfg, data, tp, emulate, logits=True):
     return float(loss), jax.device_get(grads), np.asarray(jax.jit(model.logits_fn())(params, x))
 
 
-@pytest.mark.parametrize("codec,data,tp", [("none", 1, 4), ("none", 2, 2), ("taco", 1, 4)])
+@pytest.mark.parametrize("codec,data,tp", [("none", 2, 2), ("taco", 1, 4)])
 def test_emulated_tp_equals_the_mesh(codec, data, tp):
     cfg = dataclasses.replace(CFG, codec_fwd=codec, codec_bwd=codec, min_bytes=0)
     loss0, grads0, logits0 = _run(cfg, data, tp, emulate=False)
