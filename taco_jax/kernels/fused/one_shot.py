@@ -63,7 +63,7 @@ def default_config(codec, p: int, in_dtype) -> FusedConfig:
     for 16-bit / f32 input), else FusedConfig(). Measured side by side at P = 2 in loopback,
     bf16, each checked on 3 calls (bench/results/fused_echo4_levers.json, commit fc1d4a4):
     23.8 / 84.5 / 324.9 µs per device at 16 / 64 / 256 MiB against 26.5 / 97.2 / 383.1 with
-    one program of two warpgroups a multiprocessor."""
+    one program (one warpgroup) a multiprocessor."""
     if not isinstance(tile_codec(codec), TacoTiles):
         need = 2 * (smem_bytes(p, codec, in_dtype, cfg=SLIM_2_PER_SM) + SMEM_RESERVED)
         return SLIM_2_PER_SM if need <= SMEM_PER_SM else FusedConfig()
