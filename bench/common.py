@@ -6,17 +6,14 @@ import gzip
 import json
 import os
 import re
-import statistics
 import subprocess
 import tempfile
-import time
 
 import jax
-import jax.numpy as jnp
 
 # The host timer is the library's (calibration uses it too): calls back to back in
 # straight-line code, each on its own input buffer.
-from taco_jax.calibrate import jit_calls, time_calls  # noqa: F401
+from taco_jax.calibrate import host_us, jit_calls, time_calls, warm_calls  # noqa: F401
 
 
 def load_rows_doc(path: str, what: str, missing: str = "") -> dict:
@@ -156,17 +153,8 @@ def device_time(fn, x, iters: int = 10, batches: int = 3, repeats: int = 5,
     dispatch; device time does not. Where the trace has no GPU, "us" is None and "error"
     says why. `trace` None: trace only where the default backend is a GPU (a trace of a
     CPU run costs about a second and can hold no GPU kernel)."""
-    xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
-    calls = jit_calls(fn)
-    jax.block_until_ready(calls(xs))                    # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = [calls(xs) for _ in range(batches)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) / (iters * batches) * 1e6)
-        del outs
-    out = {"host_us": statistics.median(times)}
+    calls, xs = warm_calls(fn, x, iters)
+    out = {"host_us": host_us(calls, xs, repeats, batches)}
     if trace is None:
         trace = jax.default_backend() == "gpu"
     if not trace:

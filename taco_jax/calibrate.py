@@ -59,6 +59,28 @@ def jit_calls(fn):
     return jax.jit(lambda xs: [fn(x) for x in xs])
 
 
+def warm_calls(fn, x, iters: int):
+    """(`jit_calls(fn)`, `iters` copies of x), compiled and run once."""
+    xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
+    calls = jit_calls(fn)
+    jax.block_until_ready(calls(xs))
+    return calls, xs
+
+
+def host_us(calls, xs, repeats: int, batches: int) -> float:
+    """Median µs per call of `calls(xs)` (`warm_calls`), from `batches` executions queued
+    back to back (the host dispatches the next while the device runs one), over
+    `repeats`."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = [calls(xs) for _ in range(batches)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / (len(xs) * batches) * 1e6)
+        del outs
+    return statistics.median(times)
+
+
 def time_calls(fn, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> float:
     """Median µs per call of fn(x), from `batches` executions of `jit_calls` queued back to
     back (the host dispatches the next while the device runs one), over `repeats`.
@@ -66,17 +88,7 @@ def time_calls(fn, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> fl
     No while loop: XLA's GPU while loop adds ~16 µs per trip on the H200, which a 120 µs
     kernel would carry as 13% of its time. Memory: `iters` copies of x, and iters × batches
     outputs (every output stays live): lower `iters` for the largest sizes."""
-    xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
-    calls = jit_calls(fn)
-    jax.block_until_ready(calls(xs))                    # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = [calls(xs) for _ in range(batches)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) / (iters * batches) * 1e6)
-        del outs
-    return statistics.median(times)
+    return host_us(*warm_calls(fn, x, iters), repeats, batches)
 
 
 def fresh_times(fns, x, *, timer=time_calls, **timer_kw) -> tuple:
