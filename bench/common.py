@@ -110,8 +110,11 @@ def gpu_kernel_events(events: list[dict], device: int = 0) -> list[dict]:
         raise ValueError(f"no '/device:GPU:{device}' process in the trace; processes: "
                          f"{sorted(set(procs.values()))}")
     streams = {k for k, n in threads.items() if k[0] in pids and n.lower().startswith("stream")}
-    return [e for e in events if e.get("ph") == "X" and e.get("dur") is not None
-            and (e["pid"], e.get("tid")) in streams]
+    # a trace without 'Stream …' threads: the device's events less the op-level threads
+    keep = (lambda e: (e["pid"], e.get("tid")) in streams) if streams else \
+        (lambda e: e["pid"] in pids and not re.search(r"XLA|Steps|TraceMe",
+                                                      threads.get((e["pid"], e.get("tid")), "")))
+    return [e for e in events if e.get("ph") == "X" and e.get("dur") is not None and keep(e)]
 
 
 def read_trace(log_dir: str) -> list[dict]:

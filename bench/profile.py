@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bench.common import env_facts, print_table, write_json
+from bench.common import env_facts, gpu_kernel_events, print_table, write_json
 
 MIB = 1 << 20
 CLASSES = ("compute", "compression", "comm")
@@ -89,28 +89,9 @@ def _intersect(u: list, v: list) -> list:
     return out
 
 
-def device_kernels(events: list[dict], device: int = 0) -> list[dict]:
-    """Complete ('X') events on the kernel streams of GPU `device` of a perfetto trace.
-    Device processes are named '/device:GPU:<n>'; their 'Stream …' threads hold the
-    kernels (other threads, e.g. 'XLA Ops', repeat them at op level and are skipped)."""
-    procs, threads = {}, {}
-    for e in events:
-        if e.get("ph") != "M":
-            continue
-        if e.get("name") == "process_name":
-            procs[e["pid"]] = e["args"]["name"]
-        elif e.get("name") == "thread_name":
-            threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
-    pat = re.compile(rf"/device:GPU:{device}(\D|$)")
-    pids = {p for p, n in procs.items() if pat.search(n)}
-    if not pids:
-        raise ValueError(f"no '/device:GPU:{device}' process in the trace; processes: "
-                         f"{sorted(set(procs.values()))}")
-    streams = {k for k, n in threads.items() if k[0] in pids and n.lower().startswith("stream")}
-    keep = (lambda e: (e["pid"], e.get("tid")) in streams) if streams else \
-        (lambda e: e["pid"] in pids and not re.search(r"XLA|Steps|TraceMe",
-                                                      threads.get((e["pid"], e.get("tid")), "")))
-    return [e for e in events if e.get("ph") == "X" and e.get("dur") is not None and keep(e)]
+# Complete ('X') events on the kernel streams of GPU `device` of a perfetto trace
+# ('/device:GPU:<n>' processes, their 'Stream …' threads)
+device_kernels = gpu_kernel_events
 
 
 def breakdown(kernels: list[dict], iters: int) -> dict:
