@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -35,7 +36,6 @@ def sources_hash() -> str:
     """12 hex digits of sha256 over the taco_jax package's Python sources (paths and
     bytes): two runs with the same hash ran the same library, whatever else the commits
     between them changed (docs, benchmarks, results)."""
-    import hashlib
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "taco_jax")
     h = hashlib.sha256()

@@ -302,7 +302,8 @@ def worst_tiles(y, gold, exact, finite, p: int, k: int = 8) -> list[dict]:
 
 
 def read_rows(path: str) -> dict | None:
-    """--update: the --out file as it was before this run (None: missing or unreadable)."""
+    """--update, --missing: the --out file as it is now (None: missing or unreadable);
+    read under `locked`, so never half-written by a run beside this one."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -808,7 +809,9 @@ def main(argv=None) -> int:
 
     facts = env_facts()
     if a.missing:
-        done = passed_rows(read_rows(a.out), a.codec, config, facts["sources"], a.calls)
+        with locked(a.out):
+            old = read_rows(a.out)
+        done = passed_rows(old, a.codec, config, facts["sources"], a.calls)
         skip = [c for c in configs if row_key({"p": c[0], "bytes": c[1], "dtype": c[2]})
                 in done]
         configs = [c for c in configs if c not in skip]
