@@ -268,7 +268,7 @@ for s in "$@"; do
         done
       done ;;
     fused_echo4)
-      step fused_echo4_tiles 30 python -m pytest -x -q tests/test_mosaic_echo4.py -k gpu
+      step fused_echo4_tiles 30 python -m pytest -x -q tests/kernels/test_mosaic_echo4.py -k gpu
       step fused_echo4_checks 195 python -m bench.fused --codec echo4 --p 2 4 8 \
         --dtypes bf16 f32 --sizes 1KiB 1MiB+5 16MiB 64MiB --calls 2 --isolate group \
         --timeout 20 --fail-fast --out bench/results/fused_echo4_checks.json \

@@ -41,7 +41,7 @@ in contiguous groups of near-equal length (`deal`), and merges their rows: one r
 work and evaluation leave the GPU idle, the others fill it. Step times are then
 shared-device times.
 Error feedback (`echo4+feedback`: model.feedback, Echo's forward sites) runs emulated as on a
-mesh (tests/test_model_emulated.py).
+mesh (tests/models/test_emulate_tp.py).
 
 JSON: {"device", "jax", "commit", "tp", "emulated": true, "preset", "steps",
 "tokens_seen", "corpus_tokens", "bf16_seed_spread_pct", "rows": [{"codec", "seed",

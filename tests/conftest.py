@@ -38,7 +38,10 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", float(_MIN))
 # order the tests run in.
 jax.devices()
 
-# Import models/ and train/ from this checkout even when pytest is run without `python -m`.
+# Import models/ and train/ from this checkout even when pytest is run without `python -m`,
+# and the helpers beside this file (codec_bounds, kernel_cases, meshes, ...) from the test
+# files in its subfolders.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 

@@ -1,5 +1,5 @@
-"""What the Pallas-Triton kernel tests share (tests/test_kernels.py for TACO's kernels,
-tests/test_kernels_echo.py for echo4's): where the kernels run, the dtypes by name, the ids
+"""What the Pallas-Triton kernel tests share (tests/kernels/test_triton_taco.py for TACO's kernels,
+tests/kernels/test_triton_echo4.py for echo4's): where the kernels run, the dtypes by name, the ids
 of parametrized cases and the set-up of one (codec, block size, dtype) case."""
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from train.metrics import MetricsWriter, read_jsonl
 # Orbax's failed restores used to leave reads that ended on a closed event loop: any
 # exception nobody could catch is an error here
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _state(step):

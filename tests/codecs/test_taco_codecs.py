@@ -3,7 +3,7 @@ paper's equations (tests/numpy_taco.py), plus properties (hypothesis), the error
 between codecs, bad inputs and the identity codec.
 
 Everything here runs on the dispatcher's CPU default, the jnp references; the Pallas
-kernels are compared with those references in tests/test_kernels.py. XLA compiles are the
+kernels are compared with those references in tests/kernels/test_triton_taco.py. XLA compiles are the
 cost on CPU (~0.5 s per codec and shape), so comparisons share one jitted call per block
 size and dtype, and the value-range properties run on one fixed shape.
 """

@@ -5,7 +5,7 @@ Megatron pvary. One lax.scan of 64 layers gives the forward error at every depth
 the lax.psum stream) and, through d loss / d eps_k = ct(h_{k+1}), the backward error after
 any number of backward sites. Print the table with:
 
-    .venv/bin/python -m pytest -q -s tests/test_feedback.py -k depth
+    .venv/bin/python -m pytest -q -s tests/codecs/test_feedback.py -k depth
 """
 import functools
 

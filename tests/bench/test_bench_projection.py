@@ -14,7 +14,7 @@ from bench import fused
 from bench import projection as proj
 from taco_jax import codecs
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 ECHO4 = codecs.get("echo4")
 N16 = 16 * proj.MIB // 2                      # bf16 values in 16 MiB

@@ -14,8 +14,8 @@ from models.gpt import GPTConfig
 from train import config as config_lib
 
 from codec_bounds import FACTOR
-from test_model import CFG, _max_rel_err, _tokens
-from test_train import _overrides
+from model_cases import CFG, _max_rel_err, _tokens
+from run_cases import _overrides
 
 
 def _run(cfg, data, tp, emulate, logits=True):

@@ -16,7 +16,7 @@ from train import config as config_lib
 from train.checkpoint import Checkpointer
 from train.metrics import read_jsonl
 
-from test_train import _overrides, cache  # noqa: F401 (cache: the shared corpus fixture)
+from run_cases import _overrides, cache  # noqa: F401 (cache: the shared corpus fixture)
 
 AXES = ("fwd", "bwd", "head", "pp", "dp")
 

@@ -19,7 +19,7 @@ from train import config as config_lib
 from train.checkpoint import Checkpointer
 
 from codec_bounds import FACTOR, assert_blockwise_close, block_norms, roundtrip_error
-from test_train import CORPUS, cache  # noqa: F401 (cache: the shared corpus fixture)
+from run_cases import CORPUS, cache  # noqa: F401 (cache: the shared corpus fixture)
 
 # optim.eps=1e-3: Adam's first steps move every parameter by about ±lr whatever the size of
 # its gradient, so gradients near zero that differ in the last bits between meshes would

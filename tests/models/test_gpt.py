@@ -10,19 +10,9 @@ import pytest
 import taco_jax
 from models import parallel
 from models.gpt import GPTConfig
+from model_cases import BATCH, CFG, _max_rel_err, _rel, _tokens
 
 # Odd sizes on purpose: head_dim 6, d_ff 40, vocab 68 (divisible by 4, not a power of two).
-CFG = GPTConfig(vocab_size=68, seq_len=12, n_layer=2, n_head=4, d_model=24, d_ff=40,
-                dtype="float32", codec_fwd="none", codec_bwd="none", attention="xla")
-BATCH = 4
-
-
-def _tokens(cfg, batch=BATCH, seed=0):
-    rng = np.random.default_rng(seed)
-    t = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1)).astype(np.int32)
-    return t[:, :-1], t[:, 1:]
-
-
 def _loss_and_grads(cfg, data, tp, seed=0, pinned=False):
     mesh = parallel.make_mesh(data, tp)
     model = parallel.shard_gpt(cfg, mesh)
@@ -40,11 +30,6 @@ def _loss_and_grads(cfg, data, tp, seed=0, pinned=False):
 @pytest.fixture(scope="module")
 def reference():
     return _loss_and_grads(CFG, 1, 1, pinned=True)
-
-
-def _max_rel_err(a, b):
-    errs = jax.tree.map(lambda u, v: np.max(np.abs(u - v)) / (np.max(np.abs(v)) + 1e-12), a, b)
-    return max(jax.tree.leaves(errs))
 
 
 @pytest.mark.parametrize("data,tp", [(1, 2), (1, 4), (2, 2)])
@@ -229,11 +214,6 @@ def test_feedback_off_is_bit_identical_to_before(reference, echo4_runs):
     assert ECHO4.feedback is False
     assert reference[0] == float.fromhex("0x1.0da6b60000000p+2")  # codec none, TP=1
     assert echo4_runs[False][0] == float.fromhex("0x1.0d9fd60000000p+2")  # echo4, TP=4
-
-
-def _rel(a, b):
-    u, v = (np.concatenate([x.ravel() for x in jax.tree.leaves(t)]) for t in (a, b))
-    return np.linalg.norm(u - v) / np.linalg.norm(v)
 
 
 def test_feedback_brings_echo4_closer_to_exact(reference, echo4_runs):

@@ -6,7 +6,7 @@ needs no GPU: the register layouts map each thread's values where the kernels as
 (emulated from Mosaic's own layout definitions), every covered kernel lowers to one Mosaic
 GPU custom call, and the coverage rules and the dispatcher's choices. On a Hopper GPU the
 kernels and the tile API are compared with the jnp references, with the tolerances of the
-precise Triton path (tests/test_kernels.py): the transform's products are exact for bf16
+precise Triton path (tests/kernels/test_triton_taco.py): the transform's products are exact for bf16
 and f16 data and its sums are f32.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import taco_jax
 from taco_jax import codecs
 from taco_jax.kernels import dispatch, mosaic, references
 from taco_jax.kernels.mosaic import registers
-from test_kernels import OUT_ROUNDOFF, compare_wires, f64, kernel_rows
+from test_triton_taco import OUT_ROUNDOFF, compare_wires, f64, kernel_rows
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels need a Hopper GPU: "

@@ -1,6 +1,6 @@
 """bench.collectives on CPU: the network link's two processes (jax.distributed) run, time
 and write the row schema; a link's child processes keep NVLink multicast off. (bench.fused:
-tests/test_fused_bench.py.)"""
+tests/bench/test_bench_fused.py.)"""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 
 from bench import collectives
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"mib_per_device", "codec", "transport", "link", "n_devices", "lax_psum_us",
             "taco_psum_us", "ratio", "fresh_ratio"}
 

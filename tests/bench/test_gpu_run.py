@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_run.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_run.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
@@ -218,7 +218,7 @@ def test_fused_echo4_checks_the_tiles_and_the_loopback_then_times_it(tmp_path):
              if c.startswith("-m ")]
     assert r.returncode == 0 and len(calls) == 3
     tiles, checks, timed = calls
-    assert "pytest" in tiles and "tests/test_mosaic_echo4.py -k gpu" in tiles
+    assert "pytest" in tiles and "tests/kernels/test_mosaic_echo4.py -k gpu" in tiles
     for call in (checks, timed):
         assert "bench.fused --codec echo4" in call and "--fail-fast" in call
         assert "--timeout" in call and "--out bench/results/fused_echo4_" in call

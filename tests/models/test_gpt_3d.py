@@ -13,7 +13,7 @@ import taco_jax
 from models import parallel, pipeline
 from models.gpt import GPTConfig
 
-from test_model import CFG, _max_rel_err, _rel
+from model_cases import CFG, _max_rel_err, _rel
 
 CFG4 = dataclasses.replace(CFG, n_layer=4)    # 4 blocks: 2 per stage at pipe=2, 1 at pipe=4
 BATCH = 8

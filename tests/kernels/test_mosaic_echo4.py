@@ -2,7 +2,7 @@
 
 Mosaic GPU kernels do not run in Pallas' interpreter: on CPU the tile kernels are traced
 and lowered for a CUDA target, and the register layouts and the wrappers' checks are
-tested. On a Hopper GPU (`pytest tests/test_mosaic_echo4.py -k gpu`) the kernels' bytes
+tested. On a Hopper GPU (`pytest tests/kernels/test_mosaic_echo4.py -k gpu`) the kernels' bytes
 are compared with the codec's reference, bit for bit.
 """
 import numpy as np

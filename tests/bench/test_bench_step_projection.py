@@ -13,7 +13,7 @@ import pytest
 from bench import fused, projection
 from bench import step_projection as sp
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 MIB = 1 << 20
 HBM = 4000.0                                   # GB/s, the synthetic roofline

@@ -117,7 +117,7 @@ def test_the_gpt_emulated_through_the_loopback_equals_the_xla_emulation(loopback
     loopback, against the same emulation through the xla transport: within the codec's
     error, as emulation and mesh agree."""
     from models import parallel
-    from test_model import CFG, _max_rel_err, _tokens
+    from model_cases import CFG, _max_rel_err, _tokens
 
     cfg = dataclasses.replace(CFG, codec_fwd="taco", codec_bwd="taco", min_bytes=0)
 

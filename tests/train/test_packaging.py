@@ -15,7 +15,7 @@ import pytest
 
 from train import config as config_lib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 INSTALLED = ("taco_jax",)      # the wheel's packages
 CHECKOUT_ONLY = ("models", "train", "configs", "experiments", "bench", "tests")
@@ -107,7 +107,7 @@ def test_dependencies_are_declared_and_pinned():
     for extra, packages in [("train", ("models", "train", "bench", "examples")),
                             ("experiments", ("experiments",)), ("test", ("tests",))]:
         imports = set().union(*map(_third_party_imports, packages)) - checkout
-        imports -= {f.stem for f in (ROOT / "tests").glob("*.py")}   # the tests' own helpers
+        imports -= {f.stem for f in (ROOT / "tests").rglob("*.py")}  # the tests' own modules
         assert _distributions(imports) <= _declared(extra), (extra, imports)
     assert {"flax", "optax", "orbax-checkpoint"} <= _declared("train")
     assert {"scipy", "pytest", "hypothesis", "flax"} <= _declared("test")

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -27,21 +26,9 @@ from train import data as data_lib
 from train.checkpoint import saved_steps
 from train.metrics import read_jsonl
 
+from run_cases import CORPUS, _overrides, cache  # noqa: F401 (cache: the shared corpus fixture)
+
 PRESETS = config_lib.preset_names()
-CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"  # ~50 KB of Python, on every machine
-
-
-def _overrides(cache, run_dir, *extra):
-    return ["model.vocab_size=512", "model.seq_len=32", "model.n_layer=1", "model.n_head=4",
-            "model.d_model=32", "parallel.tp=2", "parallel.data=2",
-            f"data.paths=[{CORPUS}]", f"data.cache_dir={cache}", "train.batch_size=4",
-            "train.steps=6", "train.eval_every=3", "train.ckpt_every=3", "train.eval_batches=2",
-            "train.progress=false", "optim.warmup_steps=2", f"train.run_dir={run_dir}", *extra]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture(scope="module")
@@ -450,7 +437,7 @@ def test_a_run_killed_while_it_saves_resumes_bit_exactly(full_run, cache, tmp_pa
     run_dir, flag = tmp_path / "killed", tmp_path / "saving"
     overrides = _overrides(cache, run_dir, "train.codec_error=false")
     child = subprocess.Popen([sys.executable, "-c", _HANG_IN_SAVE, str(flag), *overrides],
-                             cwd=Path(__file__).resolve().parent.parent,
+                             cwd=Path(__file__).resolve().parents[2],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
