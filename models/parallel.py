@@ -467,9 +467,6 @@ def shard_gpt(cfg: GPTConfig, mesh: jax.sharding.Mesh, emulate_tp: int = 0, *,
                          + (f" with emulate_tp={emulate_tp}" if emulate_tp else ""))
     if emulate_tp < 0:
         raise ValueError(f"emulate_tp={emulate_tp} must be >= 0")
-    if emulate_tp and cfg.sequence_parallel:
-        raise ValueError("model.sequence_parallel=True is not supported with emulated "
-                         "tensor parallelism (parallel.emulate_tp); run it on a TP mesh")
     pipe = int(dict(mesh.shape).get(PIPE, 1))
     check_pipeline(cfg, pipe, microbatches)
     cfg.validate(tp=emulate_tp or mesh.shape[TP])
