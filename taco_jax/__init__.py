@@ -8,8 +8,9 @@ import importlib
 import importlib.metadata
 
 from taco_jax import codecs, telemetry
-from taco_jax.collectives import (DEFAULT_MIN_BYTES, UnboundAxisError, all_gather, feedback,
-                                  ppermute, psum, psum_scatter, psum_two_level, pvary)
+from taco_jax.collectives import (DEFAULT_MIN_BYTES, UnboundAxisError, all_gather,
+                                  all_gather_matmul, feedback, matmul_reduce_scatter, ppermute,
+                                  psum, psum_scatter, psum_two_level, pvary)
 from taco_jax.collectives.feedback import (FeedbackState, psum_with_feedback,
                                            pvary_with_feedback)
 from taco_jax.recipe import Recipe, config
@@ -21,7 +22,8 @@ except importlib.metadata.PackageNotFoundError:    # imported from a checkout no
 
 __all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "psum_two_level", "psum_with_feedback",
            "pvary_with_feedback", "FeedbackState", "feedback", "config", "Recipe", "codecs",
-           "telemetry", "calibrate", "UnboundAxisError", "DEFAULT_MIN_BYTES"]
+           "telemetry", "calibrate", "UnboundAxisError", "DEFAULT_MIN_BYTES",
+           "all_gather_matmul", "matmul_reduce_scatter"]
 
 
 def __getattr__(name):

@@ -24,7 +24,8 @@ run time, once per executed call, loops and branches included.
     log.records  # [{"op", "axis", "codec", "rel_error", "wire_bytes", "bf16_bytes", "nonfinite"}]
 
 One record per executed compressed all-reduce ("psum": psum, pvary's backward) and per
-compressed send ("ppermute", "all_gather", "psum_scatter", forward and backward), each
+compressed send ("ppermute", "all_gather", "psum_scatter", "all_gather_matmul",
+"matmul_reduce_scatter", forward and backward), each
 against the exact collective in f32: an exact lax.psum (a send: the exact lax collective
 and a psum of three scalars) and a host callback.
 
@@ -243,8 +244,9 @@ def wire_bytes(site: Site, backward: bool = False) -> int:
     """Bytes one device sends for one call of this site. Compressed: the two-shot sends
     P − 1 of its P segments in the all-to-all and its own segment to P − 1 peers in the
     all-gather (psum, and pvary's backward); all_gather and psum_scatter are one half each;
-    ppermute sends its codes once. Plain: what a ring collective sends, (P − 1)/P of the
-    tensor per half; a plain ppermute the tensor.
+    ppermute sends its codes once; all_gather_matmul and matmul_reduce_scatter what
+    all_gather and psum_scatter send (with codec "none", their values). Plain: what a ring
+    collective sends, (P − 1)/P of the tensor per half; a plain ppermute the tensor.
 
     backward: also what the call's transpose sends when the function is differentiated (a
     training step): ppermute's reverse send, all_gather's reduce-scatter of the gathered
@@ -264,22 +266,28 @@ def wire_bytes(site: Site, backward: bool = False) -> int:
     # all_gather ↔ psum_scatter the same segments of n (resp. n/P) values each way
     back = 2 if backward and (site.op in SENDS_BACK or (site.op in PSUM_OPS and not site.vma)
                               ) else 1
-    if not site.compressed:
-        if site.op == "ppermute":
+    op = MATMUL_SENDS.get(site.op, site.op)
+    # a collective matmul with codec "none" sends the values themselves, as lax's would
+    if not site.compressed or (op != site.op and codecs.get(site.codec).is_identity):
+        if op == "ppermute":
             return back * site.bytes_per_device
         per_half = site.bytes_per_device * (p - 1)
-        return back * halves * (per_half if site.op == "all_gather" else per_half // p)
+        return back * halves * (per_half if op == "all_gather" else per_half // p)
     c = codecs.get(site.codec)
-    if site.op == "all_gather":
+    if op == "all_gather":
         return back * (p - 1) * c.wire_bytes(n)
-    if site.op == "ppermute":
+    if op == "ppermute":
         return back * c.wire_bytes(n)
     seg_rows = max(1, -(-n // (p * c.block_size)))
     return back * halves * (p - 1) * seg_rows * c.row_bytes
 
 
 # the ops whose transpose is a send of its own through the same codec (`wire_bytes`)
-SENDS_BACK = ("ppermute", "all_gather", "psum_scatter")
+SENDS_BACK = ("ppermute", "all_gather", "psum_scatter", "all_gather_matmul",
+              "matmul_reduce_scatter")
+# the collective matmuls send what their collective sends (their site's shape is the
+# communicated tensor: x, resp. x @ w), and each transposes to the other
+MATMUL_SENDS = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "psum_scatter"}
 # ... and those whose transpose is one only under check_vma=False (psum's is psum there)
 PSUM_OPS = ("psum", "psum_with_feedback")
 

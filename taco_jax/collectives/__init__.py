@@ -3,15 +3,17 @@
 `psum` ↔ `pvary` (Megatron's g and f) and `all_gather` ↔ `psum_scatter` are `custom_vjp`
 pairs whose backward passes are themselves compressed collectives; all four rest on the
 one two-shot implementation in `two_shot`; `ppermute` (pipeline stages) is
-its own inverse's transpose. `feedback` adds error feedback along a
-residual stream."""
+its own inverse's transpose. `all_gather_matmul` ↔ `matmul_reduce_scatter` (Megatron-SP's
+GEMMs with their collectives overlapped, `matmul`) are another such pair. `feedback` adds
+error feedback along a residual stream."""
 from taco_jax.collectives import feedback
 from taco_jax.collectives.allreduce import psum, pvary
 from taco_jax.collectives.axes import UnboundAxisError
 from taco_jax.collectives.call import DEFAULT_MIN_BYTES
 from taco_jax.collectives.gather import all_gather, psum_scatter
 from taco_jax.collectives.hierarchical import psum_two_level
+from taco_jax.collectives.matmul import all_gather_matmul, matmul_reduce_scatter
 from taco_jax.collectives.permute import ppermute
 
 __all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "psum_two_level", "feedback", "UnboundAxisError",
-           "DEFAULT_MIN_BYTES"]
+           "DEFAULT_MIN_BYTES", "all_gather_matmul", "matmul_reduce_scatter"]

@@ -1,0 +1,344 @@
+"""Collective matmuls (Megatron-SP's column- and row-parallel GEMMs), compressed, each the
+other's transpose.
+
+    all_gather_matmul(x, w)      = all_gather(x, tiled=True) @ w        (column-parallel)
+    matmul_reduce_scatter(x, w)  = psum_scatter(x @ w, tiled=True)      (row-parallel)
+
+Each is P steps of one GEMM chunk and one `lax.ppermute` of codes, so XLA can run a step's
+collective-permute beside the next step's GEMM (DESIGN_NOTES §3a: inside `shard_map` the
+overlap is written by hand):
+
+- all_gather_matmul: each device encodes its shard once; the codes go round the ring, one
+  hop a step, never re-encoded; at step s a device decodes the shard of device me − s (its
+  own at s = 0, decoded as well, as `taco_jax.all_gather` does, so every device multiplies
+  the same gathered x) and multiplies it with w. One quantization per element.
+- matmul_reduce_scatter: at step s = 1 … P − 1 a device computes the chunk of x @ w that
+  device me + s owns, encodes it once and sends it there with one ppermute of shift s; the
+  owner decodes it and sums in f32 with its own chunk, which is never quantized. One
+  quantization per element, as `taco_jax.psum_scatter`.
+
+Codec "none" runs the same steps with the values themselves on the wire (the overlapped
+bf16 baseline). The pair's `custom_vjp`s close over each other: the gradient of
+all_gather_matmul is a matmul_reduce_scatter (dx) and a GEMM with the gathered x the
+forward multiplied (dw); the gradient of matmul_reduce_scatter an all_gather_matmul (dx)
+that also hands back the gathered cotangent (dw = xᵀ @ it).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from taco_jax import codecs, routes, telemetry
+from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives.call import DEFAULT_MIN_BYTES, Call
+from taco_jax.kernels import dispatch
+
+# why the ops take no fused transport (their error message)
+NO_FUSED = ("the fused transport's one-launch kernels carry a whole all-reduce, not the P "
+            "collective-permutes a collective matmul interleaves with its GEMMs")
+
+
+def _ring(p: int, shift: int) -> tuple:
+    return tuple((i, (i + shift) % p) for i in range(p))
+
+
+def _encode(v, codec):
+    """The bytes a step sends: the codes (uint8, opaque to XLA's CollectiveQuantizer), or
+    with codec "none" the values themselves, in their dtype."""
+    return v if codec.is_identity else dispatch.compress(codecs.to_blocks(v, codec.block_size),
+                                                        codec)
+
+
+def _decode(wire, codec, shape, dtype):
+    if codec.is_identity:
+        return wire.astype(dtype)
+    return codecs.from_blocks(dispatch.decompress(wire, codec, dtype), shape)
+
+
+def _gather_matmul(x, w, axis, codec, p: int, dim: int):
+    """(all_gather(x) @ w, the gathered x it multiplied), gathered along `dim`."""
+    me = lax.axis_index(axis)
+    n = x.shape[dim]
+    gathered = (*x.shape[:dim], p * n, *x.shape[dim + 1:])
+    xg = jnp.zeros(gathered, x.dtype)
+    out = jax.eval_shape(jnp.matmul, xg, w)
+    y = jnp.zeros(out.shape, out.dtype)
+    wire = _encode(x, codec)
+    sent = (p - 1) * _nbytes(wire)
+    for s in range(p):
+        # the hop for the next step is issued before this step's GEMM: independent of it,
+        # so the two can run side by side
+        nxt = lax.ppermute(wire, axis, _ring(p, 1)) if s < p - 1 else None
+        part = _decode(wire, codec, x.shape, x.dtype)                # device me − s's x
+        at = ((me - s) % p) * n
+        xg = lax.dynamic_update_slice_in_dim(xg, part, at, dim)
+        y = lax.dynamic_update_slice_in_dim(y, jnp.matmul(part, w), at, dim)
+        wire = nxt
+    if telemetry.enabled():    # against the exact gather of the same tensor, in f32
+        exact = lax.all_gather(x.astype(jnp.float32), axis, axis=dim, tiled=True)
+        telemetry.report_send("all_gather_matmul", exact, xg, axis, codec,
+                              wire_bytes=sent,
+                              bf16_bytes=2 * (p - 1) * x.size)
+    return y, xg
+
+
+def _matmul_scatter(x, w, extra, axis, codec, p: int, dim: int):
+    """psum_scatter(x @ w + extra) along `dim`; `extra` (x @ w's shape, or None) is the
+    cotangent of the gathered output when all_gather_matmul's backward calls this."""
+    me = lax.axis_index(axis)
+    m = x.shape[dim] // p
+
+    def chunk(j):                          # the rows of x @ w (+ extra) that device j owns
+        c = jnp.matmul(lax.dynamic_slice_in_dim(x, j * m, m, dim), w)
+        return c if extra is None else c + lax.dynamic_slice_in_dim(extra, j * m, m, dim)
+
+    total, sent = None, 0
+    for s in range(1, p):
+        # the peers' chunks first, so their codes travel while the later GEMMs run
+        c = chunk((me + s) % p)
+        wire = _encode(c, codec)
+        sent += _nbytes(wire)
+        got = _decode(lax.ppermute(wire, axis, _ring(p, s)), codec, c.shape, jnp.float32)
+        total = got if total is None else total + got                # from device me − s
+    own = chunk(me)
+    out = (own.astype(jnp.float32) + total).astype(own.dtype)
+    if telemetry.enabled():    # against the exact reduce-scatter, in f32
+        z = jnp.matmul(x, w) if extra is None else jnp.matmul(x, w) + extra
+        exact = lax.psum_scatter(z.astype(jnp.float32), axis, scatter_dimension=dim, tiled=True)
+        telemetry.report_send("matmul_reduce_scatter", exact, out, axis, codec,
+                              wire_bytes=sent, bf16_bytes=2 * (p - 1) * own.size)
+    return out
+
+
+def _nbytes(v) -> int:
+    return v.size * v.dtype.itemsize
+
+
+def _contract_leading(a, b):
+    """aᵀ @ b over every dimension but the last: (…, k), (…, n) → (k, n)."""
+    lead = tuple(range(a.ndim - 1))
+    return jnp.tensordot(a, b, axes=(lead, lead))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _ag_mm(x, w, axis, codec, p, dim):
+    return _gather_matmul(x, w, axis, codec, p, dim)
+
+
+def _ag_mm_fwd(x, w, axis, codec, p, dim):
+    # the custom_vjp itself (not _gather_matmul): under higher-order AD JAX differentiates
+    # this rule, and the integer codes would give a zero derivative
+    y, xg = _ag_mm(x, w, axis, codec, p, dim)
+    return (y, xg), (xg, w)
+
+
+def _ag_mm_bwd(axis, codec, p, dim, res, cts):
+    xg, w = res
+    dy, dxg = cts
+    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+        dx = _mm_rs(dy, w.T, dxg, axis, codec, p, dim)
+    return dx.astype(xg.dtype), _contract_leading(xg, dy).astype(w.dtype)
+
+
+_ag_mm.defvjp(_ag_mm_fwd, _ag_mm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _mm_rs(x, w, extra, axis, codec, p, dim):
+    return _matmul_scatter(x, w, extra, axis, codec, p, dim)
+
+
+def _mm_rs_fwd(x, w, extra, axis, codec, p, dim):
+    # a third residual, a scalar of extra's dtype, when there is an `extra` to give a
+    # cotangent to
+    res = (x, w) if extra is None else (x, w, jnp.zeros((), extra.dtype))
+    return _mm_rs(x, w, extra, axis, codec, p, dim), res
+
+
+def _mm_rs_bwd(axis, codec, p, dim, res, dz):
+    x, w = res[:2]
+    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+        dx, dzg = _ag_mm(dz, w.T, axis, codec, p, dim)
+    dw = _contract_leading(x, dzg).astype(w.dtype)
+    return dx.astype(x.dtype), dw, (None if len(res) == 2 else dzg.astype(res[2].dtype))
+
+
+_mm_rs.defvjp(_mm_rs_fwd, _mm_rs_bwd)
+
+
+# -- the public ops --------------------------------------------------------------------------
+def _check(name: str, x, w, dim: int, what: str):
+    """Validate the operands; `dim` (may be negative) splits x, never its last dimension."""
+    if w.ndim != 2:
+        raise ValueError(f"taco_jax.{name}: w must be 2-D (k, n); got w.shape={w.shape}")
+    if x.ndim < 2:
+        raise ValueError(f"taco_jax.{name}: x must have at least 2 dimensions (…, k); got "
+                         f"x.shape={x.shape}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"taco_jax.{name}: x's last dimension must match w's first; got "
+                         f"x.shape={x.shape}, w.shape={w.shape}")
+    if not -x.ndim <= dim < x.ndim - 1:
+        raise ValueError(f"taco_jax.{name}: {what}={dim} must name a dimension of "
+                         f"x.shape={x.shape} other than the last (contracted) one")
+    if x.size == 0 or w.size == 0:
+        raise ValueError(f"taco_jax.{name}: empty operand: x.shape={x.shape}, "
+                         f"w.shape={w.shape}")
+    return dim % x.ndim
+
+
+def _route(op: Call, v, x, w) -> str:
+    """"lax" or "xla" for the communicated tensor v (a shape and dtype), noted as the site.
+    As the other ops decide, except that codec "none" keeps the decomposition: it is the
+    overlapped baseline, not lax's collective."""
+    nbytes = v.size * v.dtype.itemsize
+    if op.p == 1:
+        why = "axis of size 1"
+    elif v.dtype not in codecs.FLOAT_DTYPES:
+        why = f"dtype {v.dtype}"
+    elif axes_lib.reduced_or_unreduced(x) or axes_lib.reduced_or_unreduced(w):
+        why = "reduced/unreduced sharding type"
+    else:
+        cal = routes.lookup(op.p, op.codec.name) if op.min_bytes is None else None
+        if cal is not None:                   # this machine's measured routes
+            why = (None if cal.route(nbytes, ("xla",)) != "lax" else
+                   f"{nbytes} B: lax.psum measured faster here ({cal.key})")
+        else:
+            threshold = DEFAULT_MIN_BYTES if op.min_bytes is None else op.min_bytes
+            why = f"{nbytes} B < min_bytes={threshold}" if nbytes < threshold else None
+    route = "lax" if why is not None else "xla"
+    telemetry.note_site(op.op, v.shape, v.dtype, op.axes, op.codec.name, why, op.p, route,
+                        op.vma)
+    return route
+
+
+def _operands(op: Call, x, w):
+    """x and w as the custom_vjp takes them. Under check_vma both vary over the op's axes
+    and over each other's (a pcast whose transpose, lax's psum, sums a replicated w's
+    gradient), so the backward's dx and dw have their primals' types. Under jax.vmap each
+    member gets its own copy of a shared operand, so its cotangent reaches the backward
+    rule unsummed (see psum)."""
+    if axes_lib.emulated(op.axes):
+        return (axes_lib.per_member(x, op.axes, force=True),
+                axes_lib.per_member(w, op.axes, force=True))
+    if not op.vma:
+        return x, w
+
+    def vary(v, want):
+        mat = getattr(jax.typeof(v), "manual_axis_type", None)
+        missing = tuple(a for a in want if mat is None or a not in mat.varying)
+        return lax.pcast(v, missing, to="varying") if missing else v
+
+    def varying(v):
+        mat = getattr(jax.typeof(v), "manual_axis_type", None)
+        return tuple(mat.varying) if mat is not None else ()
+    want = tuple(dict.fromkeys((*op.axes, *varying(x), *varying(w))))
+    return vary(x, want), vary(w, want)
+
+
+def all_gather_matmul(x, w, axis_name, *, axis: int = 0, codec=None,
+                      min_bytes: int | None = None, transport: str | None = None):
+    """`all_gather(x, axis_name, axis=axis, tiled=True) @ w`, its all-gather compressed and
+    overlapped with the GEMM: Megatron-SP's column-parallel GEMM (x this device's part of
+    the sequence, w its block of columns).
+
+    P steps: each device encodes its x once; the codes travel round the ring by
+    `lax.ppermute`, one hop a step, while each step decodes the shard that arrived and
+    multiplies it with w. Every device decodes the same bytes, its own shard included (as
+    `taco_jax.all_gather`), so the result equals `taco_jax.all_gather(x, ...) @ w`; each
+    element is quantized once. Codec "none" runs the same steps with the values on the wire.
+    Below `min_bytes` (of x, per device), for an integer dtype or over an axis of size 1 it
+    is `lax.all_gather(x, axis_name, axis=axis, tiled=True) @ w`, with lax's gradients.
+
+    Args:
+      x: an array (…, k), at least 2-D: this device's shard along `axis`.
+      w: a 2-D array (k, n): this device's block of columns.
+      axis_name: a mesh axis name, or a tuple/list of names (gathered over their product,
+        in the order of `lax.axis_index` over them).
+      axis: int, default 0: the dimension of x gathered (negative counts from the end); not
+        the last, which the GEMM contracts.
+      codec, min_bytes: as `taco_jax.psum`'s (each None by default: the recipe's); the
+        backward uses the same codec.
+      transport: "xla" or "auto" (the same here: the codes move by `lax.ppermute`); None
+        (default): the recipe's, whose "fused" means "xla" for this op. "fused" given here
+        is an error: the fused transport's one-launch kernels cannot interleave with GEMMs.
+
+    Returns:
+      The gathered x times w: x's shape with dimension `axis` P times longer and the last
+      n, in the dtype of `x @ w`; varying over `axis_name`. Gradient: dx is
+      `matmul_reduce_scatter(dy, wᵀ)` (compressed), dw the gathered x (as decoded and
+      multiplied in the forward pass) transposed times dy.
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      ValueError: w not 2-D; x below 2-D or empty (or w empty); x.shape[-1] != w.shape[0];
+        `axis` out of range or the last dimension; transport="fused"; an unknown codec
+        name, a bad `axis_name`, `min_bytes` or `transport` (as `taco_jax.psum`).
+      TypeError: a codec that is neither a name nor a Codec.
+    """
+    op = Call.make("all_gather_matmul", axis_name, codec, min_bytes, transport,
+                   xla_only=NO_FUSED)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    dim = _check(op.op, x, w, axis, "axis")
+    if _route(op, x, x, w) == "lax":
+        return jnp.matmul(lax.all_gather(x, op.axis, axis=dim, tiled=True), w)
+    x, w = _operands(op, x, w)
+    return _ag_mm(x, w, op.axis, op.codec, op.p, dim)[0]
+
+
+def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=None,
+                          min_bytes: int | None = None, transport: str | None = None):
+    """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_dimension, tiled=True)`,
+    its reduce-scatter compressed and overlapped with the GEMM: Megatron-SP's row-parallel
+    GEMM (x this device's block of columns of the activations, w its block of rows).
+
+    P steps: at step s = 1 … P − 1 a device computes the chunk of x @ w that device
+    (me + s) mod P owns, encodes it once and sends it straight there (`lax.ppermute` by s);
+    the owner decodes the P − 1 chunks it receives and sums them in f32 with its own,
+    which is never quantized: one quantization per element, as `taco_jax.psum_scatter`.
+    Codec "none" runs the same steps with the values on the wire. Below `min_bytes` (of
+    x @ w, per device), for an integer dtype or over an axis of size 1 it is
+    `lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)`, with lax's
+    gradients.
+
+    Args:
+      x: an array (…, k), at least 2-D.
+      w: a 2-D array (k, n).
+      axis_name: a mesh axis name, or a tuple/list of names (scattered over their
+        product, in the order of `lax.axis_index` over them).
+      scatter_dimension: int, default 0: the dimension of x @ w split among the devices
+        (negative counts from the end); its length must be divisible by the axis size, and
+        it may not be the last (n).
+      codec, min_bytes: as `taco_jax.psum`'s (each None by default: the recipe's); the
+        backward uses the same codec.
+      transport: as `all_gather_matmul`'s.
+
+    Returns:
+      This device's chunk of the sum over `axis_name` of x @ w along `scatter_dimension`,
+      in the dtype of `x @ w`; varying over `axis_name`. Gradient: dx is
+      `all_gather_matmul(dz, wᵀ)` (compressed), dw xᵀ times the gathered dz that the same
+      all-gather decoded.
+
+    Raises:
+      UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
+      ValueError: w not 2-D; x below 2-D or empty (or w empty); x.shape[-1] != w.shape[0];
+        `scatter_dimension` out of range, the last, or not divisible by the axis size;
+        transport="fused"; an unknown codec name, a bad `axis_name`, `min_bytes` or
+        `transport` (as `taco_jax.psum`).
+      TypeError: a codec that is neither a name nor a Codec.
+    """
+    op = Call.make("matmul_reduce_scatter", axis_name, codec, min_bytes, transport,
+                   xla_only=NO_FUSED)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    dim = _check(op.op, x, w, scatter_dimension, "scatter_dimension")
+    if x.shape[dim] % op.p:
+        raise ValueError(f"taco_jax.matmul_reduce_scatter: dimension {dim} of x.shape="
+                         f"{x.shape} ({x.shape[dim]}) must be divisible by the axis size "
+                         f"{op.p}")
+    z = jax.eval_shape(jnp.matmul, x, w)                             # x @ w, not computed
+    if _route(op, z, x, w) == "lax":
+        return lax.psum_scatter(jnp.matmul(x, w), op.axis, scatter_dimension=dim, tiled=True)
+    x, w = _operands(op, x, w)
+    return _mm_rs(x, w, None, op.axis, op.codec, op.p, dim)
