@@ -60,11 +60,15 @@ import taco_jax
 TP = "tp"  # mesh axis of tensor parallelism
 DATA = "data"  # mesh axis of data parallelism
 PIPE = "pipe"  # mesh axis of pipeline parallelism (models/pipeline.py)
+ARCHS = ("gpt", "qwen")  # model.arch: the decoder families (classes: models/arch.py)
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+    # decoder family (models/arch.py): gpt = GPT-2 (LayerNorm, GELU, learned positions);
+    # qwen = Qwen2.5 (RMSNorm, SwiGLU, rotary positions, grouped-query attention)
+    arch: str = "gpt"
     vocab_size: int = 4096  # model vocabulary; >= tokenizer vocab, divisible by tp
     seq_len: int = 128  # context length (position table size)
     n_layer: int = 4
@@ -87,6 +91,10 @@ class GPTConfig:
     # Megatron sequence parallelism: LayerNorms and the residual stream split along the
     # sequence over "tp"; each TP all-reduce becomes a reduce-scatter and an all-gather
     sequence_parallel: bool = False
+    # The Qwen family's fields (models/qwen.py); the GPT takes their defaults.
+    n_kv_head: int = 0  # key/value heads of grouped-query attention; 0 = n_head
+    rope_theta: float = 10000.0  # base of the rotary position embeddings (Qwen2.5: 1e6)
+    qkv_bias: bool = True  # biases on Q, K and V (GPT-2 and Qwen2.5 have them)
 
     def sites(self, recipe: taco_jax.Recipe) -> "SiteCodecs":
         """The compression of each TP site under `recipe`: every None field takes the
@@ -119,6 +127,11 @@ class GPTConfig:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: model.n_kv_head, or one per query head (0)."""
+        return self.n_kv_head or self.n_head
+
+    @property
     def compute_dtype(self):
         if self.dtype == "auto":  # XLA:CPU's bf16 backward matmuls are ~6x slower than fp32
             return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -137,6 +150,19 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} must be divisible by "
                              f"model.n_head={self.n_head}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch={self.arch!r} must be one of {list(ARCHS)}")
+        if self.n_kv_head < 0 or self.n_head % self.kv_heads:
+            raise ValueError(f"model.n_kv_head={self.n_kv_head} must be >= 0 (0 = n_head) and "
+                             f"divide model.n_head={self.n_head}")
+        if self.arch == "gpt" and (self.kv_heads != self.n_head or not self.qkv_bias):
+            raise ValueError(f"model.n_kv_head={self.n_kv_head} and model.qkv_bias="
+                             f"{self.qkv_bias} need model.arch=qwen: the GPT has one key/value "
+                             f"head per query head, with biases")
+        if self.arch == "qwen" and (self.head_dim % 2 or not self.rope_theta > 0):
+            raise ValueError(f"model.arch=qwen needs an even head_dim (model.d_model/"
+                             f"model.n_head={self.head_dim}: RoPE rotates pairs of channels) "
+                             f"and model.rope_theta={self.rope_theta} > 0")
         if self.dtype not in (*_DTYPES, "auto"):
             raise ValueError(f"model.dtype={self.dtype!r} must be one of "
                              f"{[*_DTYPES, 'auto']}")
@@ -149,6 +175,13 @@ class GPTConfig:
                              f"(the key left out) for the recipe's threshold")
         if tp <= 0:
             raise ValueError(f"tp={tp} must be positive")
+        h, kv = self.n_head, self.kv_heads
+        if kv != h and (h % tp or (kv % tp and tp % kv)):
+            raise ValueError(f"model.n_head={h}, model.n_kv_head={kv} and tp={tp} do not fit "
+                             f"grouped-query attention over TP: n_head must be divisible by "
+                             f"tp, and n_kv_head divisible by tp (the KV heads split with "
+                             f"their query groups) or tp by n_kv_head (each rank holds the KV "
+                             f"head its query heads share)")
         for name, size in (("n_head", self.n_head), ("d_ff", self.ff),
                            ("vocab_size", self.vocab_size)):
             if size % tp:
@@ -181,6 +214,11 @@ class GPTConfig:
 
     def num_params(self) -> int:
         d, ff, v, n = self.d_model, self.ff, self.vocab_size, self.n_layer
+        if self.arch == "qwen":  # no position table, no biases but Q/K/V's, untied head
+            qkv = (self.n_head + 2 * self.kv_heads) * self.head_dim
+            block = 2 * d + (d + self.qkv_bias) * qkv + self.n_head * self.head_dim * d \
+                + 3 * d * ff
+            return v * d + n * block + d + d * v
         block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)
         return v * d + self.seq_len * d + n * block + 2 * d + d * v
 
@@ -264,7 +302,7 @@ class LayerNorm(nnx.Module):
 
 class _TPSublayer:
     """Megatron sub-layer: f (pvary) → this device's partial sum → g (psum) → + bias.
-    Subclasses give `partial(x)` and `bias(dtype)`.
+    Subclasses give `partial(x)` and `bias(dtype)` (None: no output bias).
 
     With sequence parallelism x is this device's part of the sequence, (B, T/tp, d): f is
     the all-gather of the sequence (backward: the reduce-scatter of its cotangent), g the
@@ -277,10 +315,15 @@ class _TPSublayer:
             x = taco_jax.all_gather(x, TP, axis=1, tiled=True, codec=sites.bwd, **sites.comm)
             y = taco_jax.psum_scatter(self.partial(x), TP, scatter_dimension=1, tiled=True,
                                       codec=sites.fwd, **sites.comm)
-            return y + self.bias(dt)
+            return add_bias(y, self.bias(dt))
         x = taco_jax.pvary(x, TP, codec=sites.bwd, **sites.comm)  # Megatron f
         y = taco_jax.psum(self.partial(x), TP, codec=sites.fwd, **sites.comm)  # Megatron g
-        return y + self.bias(dt)
+        return add_bias(y, self.bias(dt))
+
+
+def add_bias(y, bias):
+    """y + bias, or y for a sub-layer without an output bias (bias None)."""
+    return y if bias is None else y + bias
 
 
 class Attention(_TPSublayer, nnx.Module):
@@ -382,7 +425,7 @@ class Block(nnx.Module):
         for ln, branch in ((self.ln1, self.attn), (self.ln2, self.mlp)):
             h, state = f_site(x, ln, sites, state)
             y, state = g_site(branch.partial(h), sites, state)
-            x = x + (y + branch.bias(self.cfg.compute_dtype))
+            x = x + add_bias(y, branch.bias(self.cfg.compute_dtype))
         return x, state
 
 
@@ -409,17 +452,11 @@ class GPT(nnx.Module):
         embedded: the embeddings' gradients are then summed over "tp" as the other
         replicated parameters' are, rather than the stream's cotangent)."""
         t = tokens.shape[1]
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} > model.seq_len={self.cfg.seq_len}")
+        tokens, start = sequence_part(tokens, self.cfg)
         if not self.cfg.sequence_parallel:
             return self.wte[...][tokens] + self.wpe[...][:t]
-        n = lax.axis_size(TP)
-        if t % n:
-            raise ValueError(f"sequence length {t} is not divisible by tp={n} "
-                             f"(model.sequence_parallel)")
-        start = lax.axis_index(TP) * (t // n)
-        tokens = lax.dynamic_slice_in_dim(tokens, start, t // n, axis=1)
-        return self.wte[...][tokens] + lax.dynamic_slice_in_dim(self.wpe[...], start, t // n)
+        return self.wte[...][tokens] + lax.dynamic_slice_in_dim(self.wpe[...], start,
+                                                                tokens.shape[1])
 
     def head(self, x):
         """Stream (B, T, d) -> local logits (B, T, V/tp) fp32: final LayerNorm, the LM
@@ -457,6 +494,24 @@ class GPT(nnx.Module):
     def loss(self, tokens, targets):
         """Mean next-token cross-entropy over this device's tokens (invariant over "tp")."""
         return vocab_parallel_xent(self(tokens), targets).mean()
+
+
+def sequence_part(tokens, cfg: GPTConfig):
+    """tokens (B, T) int32 -> (the tokens this device embeds, the position of the first):
+    all of them from 0, or with sequence parallelism its part of the sequence, (B, T/tp).
+    Raises ValueError if T exceeds model.seq_len or (sequence parallelism) tp does not
+    divide it."""
+    t = tokens.shape[1]
+    if t > cfg.seq_len:
+        raise ValueError(f"sequence length {t} > model.seq_len={cfg.seq_len}")
+    if not cfg.sequence_parallel:
+        return tokens, 0
+    n = lax.axis_size(TP)
+    if t % n:
+        raise ValueError(f"sequence length {t} is not divisible by tp={n} "
+                         f"(model.sequence_parallel)")
+    start = lax.axis_index(TP) * (t // n)
+    return lax.dynamic_slice_in_dim(tokens, start, t // n, axis=1), start
 
 
 def vocab_parallel_xent(logits, targets, axis: str = TP):

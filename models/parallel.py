@@ -43,7 +43,7 @@ from flax.nnx import traversals
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from models import pipeline
+from models import arch, pipeline
 from models.gpt import DATA, GPT, PIPE, TP, Block, GPTConfig, vocab_parallel_xent
 
 BATCH_SPEC = P(DATA, None)  # tokens (B, T): batch split over "data", replicated elsewhere
@@ -147,7 +147,8 @@ class ShardedGPT:
 
     def host_params(self, seed: int) -> dict:
         """The fp32 parameters as numpy arrays, in this model's layout."""
-        return nnx.to_pure_dict(nnx.state(GPT(self.cfg, np.random.default_rng(seed))))
+        model = arch.decoder(self.cfg)(self.cfg, np.random.default_rng(seed))
+        return nnx.to_pure_dict(nnx.state(model))
 
     def init(self, seed: int) -> dict:
         """fp32 parameters, drawn on the host from numpy's generator seeded with `seed` and
@@ -439,11 +440,15 @@ def unstack_blocks(params: dict) -> dict:
                                  for i in range(n)}}
 
 
-def param_specs(template) -> dict:
-    """Pure dict of PartitionSpec from each Variable's `pspec` metadata (default replicated)."""
-    flat = {path: P(*var.get_metadata().get("pspec", ())) for path, var in
-            nnx.to_flat_state(template)}
-    return traversals.unflatten_mapping(flat)
+def param_specs(template, tp: int = 1) -> dict:
+    """Pure dict of PartitionSpec from each Variable's `pspec` metadata (default replicated).
+    A Variable whose `tp_heads` metadata is smaller than `tp` (grouped-query attention's KV
+    heads, fewer than the TP ranks: models/qwen.py) is replicated instead."""
+    def spec(var):
+        meta = var.get_metadata()
+        return P() if meta.get("tp_heads", tp) < tp else P(*meta.get("pspec", ()))
+    return traversals.unflatten_mapping({path: spec(var)
+                                         for path, var in nnx.to_flat_state(template)})
 
 
 def _is_spec(v) -> bool:
@@ -474,17 +479,19 @@ def shard_gpt(cfg: GPTConfig, mesh: jax.sharding.Mesh, emulate_tp: int = 0, *,
         raise ValueError(f"schedule={schedule!r} must be one of {pipeline.SCHEDULES}")
     kw = {"codec_dp": codec_dp, "codec_pp": codec_pp, "microbatches": microbatches,
           "schedule": schedule}
+    tp, decoder = emulate_tp or mesh.shape[TP], arch.decoder(cfg)
     if pipe > 1:
-        graphdef, template = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0), layers=0)))
+        graphdef, template = nnx.split(nnx.eval_shape(lambda: decoder(cfg, nnx.Rngs(0),
+                                                                      layers=0)))
         block_graphdef, block_template = nnx.split(nnx.eval_shape(
-            lambda: Block(cfg, nnx.Rngs(0))))
-        specs = param_specs(template)
-        specs["blocks"] = jax.tree.map(lambda s: P(PIPE, *s), param_specs(block_template),
+            lambda: arch.block(cfg)(cfg, nnx.Rngs(0))))
+        specs = param_specs(template, tp)
+        specs["blocks"] = jax.tree.map(lambda s: P(PIPE, *s), param_specs(block_template, tp),
                                        is_leaf=_is_spec)
         return PipelinedGPT(cfg, mesh, graphdef, template, specs, **kw,
                             block_graphdef=block_graphdef, block_template=block_template)
-    graphdef, template = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))))
-    specs = param_specs(template)
+    graphdef, template = nnx.split(nnx.eval_shape(lambda: decoder(cfg, nnx.Rngs(0))))
+    specs = param_specs(template, tp)
     if not emulate_tp:
         return ShardedGPT(cfg, mesh, graphdef, template, specs, **kw)
     replicated = jax.tree.map(lambda s: P(*[None if a == TP else a for a in s]), specs,
