@@ -91,6 +91,10 @@ class GPTConfig:
     # Megatron sequence parallelism: LayerNorms and the residual stream split along the
     # sequence over "tp"; each TP all-reduce becomes a reduce-scatter and an all-gather
     sequence_parallel: bool = False
+    # with sequence_parallel: each all-gather and the column-parallel matmul that reads it
+    # (QKV, MLP up), each reduce-scatter and the row-parallel matmul that feeds it (attention
+    # out, MLP down) as one op, which moves one part of the sequence while it multiplies another
+    tp_overlap: bool = False
     # The Qwen family's fields (models/qwen.py); the GPT takes their defaults.
     n_kv_head: int = 0  # key/value heads of grouped-query attention; 0 = n_head
     rope_theta: float = 10000.0  # base of the rotary position embeddings (Qwen2.5: 1e6)
@@ -203,6 +207,11 @@ class GPTConfig:
         if self.sequence_parallel and self.seq_len % tp:
             raise ValueError(f"model.seq_len={self.seq_len} is not divisible by tp={tp}: "
                              f"model.sequence_parallel splits the sequence over 'tp'")
+        if self.tp_overlap and not self.sequence_parallel:
+            raise ValueError("model.tp_overlap=True needs model.sequence_parallel=True: what it "
+                             "overlaps with the matmuls are sequence parallelism's all-gathers "
+                             "and reduce-scatters (set model.sequence_parallel=true, or "
+                             "model.tp_overlap=false)")
         if self.sequence_parallel and self.feedback:
             raise ValueError("model.feedback=True is not supported with "
                              "model.sequence_parallel=True")
@@ -301,16 +310,40 @@ class LayerNorm(nnx.Module):
 
 
 class _TPSublayer:
-    """Megatron sub-layer: f (pvary) → this device's partial sum → g (psum) → + bias.
-    Subclasses give `partial(x)` and `bias(dtype)` (None: no output bias).
+    """Megatron sub-layer: f (pvary) → column-parallel matmul → `inner` → row-parallel
+    matmul → g (psum) → + bias. Subclasses give `column_kernel(dt)`, (d, n/tp): several
+    column-parallel matmuls of one input (Q, K and V; a gate and an up projection) go as
+    one kernel, their local columns side by side; `inner(h)`, this device's computation
+    between the two matmuls, (B, T, n/tp) -> (B, T, k/tp); `row_kernel(dt)`, (k/tp, d); and
+    `bias(dt)` (None: no output bias).
 
     With sequence parallelism x is this device's part of the sequence, (B, T/tp, d): f is
     the all-gather of the sequence (backward: the reduce-scatter of its cotangent), g the
     reduce-scatter of the partial sums back to the parts (backward: an all-gather). Each
-    pair shares its site's codec: codec_bwd at f, codec_fwd at g."""
+    pair shares its site's codec: codec_bwd at f, codec_fwd at g. With `tp_overlap` each
+    collective and the matmul beside it are one op, `taco_jax.all_gather_matmul` and
+    `taco_jax.matmul_reduce_scatter`, at the same sites with the same codecs: the matmul
+    runs on the parts of the sequence that have arrived while the others move."""
+
+    def partial(self, x):
+        """x (B, T, d) varying over "tp" -> this device's partial sum of the output."""
+        dt = self.cfg.compute_dtype
+        return self.inner(x @ self.column_kernel(dt)) @ self.row_kernel(dt)
+
+    def overlapped(self, x, sites: "SiteCodecs"):
+        """Sequence parallelism's f, the sub-layer and its g, each collective fused with
+        its matmul: x (B, T/tp, d) -> this device's part of the sum (B, T/tp, d), no bias."""
+        dt = self.cfg.compute_dtype
+        h = taco_jax.all_gather_matmul(x, self.column_kernel(dt), TP, axis=1,
+                                       codec=sites.bwd, **sites.comm)          # (B, T, n/tp)
+        return taco_jax.matmul_reduce_scatter(self.inner(h), self.row_kernel(dt), TP,
+                                              scatter_dimension=1, codec=sites.fwd,
+                                              **sites.comm)
 
     def __call__(self, x):  # x: (B, T, d), invariant over "tp"; (B, T/tp, d) with SP
         sites, dt = site_codecs(self.cfg), self.cfg.compute_dtype
+        if self.cfg.tp_overlap:  # sequence parallel (GPTConfig.validate)
+            return add_bias(self.overlapped(x, sites), self.bias(dt))
         if self.cfg.sequence_parallel:
             x = taco_jax.all_gather(x, TP, axis=1, tiled=True, codec=sites.bwd, **sites.comm)
             y = taco_jax.psum_scatter(self.partial(x), TP, scatter_dimension=1, tiled=True,
@@ -343,15 +376,21 @@ class Attention(_TPSublayer, nnx.Module):
     def bias(self, dt):
         return self.out_bias[...].astype(dt)
 
-    def partial(self, x):
-        """x (B, T, d) varying over "tp" -> this device's partial sum of the output."""
+    def column_kernel(self, dt):
+        return self.qkv_kernel[...].astype(dt).reshape(self.cfg.d_model, -1)  # (d, 3·H/tp·hd)
+
+    def inner(self, qkv):
+        """(B, T, 3·H/tp·hd) -> the heads' attention output (B, T, H/tp·hd)."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
-        qkv = jnp.einsum("btd,dkhe->btkhe", x, self.qkv_kernel[...].astype(dt))
-        qkv = qkv + self.qkv_bias[...].astype(dt)  # (B, T, 3, H/tp, hd)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        b, t = qkv.shape[:2]
+        qkv = qkv.reshape(b, t, 3, -1, cfg.head_dim) + self.qkv_bias[...].astype(dt)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, H/tp, hd)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                          implementation=cfg.attention_impl(dt))
-        return jnp.einsum("bthe,hed->btd", y, self.out_kernel[...].astype(dt))  # partial sum
+        return y.reshape(b, t, -1)
+
+    def row_kernel(self, dt):
+        return self.out_kernel[...].astype(dt).reshape(-1, self.cfg.d_model)  # (H/tp·hd, d)
 
 
 class MLP(_TPSublayer, nnx.Module):
@@ -369,12 +408,16 @@ class MLP(_TPSublayer, nnx.Module):
     def bias(self, dt):
         return self.down_bias[...].astype(dt)
 
-    def partial(self, x):
-        """x (B, T, d) varying over "tp" -> this device's partial sum of the output."""
-        dt = self.cfg.compute_dtype
-        h = x @ self.up_kernel[...].astype(dt) + self.up_bias[...].astype(dt)  # (B, T, ff/tp)
-        h = jax.nn.gelu(h, approximate=True)
-        return h @ self.down_kernel[...].astype(dt)  # partial sum over the hidden shards
+    def column_kernel(self, dt):
+        return self.up_kernel[...].astype(dt)  # (d, ff/tp)
+
+    def inner(self, h):
+        """(B, T, ff/tp) -> the hidden activations (B, T, ff/tp)."""
+        return jax.nn.gelu(h + self.up_bias[...].astype(self.cfg.compute_dtype),
+                           approximate=True)
+
+    def row_kernel(self, dt):
+        return self.down_kernel[...].astype(dt)  # (ff/tp, d): partial sums over the shards
 
 
 def f_site(x, ln, sites: SiteCodecs, state, codec=None):
