@@ -58,6 +58,9 @@ _LAX_PROBES = {
     "psum_scatter": lambda axis: lax.psum_scatter(jnp.zeros(1, jnp.float32), axis, tiled=True),
     "ppermute": lambda axis: lax.ppermute(jnp.zeros((), jnp.float32), axis, [(0, 0)]),
 }
+# the collective matmuls: what their collective says (their plain route calls it)
+_LAX_PROBES["all_gather_matmul"] = _LAX_PROBES["all_gather"]
+_LAX_PROBES["matmul_reduce_scatter"] = _LAX_PROBES["psum_scatter"]
 
 
 def _lax_unbound_message(op: str, axes: tuple, a) -> str:

@@ -180,7 +180,7 @@ def _check(name: str, x, w, dim: int, what: str):
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"taco_jax.{name}: x's last dimension must match w's first; got "
                          f"x.shape={x.shape}, w.shape={w.shape}")
-    if not -x.ndim <= dim < x.ndim - 1:
+    if not -x.ndim <= dim < x.ndim or dim % x.ndim == x.ndim - 1:
         raise ValueError(f"taco_jax.{name}: {what}={dim} must name a dimension of "
                          f"x.shape={x.shape} other than the last (contracted) one")
     if x.size == 0 or w.size == 0:
