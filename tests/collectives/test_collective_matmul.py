@@ -4,6 +4,7 @@ its error), under shard_map in both check_vma modes, under jax.vmap, over a tupl
 the collective-permutes they lower to and what those carry; the plain route; errors; sites.
 CPU, P = 4 simulated devices (one case P = 8); each program is compiled once per module."""
 import functools
+import inspect
 import re
 
 import numpy as np
@@ -324,6 +325,17 @@ def test_bad_input_is_a_value_error_naming_it(case):
         kw.setdefault("scatter_dimension", 1)
     with pytest.raises(ValueError, match=match):
         trace(lambda x, w: op(x, w, "tp", **kw), xs, ws)
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_signature_follows_the_other_ops(op):
+    """codec, min_bytes and transport keyword-only, None meaning the recipe's (as
+    test_signatures checks for the other ops); exported from taco_jax.collectives too."""
+    params = inspect.signature(getattr(taco_jax, op)).parameters
+    for name in ("codec", "min_bytes", "transport"):
+        assert params[name].default is None and params[name].kind is params[name].KEYWORD_ONLY
+    assert getattr(taco_jax.collectives, op) is getattr(taco_jax, op)
+    assert op in taco_jax.__all__ and op in taco_jax.collectives.__all__
 
 
 @pytest.mark.parametrize("op,namesake", [
