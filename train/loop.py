@@ -676,6 +676,7 @@ def _summary(prog: Program, loop: _Loop, run_dir: Path, resumed_from: int | None
         "codec_fwd": codecs["fwd"], "codec_bwd": codecs["bwd"], "codec_head": codecs["head"],
         "codec_pp": codecs["pp"], "codec_dp": codecs["dp"],
         "feedback": cfg.model.feedback, "sequence_parallel": cfg.model.sequence_parallel,
+        "tp_overlap": cfg.model.tp_overlap,
         "zero": 1 if prog.zero else 0, "codec_wd": cfg.recipe.wd_codec if prog.zero else None,
         "wire_bytes_per_step": loop.wire_bytes, "step_memory": loop.memory,
         "state_bytes": state_bytes(loop.state),

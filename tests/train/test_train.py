@@ -62,7 +62,8 @@ def test_preset_builds(preset):
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     assert n == cfg.model.num_params()
     expected = {"tiny": (1e6, 3e6), "small": (110e6, 170e6), "350m": (330e6, 400e6),
-                "comm_heavy": (10e6, 200e6)}.get(preset)    # presets of other studies: count only
+                "comm_heavy": (10e6, 200e6), "qwen-tiny": (1e6, 3e6),
+                "qwen-0.5b": (380e6, 460e6)}.get(preset)  # presets of other studies: count only
     assert expected is None or expected[0] < n < expected[1], n
     # Trace one step at full width but 2 layers (tracing cost is per layer, wiring is not).
     prog = train.build(config_lib.replace(cfg, ["model.n_layer=2"]), mesh)
@@ -124,6 +125,7 @@ def test_overrides_and_codec_shorthand():
     (["optim.min_lr=1.0"], r"optim.min_lr=1.0 <= optim.lr=0.003"),
     (["train.steps"], r"must look like key=value"),
     (["codec=none", "model.feedback=true"], r"model.feedback=True needs a compressing codec"),
+    (["model.tp_overlap=true"], r"model.tp_overlap=True needs model.sequence_parallel=True"),
     # "the recipe's" is spelled null: the empty string and -1 are refused, naming the key
     (["model.codec_head="], r"model.codec_head='' is not a codec: write null"),
     (["model.min_bytes=-1"], r"model.min_bytes=-1 must be an int >= 0, or null"),
@@ -485,6 +487,30 @@ def test_echo4_with_feedback_trains(full_run, cache, tmp_path):
     assert np.isfinite(summary["final_val_loss"]) and (run_dir / "ckpt" / "6").is_dir()
     assert set(train.build(cfg, train.loop.build_mesh(cfg)).abstract_state()) == {
         "step", "params", "opt_state", "rng"}
+
+
+def test_tp_overlap_trains(cache, tmp_path):
+    """model.tp_overlap with sequence parallelism through the train program (data=2 x tp=2,
+    taco): finite losses, and the call-site report names the fused ops at the sub-layers'
+    sites; the LM head's all-gather stays apart."""
+    run_dir = tmp_path / "tp-overlap"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = train.run(config_lib.load_config("tiny", _overrides(
+            cache, run_dir, "model.sequence_parallel=true", "model.tp_overlap=true",
+            "train.steps=2", "train.eval_every=0", "train.ckpt_every=0",
+            "train.codec_error=false")))
+    log = out.getvalue()
+    losses = [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert len(losses) == 2 and all(np.isfinite(losses)), losses
+    assert summary["tp_overlap"] is True and summary["sequence_parallel"] is True
+    # each op once a sub-layer: the gathered input is this device's (2, 16, 32) part of
+    # the sequence, the reduce-scattered output (2, 32, 32) before its scatter
+    for pattern in (r"2 × all_gather_matmul\[tp\] float32\[2, 16, 32\]",
+                    r"2 × matmul_reduce_scatter\[tp\] float32\[2, 32, 32\]",
+                    r"1 × all_gather\[tp\] float32\[2, 16, 32\]"):
+        assert re.search(pattern + r" .*compressed \(taco\b", log), (pattern, log)
+    assert not re.search(r"(psum|pvary|psum_scatter)\[tp\]", log), log
 
 
 def test_plot_cli_draws_several_runs(full_run, tmp_path):
