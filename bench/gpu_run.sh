@@ -100,6 +100,19 @@
 #                  comm_heavy small 350m; each merged into the file with --update, ≤ 540 s
 #                  each), then python -m bench.step_projection
 #                  → bench/results/train_step_emulated.json, step_projection.json
+#   gemm_table     python -m bench.gemm_table --presets 350m --p 2 4 8: each Megatron GEMM of
+#                  350m's step at TP = P (forward, dX, dW), whole and in P chunks of the
+#                  sequence, on one GPU (device time), then python -m bench.step_projection,
+#                  which prices the overlapped variants from it → bench/results/
+#                  gemm_table.json, step_projection.json
+#   train_overlap  python -m bench.train_step --presets 350m --variants none none:overlap
+#                  taco:overlap echo4:overlap: the bf16 step, serial and with collective matmul
+#                  (model.tp_overlap, sequence parallelism), and the codecs with it, over all
+#                  of the machine's GPUs (2+) → bench/results/train_step_overlap.json
+#   train_overlap_emulated  the same variants with tensor parallelism emulated on one GPU
+#                  (--emulate-tp 4 8): what chunking the GEMMs and the codecs' kernels cost
+#                  the step without a link, against the overlap model's assumptions
+#                  → bench/results/train_step_emulated_overlap.json
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -283,6 +296,16 @@ for s in "$@"; do
           ${TRAIN_EMULATED_SET:+--set $TRAIN_EMULATED_SET}
       done
       step step_projection 60 python -m bench.step_projection ;;
+    gemm_table) step gemm_table 420 python -m bench.gemm_table --presets 350m --p 2 4 8 \
+                  --out bench/results/gemm_table.json \
+                && step step_projection 60 python -m bench.step_projection ;;
+    train_overlap) step train_overlap 540 python -m bench.train_step --presets 350m \
+                     --variants none none:overlap taco:overlap echo4:overlap \
+                     --out bench/results/train_step_overlap.json ;;
+    train_overlap_emulated) step train_overlap_emulated 540 python -m bench.train_step \
+                              --presets 350m --mesh 1,1,1 --emulate-tp 4 8 --variants none \
+                              none:overlap taco:overlap echo4:overlap --steps 10 \
+                              --out bench/results/train_step_emulated_overlap.json ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \
                --out bench/results/train_step_pp.json

@@ -52,6 +52,12 @@ kernels modelled from kernels.json's device times (`two_shot_compute_us`: compre
 P − 1 segments it sends at the measured per-byte throughput of the tensor's compress, the
 owner's reduce by `owner_reduce_us`, decompress of the P sums). Goals reported, not
 enforced: at P = 8, 64 and 256 MiB, taco ≤ 0.55 and echo4 ≤ 0.35 of the bf16 ring.
+
+Beside the ring, every row prices bf16 over NVLS ("bf16_nvls", "*_vs_nvls"): NCCL's
+published 480 GB/s bus rate at the 350 GB/s link (× NVLS_GAIN = 1.37, scaled with the link),
+at P = 8 only (at 2-4 GPUs NVLS gives no gain: the ring's figure). The third bf16 baseline,
+collective matmul (all-gather / reduce-scatter hidden under the paired GEMM, `overlapped`),
+needs a step's GEMMs: bench.step_projection prices it.
 """
 from __future__ import annotations
 
@@ -340,10 +346,71 @@ def two_shot(codec, t: dict, mib: float, p: int, gbps: float, fixed_us: float) -
     return {**_times(compute, w / gbps / 1e3, fixed_us, 2), "wire_bytes": round(w)}
 
 
-def bf16_allreduce(mib: float, p: int, gbps: float, fixed_us: float) -> dict:
-    """Uncompressed: fixed + 2 (P − 1)/P · tensor bytes / link (P = 2: the tensor's bytes)."""
+def bf16_allreduce(mib: float, p: int, gbps: float, fixed_us: float,
+                   baseline: str = "ring") -> dict:
+    """Uncompressed: fixed + 2 (P − 1)/P · tensor bytes / bus rate (P = 2: the tensor's
+    bytes); the bus rate the link's (`baseline` "ring") or NVLS's (`bf16_bus_gbps`)."""
     w = 2 * (p - 1) / p * mib * MIB
-    return {"us": round(fixed_us + w / gbps / 1e3, 2), "wire_bytes": round(w)}
+    bus = bf16_bus_gbps(p, gbps, baseline)
+    return {"us": round(fixed_us + w / bus / 1e3, 2), "wire_bytes": round(w),
+            **({"bus_gbps": round(bus, 1)} if baseline != "ring" else {})}
+
+
+# -- the bf16 baselines -------------------------------------------------------------------------
+# Three uncompressed all-reduces a tensor-parallel step can run (docs/design.md, "The
+# yardstick"): the serial ring at the link rate; serial NVLS (NVLink SHARP), NCCL's default
+# on 8 GPUs of one NVSwitch system, about 480 GB/s bus (275 GB/s algorithm) against the
+# ring's 365-370 GB/s bus (nccl-tests issue 212, nccl issue 1455), no gain at 2-4 GPUs;
+# and collective matmul, Megatron-SP's all-gather / reduce-scatter hidden under the paired
+# GEMM (bench.step_projection prices it: it needs the step's GEMMs).
+BASELINES = ("ring", "nvls", "overlap")
+NVLS_BUS_GBPS = 480.0
+NVLS_MIN_P = 8
+# NVLS's bus rate over the link parameter: 480 GB/s at the 350 GB/s link, scaled with the
+# link. The harder of two readings (over NCCL's own ring figure, 365 GB/s, it is 1.32).
+NVLS_GAIN = NVLS_BUS_GBPS / fused.LINK_GBPS
+# Collective matmul runs the GEMM in P chunks of the sequence: each chunk's GEMM at this
+# fraction of the whole GEMM's rate (stated, not measured: `python -m bench.gemm_table`
+# measures it per shape). Generous at P = 8 for small models (350m's QKV chunk is 2048 ×
+# 384 × 1024: under one wave of 128 × 128 tiles on 132 multiprocessors).
+CHUNK_EFFICIENCY = 0.9
+# While a collective runs beside it, a GEMM runs this much slower (NCCL's and the codes'
+# transfers take multiprocessors and memory bandwidth: NCCL's ring uses 16-32 of the
+# H200's 132 multiprocessors). Stated, not measured.
+SM_SLOWDOWN = 0.10
+
+
+def bf16_bus_gbps(p: int, link_gbps: float, baseline: str = "ring") -> float:
+    """The bus rate of a bf16 all-reduce at P: the link's, except NVLS at P ≥ NVLS_MIN_P
+    (link × NVLS_GAIN). NVLS speeds the all-reduce only: an all-gather or reduce-scatter
+    moves (P − 1)/P of the bytes at the link rate either way."""
+    if baseline not in BASELINES:
+        raise ValueError(f"{baseline=} must be one of {BASELINES}")
+    return link_gbps * NVLS_GAIN if baseline == "nvls" and p >= NVLS_MIN_P else link_gbps
+
+
+def half_collective_us(nbytes: float, p: int, gbps: float, fixed_us: float) -> float:
+    """An all-gather or reduce-scatter of a tensor of `nbytes` (the gathered size) on P
+    devices: fixed + (P − 1)/P · bytes / link (half an all-reduce's bytes)."""
+    return fixed_us + (p - 1) / p * nbytes / gbps / 1e3
+
+
+def overlapped(comm_us: float, gemm_us: float, chunked_us: float | None = None,
+               sm_slowdown: float = SM_SLOWDOWN) -> dict:
+    """A collective hidden under its paired GEMM (collective matmul). The GEMM runs in P
+    chunks (`chunked_us`, default gemm_us / CHUNK_EFFICIENCY), at 1 / (1 + sm_slowdown) of
+    its rate while the collective runs; the pair ends when both have: pair = max(comm,
+    chunked + comm · s / (1 + s)). exposed = pair − gemm_us, the time the step adds over
+    the GEMM alone (the step's compute holds gemm_us): max(0, comm − gemm) with no chunking
+    loss and no slowdown.
+
+    Returns {"pair_us", "exposed_us", "hidden": comm inside the GEMM}."""
+    if chunked_us is None:
+        chunked_us = gemm_us / CHUNK_EFFICIENCY
+    s = sm_slowdown
+    pair = max(comm_us, chunked_us + comm_us * s / (1 + s))
+    return {"pair_us": pair, "exposed_us": pair - gemm_us,
+            "hidden": comm_us <= chunked_us * (1 + s)}
 
 
 def project_rows(times: dict, codecs: dict, link_rates: dict, sizes=SIZES_MIB, ps=PS,
@@ -362,7 +429,8 @@ def project_rows(times: dict, codecs: dict, link_rates: dict, sizes=SIZES_MIB, p
                                      "rate, not measured",
                        "p": p, "mib": mib, "link": link, "link_gbps": gbps,
                        "method": "one-shot" if p == 2 else "two-shot",
-                       "bf16": bf16_allreduce(mib, p, gbps, fixed_us)}
+                       "bf16": bf16_allreduce(mib, p, gbps, fixed_us),
+                       "bf16_nvls": bf16_allreduce(mib, p, gbps, fixed_us, "nvls")}
                 for name, codec in codecs.items():
                     t = times.get(name, {}).get(mib, {})
                     row[name] = (one_shot(codec, t, mib, gbps, fixed_us) if p == 2 else
@@ -405,6 +473,7 @@ def _ratios(row: dict, names: list[str]) -> dict:
     for n in names:
         if row[n] is not None:
             row[f"{n}_vs_bf16"] = round(row[n]["one_launch_us"] / b, 3)
+            row[f"{n}_vs_nvls"] = round(row[n]["one_launch_us"] / row["bf16_nvls"]["us"], 3)
     if row.get("echo4") and row.get("taco"):
         row["echo4_vs_taco"] = round(row["echo4"]["one_launch_us"]
                                      / row["taco"]["one_launch_us"], 3)
@@ -437,6 +506,7 @@ def fused_two_shot_rows(compute: list[dict], codecs: dict, link_rates: dict,
             wire_us = w / gbps / 1e3
             projected = fixed_us + max(e["compute_us"], wire_us)
             ring = bf16_allreduce(e["mib"], e["p"], gbps, fixed_us)["us"]
+            nvls = bf16_allreduce(e["mib"], e["p"], gbps, fixed_us, "nvls")["us"]
             row = {"projection": "fused two-shot, projected: fixed + max(compute, 2 (P-1)/P "
                                  "codes / link); bf16 ring: fixed + 2 (P-1)/P bf16 / link",
                    "codec": e["codec"], "p": e["p"], "mib": e["mib"], "link": link,
@@ -444,7 +514,8 @@ def fused_two_shot_rows(compute: list[dict], codecs: dict, link_rates: dict,
                    "compute_us": round(e["compute_us"], 2), "wire_bytes": round(w),
                    "wire_us": round(wire_us, 2), "fixed_us": fixed_us,
                    "projected_us": round(projected, 2), "ring_bf16_us": ring,
-                   "ratio": round(projected / ring, 3),
+                   "ratio": round(projected / ring, 3), "nvls_bf16_us": nvls,
+                   "ratio_vs_nvls": round(projected / nvls, 3),
                    "bound": "compute" if e["compute_us"] > wire_us else "wire"}
             if e["p"] == GOAL_P and e["mib"] in GOAL_MIB and e["codec"] in TWO_SHOT_GOALS:
                 row["goal"] = TWO_SHOT_GOALS[e["codec"]]
@@ -461,6 +532,7 @@ def flat_two_shot(row: dict) -> dict:
             "compute from": row["compute"], "compute": row["compute_us"],
             "wire": row["wire_us"], "projected": row["projected_us"],
             "bf16 ring": row["ring_bf16_us"], "ratio": row["ratio"],
+            "bf16 NVLS": row["nvls_bf16_us"], "vs NVLS": row["ratio_vs_nvls"],
             "goal": "" if goal is None else f"<= {goal} " + ("met" if row["meets_goal"]
                                                              else "not met")}
 
@@ -469,7 +541,8 @@ def flat_two_shot(row: dict) -> dict:
 def flat(row: dict) -> dict:
     """A table row: µs (one launch), compute / wire µs, ratios."""
     out = {"P": row["p"], "MiB": row["mib"], "link": row["link"], "GB/s": row["link_gbps"],
-           "bf16": row["bf16"]["us"], "lax.psum": row.get("lax_psum_2gpu_measured_us", "")}
+           "bf16": row["bf16"]["us"], "NVLS": row["bf16_nvls"]["us"],
+           "lax.psum": row.get("lax_psum_2gpu_measured_us", "")}
     for n in CODECS:
         r = row.get(n)
         out[n] = r["one_launch_us"] if r else "-"
@@ -514,13 +587,18 @@ def main(argv=None) -> int:
           "link); µs; goal: at P = 8, 64 and 256 MiB")
     payload = {"projected": True, "device": devices.pop(),
                "jax": versions.pop(),
-               "commit": env_facts()["commit"], "inputs": facts,
+               "commit": env_facts()["commit"],
+               "command": " ".join(["python -m bench.projection",
+                                    *(sys.argv[1:] if argv is None else argv)]),
+               "inputs": facts,
                "parameters": {"fixed_us": fused.FIXED_US, "links_gbps": rates,
                               "sizes_mib": list(SIZES_MIB), "p": list(PS),
                               "wire_bytes_per_value": {c: codecs[c].row_bytes
                                                        / codecs[c].block_size
                                                        for c in CODECS},
-                              "bf16_bytes_per_value": ITEMSIZE},
+                              "bf16_bytes_per_value": ITEMSIZE,
+                              "nvls": {"bus_gbps_at_350": NVLS_BUS_GBPS, "gain": NVLS_GAIN,
+                                       "from_p": NVLS_MIN_P}},
                "method": __doc__.split("\n\n", 2)[2].strip(),
                "kernel_times_us": {c: {f"{m:g}": t for m, t in sorted(v.items())}
                                    for c, v in times.items()},

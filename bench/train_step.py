@@ -21,6 +21,10 @@ and `--microbatches` (default: the preset's) apply to every variant.
 A variant may name the transport of its compressed collectives after a colon,
 `SPEC:TRANSPORT[@min_bytes]` (`taco:xla`, `taco:fused`, `echo4:fused`): the run is traced
 under `taco_jax.config(transport=TRANSPORT)`; without one, the library's default.
+`SPEC:overlap` (`none:overlap`, `taco:overlap`, `echo4:overlap`) runs the model's collective
+matmul instead: `model.tp_overlap=true` with `model.sequence_parallel=true` (the all-gather
+before each column-parallel GEMM and the reduce-scatter after each row-parallel one, hidden
+under the GEMM), the codec SPEC's, the library's default transport.
 
 Writes bench/results/train_step.json: per row tokens/s, step time, speedup against the
 "none" row of the same preset, the pipeline's bubble fraction, the bytes each device sends
@@ -63,6 +67,7 @@ AXES = ("tp", "pp", "dp")
 ALIASES = {"2d": ("dp", "pp"), "3d": ("dp", "pp", "tp")}
 OUT = "bench/results/train_step.json"
 EMULATED_OUT = "bench/results/train_step_emulated.json"
+OVERLAP = "overlap"               # `SPEC:overlap`: collective matmul (model.tp_overlap)
 # the ops whose call runs one all-reduce (psum forward, pvary backward)
 ALLREDUCE_OPS = ("psum", "pvary", "psum_with_feedback", "pvary_with_feedback")
 
@@ -92,11 +97,14 @@ def split_variant(variant: str) -> tuple[str, bool, str]:
 
 def split_transport(variant: str) -> tuple[str, str | None]:
     """'taco:fused@default' -> ('taco@default', 'fused'): the variant without its transport,
-    and the transport (None: the library's default)."""
+    and the transport (None: the library's default; OVERLAP: the model's collective
+    matmul)."""
     head, at, min_bytes = variant.partition("@")
     spec, colon, transport = head.partition(":")
     if not colon:
         return variant, None
+    if transport == OVERLAP:
+        return spec + at + min_bytes, OVERLAP
     try:
         taco_jax.Recipe(transport=transport)
     except ValueError as e:
@@ -123,11 +131,14 @@ def site_rows(sites: list) -> list[dict]:
             for s, n in sorted(sites, key=lambda sn: (sn[0].op, sn[0].shape, sn[0].codec))]
 
 
-def variant_overrides(variant: str, codecs: dict) -> list[str]:
+def variant_overrides(variant: str, codecs: dict, overlap: bool = False) -> list[str]:
     """Config overrides of one variant: its codecs per axis, the model's fields following
-    the TP one, sequence parallelism, and its min_bytes for every collective."""
+    the TP one, sequence parallelism (on with `overlap`, which also sets the model's
+    collective matmul, model.tp_overlap), and its min_bytes for every collective."""
     _, sp, min_bytes = split_variant(variant)
-    return [f"model.sequence_parallel={str(sp).lower()}", f"recipe.codec={codecs['tp']}",
+    sp = sp or overlap
+    return [f"model.sequence_parallel={str(sp).lower()}",
+            *(["model.tp_overlap=true"] if overlap else []), f"recipe.codec={codecs['tp']}",
             f"model.codec_fwd={codecs['tp']}", f"model.codec_bwd={codecs['tp']}",
             "model.codec_head=null", f"recipe.codec_pp={codecs['pp']}",
             f"recipe.codec_dp={codecs['dp']}", "model.min_bytes=null",
@@ -137,16 +148,17 @@ def variant_overrides(variant: str, codecs: dict) -> list[str]:
 def measure(preset: str, variant: str, codecs: dict, steps: int, extra: list[str],
             transport: str | None = None, sites_out: list | None = None) -> dict:
     """One variant's row. `variant` without its transport; `transport` the taco_jax
-    transport it is traced under (None: the default). `sites_out` receives the step's
-    [(site, calls)]."""
-    recipe = (taco_jax.config(transport=transport) if transport
+    transport it is traced under (None: the default; OVERLAP: the model's collective
+    matmul, the default transport). `sites_out` receives the step's [(site, calls)]."""
+    overlap = transport == OVERLAP
+    recipe = (taco_jax.config(transport=transport) if transport and not overlap
               else contextlib.nullcontext())
     with recipe:
-        return _measure(preset, variant, codecs, steps, extra, sites_out)
+        return _measure(preset, variant, codecs, steps, extra, sites_out, overlap)
 
 
-def _measure(preset, variant, codecs, steps, extra, sites_out) -> dict:
-    overrides = ["train.progress=false", *extra, *variant_overrides(variant, codecs)]
+def _measure(preset, variant, codecs, steps, extra, sites_out, overlap=False) -> dict:
+    overrides = ["train.progress=false", *extra, *variant_overrides(variant, codecs, overlap)]
     cfg = config_lib.load_config(preset, overrides)
     setup_backend(cfg)   # parallel.cpu_devices on CPU (before JAX starts; later: kept)
     mesh = build_mesh(cfg)
@@ -186,6 +198,7 @@ def _measure(preset, variant, codecs, steps, extra, sites_out) -> dict:
                 pipe, cfg.parallel.microbatches), 4),
             "compile_s": round(compile_s, 1),
             "sequence_parallel": cfg.model.sequence_parallel,
+            "tp_overlap": cfg.model.tp_overlap,
             "temp_mib": round(memory["temp"] / 2**20, 2) if memory else None,
             "wire_mib_per_step": round(step_wire_bytes(sites) / 2**20, 3),
             "compressed_sites": sum(n for s, n in sites if s.compressed),

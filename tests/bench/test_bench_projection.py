@@ -111,6 +111,9 @@ def test_program_on_the_committed_results(tmp_path, capsys):
         assert e["one_launch_us"] >= 15 + wire / r["link_gbps"] / 1e3 - 0.01
         assert e["one_launch_us"] <= e["separate_us"]
         assert r["echo4_vs_bf16"] >= 72 / 256  # never below the byte ratio
+        nvls = r["bf16_nvls"]["us"]                # NVLS at P = 8 only
+        assert (nvls < r["bf16"]["us"]) is (r["p"] == 8)
+        assert r["echo4_vs_nvls"] == round(e["one_launch_us"] / nvls, 3)
         fused_here = r["p"] == 2 and r["mib"] != 1024
         for c in ("taco", "echo4"):
             assert (f"{c}_fused_kernel" in r) == fused_here
@@ -329,7 +332,47 @@ def test_fused_two_shot_on_the_committed_results(tmp_path):
                 (r["codec"], r["p"], r["mib"], proj.LOOPBACK)]
         assert [x["compute_us"] for x in mine] == [r["per_device_us"]] * 2
         assert {x["link_gbps"] for x in mine} == {350.0, 250.0}
+    assert all((x["nvls_bf16_us"] < x["ring_bf16_us"]) is (x["p"] == 8) for x in res["rows"])
     goals = [x for x in res["rows"] if "goal" in x]
     assert {(x["codec"], x["mib"]) for x in goals} == {
         (c, m) for c in ("taco", "echo4") for m in (64, 256)}
     assert all(x["p"] == 8 for x in goals)
+
+
+# -- the bf16 baselines --------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 4])
+def test_nvls_is_the_ring_below_eight_gpus(p):
+    assert proj.bf16_bus_gbps(p, 350.0, "nvls") == proj.bf16_bus_gbps(p, 350.0) == 350.0
+    assert proj.bf16_allreduce(32, p, 250.0, 15.0, "nvls")["us"] == \
+        proj.bf16_allreduce(32, p, 250.0, 15.0)["us"]
+
+
+def test_nvls_at_eight_gpus_by_hand():
+    """NCCL's published 480 GB/s bus at the 350 GB/s link, scaled with the link."""
+    assert proj.bf16_bus_gbps(8, 350.0, "nvls") == pytest.approx(480.0)
+    assert proj.bf16_bus_gbps(8, 250.0, "nvls") == pytest.approx(250 * 480 / 350)
+    r = proj.bf16_allreduce(32, 8, 350.0, 15.0, "nvls")
+    assert r["us"] == pytest.approx(15 + 1.75 * 32 * proj.MIB / 480e3, abs=0.01)
+    with pytest.raises(ValueError, match="baseline='nccl'"):
+        proj.bf16_bus_gbps(8, 350.0, "nccl")
+
+
+@pytest.mark.parametrize("comm,gemm", [(100.0, 30.0), (30.0, 100.0), (50.0, 50.0)])
+def test_overlap_exposes_what_the_gemm_does_not_hide(comm, gemm):
+    """No chunking loss, no slowdown: exposed = max(0, comm − gemm)."""
+    o = proj.overlapped(comm, gemm, chunked_us=gemm, sm_slowdown=0.0)
+    assert o["exposed_us"] == max(0.0, comm - gemm) and o["pair_us"] == max(comm, gemm)
+    assert o["hidden"] is (comm <= gemm)
+
+
+def test_overlap_losses_by_hand():
+    """The GEMM in chunks (100 → 125 µs) at 1/1.1 of its rate while 55 µs of comm run:
+    125 + 55 · 0.1 / 1.1 = 130; a collective longer than the slowed GEMM is the pair."""
+    o = proj.overlapped(55.0, 100.0, chunked_us=125.0, sm_slowdown=0.1)
+    assert o["pair_us"] == pytest.approx(130.0) and o["exposed_us"] == pytest.approx(30.0)
+    assert proj.overlapped(200.0, 100.0, 125.0, 0.1)["exposed_us"] == pytest.approx(100.0)
+    d = proj.overlapped(10.0, 90.0)                       # the module's stated losses
+    assert d["pair_us"] == pytest.approx(90 / proj.CHUNK_EFFICIENCY
+                                         + 10 * proj.SM_SLOWDOWN / (1 + proj.SM_SLOWDOWN))
+    assert proj.half_collective_us(32 * proj.MIB, 8, 350.0, 15.0) == pytest.approx(
+        15 + 7 / 8 * 32 * proj.MIB / 350e3)

@@ -97,43 +97,57 @@ def test_projection_on_synthetic_emulated_rows(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["projected"] is True and res["device"] == "NVIDIA H200"
     assert res["inputs"]["emulated"]["commit"] == "e" * 40
-    assert all("projected" in r["projection"] for r in res["rows"])
-    rows = {(r["p"], r["link_gbps"], r["variant"]): r for r in res["rows"]}
+    assert all(r["projection"] == "projected" for r in res["rows"])
+    rows = {(r["p"], r["link_gbps"], r["baseline"], r["variant"]): r for r in res["rows"]}
+    priced = {(e["p"], e["link_gbps"], e.get("baseline"), e["variant"]): e
+              for e in res["priced"]}
     b = 32 * MIB
     coll = {r["mib_per_device"]: r for r in
             json.loads((RESULTS / "collectives.json").read_text())["rows"]}
     lax32 = coll[16]["lax_psum_us"] + (coll[64]["lax_psum_us"] - coll[16]["lax_psum_us"]) / 3
     c2 = (150.0 - 97 * 3 * b / HBM / 1e6) / 2
-    bf16 = rows[2, 350.0, "bf16"]                             # measured lax.psum at P = 2
+    bf16 = rows[2, 350.0, "ring", "bf16"]                     # measured lax.psum at P = 2
     assert bf16["compute_ms"] == pytest.approx(c2, abs=1e-3)
     assert bf16["comm_ms"] == pytest.approx(97 * lax32 / 1e3, abs=1e-3)
     assert bf16["speedup_vs_bf16"] == 1.0
-    assert rows[2, 250.0, "bf16"]["projected_ms"] == bf16["projected_ms"]
-    xla = rows[2, 350.0, "taco:xla"]                           # measured compressed psum
+    assert rows[2, 250.0, "ring", "bf16"]["projected_ms"] == bf16["projected_ms"]
+    assert rows[2, 350.0, "nvls", "bf16"]["projected_ms"] == bf16["projected_ms"]  # P < 8
+    xla = rows[2, 350.0, "ring", "taco:xla"]                  # measured compressed psum
     t32 = coll[16]["compressed_us"] + (coll[64]["compressed_us"] - coll[16]["compressed_us"]) / 3
     assert xla["comm_ms"] == pytest.approx(97 * t32 / 1e3, abs=1e-3)
-    assert xla["sites_from"] == "its emulated row"
+    assert priced[2, 350.0, None, "taco:xla"]["sites_from"] == "its emulated row"
     # fused taco at P = 2: its row failed, so the none row's sites taken as compressed;
     # fixed + max(the one-shot loopback per device at 32 MiB, wire / link)
-    f = rows[2, 350.0, "taco:fused"]
-    assert "taken as compressed with taco over fused (its row failed)" in f["sites_from"]
+    f = rows[2, 350.0, "ring", "taco:fused"]
+    assert ("taken as compressed with taco over fused (its row failed)"
+            in priced[2, 350.0, None, "taco:fused"]["sites_from"])
     loop = {r["mib"]: r["per_device_us"] for r in
             json.loads((RESULTS / "fused_loopback.json").read_text())["rows"]}
     compute = loop[16] + (loop[64] - loop[16]) / 3
     wire = (b // 2) // 256 * 264 / 350e3
     assert f["comm_ms"] == pytest.approx(97 * (fused.FIXED_US + max(compute, wire)) / 1e3,
                                          abs=1e-3)
-    assert f["goal_speedup"] == 1.15
-    assert f["meets_goal"] is (f["speedup_vs_bf16"] >= 1.15)
     assert f["speedup_vs_bf16"] == round(bf16["projected_ms"] / f["projected_ms"], 3)
-    # P = 8: bf16 on the ring model; echo4 fused two-shot from its one-launch loopback
-    ring = rows[8, 250.0, "bf16"]
+    # P = 8: bf16 on the ring model and at NVLS's rate; echo4 fused two-shot from its
+    # one-launch loopback
+    ring = rows[8, 250.0, "ring", "bf16"]
     assert ring["comm_ms"] == pytest.approx(97 * (15 + 1.75 * b / 250e3) / 1e3, abs=1e-3)
-    e = rows[8, 250.0, "echo4:fused"]
-    assert e["sites"][0]["priced_by"].startswith("fused: one-launch loopback")
+    nvls = rows[8, 250.0, "nvls", "bf16"]
+    assert nvls["comm_ms"] == pytest.approx(97 * (15 + 1.75 * b / (250e3 * 480 / 350)) / 1e3,
+                                            abs=1e-3)
+    e = rows[8, 250.0, "ring", "echo4:fused"]
+    sites = priced[8, 250.0, None, "echo4:fused"]["priced"]
+    assert sites[0]["priced_by"].startswith("fused: one-launch loopback")
     wire8 = 1.75 * (b // 2) // 128 * 72 / 250e3
-    assert all(s["allreduce_us"] >= 15 + wire8 - 0.01 for s in e["sites"])
-    assert (8, 350.0, "taco:fused") not in rows               # no emulated row at P = 8
+    assert all(s["allreduce_us"] >= 15 + wire8 - 0.01 for s in sites)
+    assert rows[8, 250.0, "nvls", "echo4:fused"]["projected_ms"] == e["projected_ms"]
+    assert rows[8, 250.0, "nvls", "echo4:fused"]["bf16_ms"] == nvls["projected_ms"]
+    assert not any(k[2:] == ("ring", "taco:fused") and k[0] == 8 for k in rows)  # no row of it
+    for r in res["rows"]:                       # every row against its own baseline's bf16
+        base = rows[r["p"], r["link_gbps"], r["baseline"], "bf16"]["projected_ms"]
+        assert r["bf16_ms"] == base
+        assert r["speedup_vs_bf16"] == round(base / r["projected_ms"], 3)
+    assert {r["baseline"] for r in res["rows"]} == set(projection.BASELINES)
     checks = {(c["preset"], c["variant"]): c for c in res["method_check"]}
     measured = {(r["preset"], r["codec_fwd"]): r["step_ms"] for r in
                 json.loads((RESULTS / "train_step.json").read_text())["rows"]}
@@ -145,6 +159,126 @@ def test_projection_on_synthetic_emulated_rows(tmp_path, capsys):
     assert c["error"] == round(c["projected_ms"] / 72.69 - 1, 3)
 
 
+# 350m's GEMMs per device at TP = 8 (K, N, calls a pass), tokens T = 16 × 1024
+T, H = 16 * 1024, 1024
+GEMMS = {"qkv": (H, 3 * H, 24), "proj": (H, H, 24), "fc1": (H, 4 * H, 24),
+         "fc2": (4 * H, H, 24), "head": (H, 32 * H, 1)}
+
+
+def test_overlapped_steps_by_hand(tmp_path):
+    """P = 8, 350 GB/s: the GEMMs from FLOP counts at the rate that fills C(8) with the
+    step's matmul FLOPs; each of the 194 collectives hidden under its GEMM (forward) or
+    twice its work (backward), in 8 chunks, slowed beside the collective."""
+    d = results(tmp_path)
+    out = tmp_path / "p.json"
+    sp.main(["--results", str(d), "--out", str(out)])
+    res = json.loads(out.read_text())
+    rows = {(r["p"], r["link_gbps"], r["baseline"], r["variant"]): r for r in res["rows"]}
+    c8 = (160.0 - 97 * 9 * 32 * MIB / HBM / 1e6) / 8
+    fwd = {g: 2 * T * k * n / 8 for g, (k, n, _) in GEMMS.items()}
+    flops = 3 * (sum(fwd[g] * c for g, (_, _, c) in GEMMS.items()) + 24 * 2 * T * 1024 * H / 8)
+    rate = flops / (c8 * 1e-3)
+    comm = 15 + 7 / 8 * 32 * MIB / 350e3                    # an all-gather or reduce-scatter
+    codes = 15 + 7 / 8 * (T * H // 128 * 72) / 350e3        # of echo4's codes
+
+    def exposed(comm_us, codec_us=None):
+        """codec_us None: bf16, every collective hidden; else a codec's, the LM head's in
+        series (model.tp_overlap leaves them plain)."""
+        total = 0.0
+        for g, (_, _, calls) in GEMMS.items():
+            for work in (1, 2):                             # forward; dX + dW
+                gemm = work * fwd[g] / rate * 1e6
+                o = projection.overlapped(comm_us, gemm, gemm / projection.CHUNK_EFFICIENCY,
+                                          projection.SM_SLOWDOWN)["exposed_us"]
+                if codec_us is not None and g == "head":
+                    o = comm_us
+                total += calls * (o + (codec_us or 0.0))
+        return total / 1e3
+
+    bf16 = rows[8, 350.0, "overlap", "bf16"]
+    assert bf16["comm_ms"] == pytest.approx(exposed(comm), abs=2e-3)
+    bound = rows[8, 350.0, "overlap", "echo4:overlap-in-gemm"]
+    assert bound["comm_ms"] == pytest.approx(exposed(codes, 0.0), abs=2e-3)
+    assert "bound" in bound
+    two_shot = {r["mib"]: r["per_device_us"] for r in json.loads(
+        (RESULTS / "fused_two_shot_loopback.json").read_text())["rows"]
+                if r.get("codec") == "echo4" and r["p"] == 8 and r.get("dtype") == "bf16"
+                and r.get("variant", "default") == "default" and r.get("ok")}
+    half = (two_shot[16] + (two_shot[64] - two_shot[16]) / 3) / 2   # 32 MiB, half of it
+    series = rows[8, 350.0, "overlap", "echo4:overlap"]
+    assert series["comm_ms"] == pytest.approx(exposed(codes, half), abs=2e-3)
+    assert bound["projected_ms"] < series["projected_ms"]
+    c = next(c for c in res["compute"] if c["p"] == 8)
+    assert c["matmul_tflops"] == pytest.approx(rate / 1e12, abs=0.1)
+    assert "FLOP count" in c["gemm_times"] and c["gemm_share"] == 1.0
+
+
+def test_a_gemm_table_replaces_the_flop_counts(tmp_path):
+    """gemm_table.json's rows of (preset, P) with this model's shapes price the GEMMs:
+    1 µs each pass whole and chunked, so every collective exposes comm − 1 µs forward and
+    comm − 2 µs backward (dX + dW)."""
+    d = results(tmp_path)
+    rows = [{"preset": "350m", "p": 8, "gemm": g, "pass": ps, "m": T, "k": k,
+             "n": n // 8, "us": 1.0, "chunked_us": 1.0}
+            for g, (k, n, _) in GEMMS.items() for ps in ("fwd", "dx", "dw")]
+    (d / "gemm_table.json").write_text(json.dumps({"commit": "a" * 40, "rows": rows}))
+    out = tmp_path / "p.json"
+    sp.main(["--results", str(d), "--out", str(out)])
+    res = json.loads(out.read_text())
+    c8 = next(c for c in res["compute"] if c["p"] == 8)
+    assert c8["gemm_times"] == "measured per shape"
+    assert c8["source"] == "gemm_table.json@aaaaaaa"
+    assert "FLOP count" in next(c for c in res["compute"] if c["p"] == 2)["gemm_times"]
+    comm = 15 + 7 / 8 * 32 * MIB / 350e3
+    bf16 = next(r for r in res["rows"] if (r["p"], r["link_gbps"], r["baseline"],
+                                          r["variant"]) == (8, 350.0, "overlap", "bf16"))
+    assert bf16["comm_ms"] == pytest.approx(97 * ((comm - 1) + (comm - 2)) / 1e3, abs=2e-3)
+
+
+def row(variant, ms, baseline="ring", **kw):
+    return {"preset": "m", "p": 8, "link_gbps": 350.0, "baseline": baseline,
+            "variant": variant, "codec": variant.split(":")[0], "projected_ms": ms, **kw}
+
+
+def test_headline_picks_the_hardest_bf16():
+    """The fastest bf16 of the three is the one the best compressed variant is held to; a
+    bound (codec inside the GEMM) is reported beside it, not as the best."""
+    rows = [row("bf16", 30.0), row("bf16", 25.0, "nvls"), row("bf16", 22.0, "overlap"),
+            row("x:fused", 20.0), row("y:overlap", 21.0), row("x:overlap-in-gemm", 16.0,
+                                                               bound="no such kernel")]
+    (e,) = sp.headline(rows, {"m": {8: 1.1}})
+    assert e["bf16_ms"] == {"ring": 30.0, "nvls": 25.0, "overlap": 22.0}
+    assert e["hardest"] == "overlap" and e["best"] == "x:fused"
+    assert e["speedup"] == {"ring": 1.5, "nvls": 1.25, "overlap": 1.1}
+    assert e["speedup_vs_hardest"] == 1.1 and e["meets_goal"] is True
+    assert e["bound"] == "x:overlap-in-gemm" and e["bound_speedup_vs_hardest"] == 1.375
+    assert e["best_by_codec"]["y"] == {"variant": "y:overlap", "projected_ms": 21.0,
+                                       "speedup_vs_hardest": 1.048}
+    (e,) = sp.headline([{**r, "projected_ms": 40.0} if r["baseline"] == "overlap" else r
+                        for r in rows], {"m": {8: 1.5}})
+    assert e["hardest"] == "nvls" and e["speedup_vs_hardest"] == 1.25
+    assert e["meets_goal"] is False
+
+
+def test_the_committed_projection_has_three_baselines():
+    res = json.loads((RESULTS / "step_projection.json").read_text())
+    assert res["command"].startswith("python -m bench.step_projection")
+    for r in res["rows"]:
+        assert r["baseline"] in projection.BASELINES
+    have = {(r["preset"], r["p"], r["link_gbps"], r["baseline"], r["variant"])
+            for r in res["rows"]}
+    for p in (4, 8):
+        for link in (350.0, 250.0):
+            for b in projection.BASELINES:
+                for v in ("bf16", "taco:fused", "echo4:fused", "taco:overlap",
+                          "echo4:overlap"):
+                    assert ("350m", p, link, b, v) in have
+    head = {(e["p"], e["link_gbps"]): e for e in res["headline"] if e["preset"] == "350m"}
+    assert set(head) == {(p, link) for p in (4, 8) for link in (350.0, 250.0)}
+    for e in head.values():
+        assert e["bf16_ms"][e["hardest"]] == min(e["bf16_ms"].values())
+
+
 def test_a_new_fused_row_is_picked_up(tmp_path):
     """An echo4 row in fused_two_shot_loopback.json prices echo4's fused sites at its P."""
     d = results(tmp_path)
@@ -152,17 +286,21 @@ def test_a_new_fused_row_is_picked_up(tmp_path):
     doc["rows"] = [r for r in doc["rows"] if r.get("codec", "taco") == "taco"]
     (d / "fused_two_shot_loopback.json").write_text(json.dumps(doc))
     out = tmp_path / "p.json"
-    sp.main(["--results", str(d), "--out", str(out)])
-    before = next(r for r in json.loads(out.read_text())["rows"]
-                  if r["p"] == 8 and r["variant"] == "echo4:fused")
-    assert before["sites"][0]["priced_by"].startswith("fused: separate kernels, modelled")
+
+    def echo4_fused():
+        sp.main(["--results", str(d), "--out", str(out)])
+        res = json.loads(out.read_text())
+        r = next(r for r in res["rows"] if r["p"] == 8 and r["variant"] == "echo4:fused")
+        e = next(e for e in res["priced"] if e["p"] == 8 and e["variant"] == "echo4:fused")
+        return r, e["priced"]
+
+    before, sites = echo4_fused()
+    assert sites[0]["priced_by"].startswith("fused: separate kernels, modelled")
     doc["rows"] += [{**r, "codec": "echo4", "per_device_us": 10 * r["per_device_us"]}
                     for r in doc["rows"] if r["p"] == 8]
     (d / "fused_two_shot_loopback.json").write_text(json.dumps(doc))
-    sp.main(["--results", str(d), "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    e = next(r for r in rows if r["p"] == 8 and r["variant"] == "echo4:fused")
-    assert e["sites"][0]["priced_by"].startswith("fused: one-launch loopback")
+    e, sites = echo4_fused()
+    assert sites[0]["priced_by"].startswith("fused: one-launch loopback")
     assert e["comm_ms"] > before["comm_ms"]          # 10 × taco's compute, above the wire
 
 
@@ -256,6 +394,35 @@ def test_train_step_transport_names(monkeypatch, tmp_path):
     assert train_step.EMULATED_OUT == "bench/results/train_step_emulated.json"
 
 
+def test_train_step_overlap_variants(monkeypatch, tmp_path):
+    """`SPEC:overlap` is the model's collective matmul: model.tp_overlap and sequence
+    parallelism on, the codec SPEC's on the TP sites, no transport set."""
+    from bench import train_step
+    from train import config
+    assert train_step.split_transport("echo4:overlap@default") == ("echo4@default", "overlap")
+    codecs = train_step.variant_codecs("taco", "taco", "tah4", "taco")
+    o = train_step.variant_overrides("taco", codecs, overlap=True)
+    assert {"model.tp_overlap=true", "model.sequence_parallel=true", "recipe.codec=taco",
+            "model.codec_fwd=taco", "model.codec_bwd=taco"} <= set(o)
+    assert not any("tp_overlap" in x for x in train_step.variant_overrides("taco", codecs))
+    cfg = config.load_config("350m", o)
+    assert cfg.model.tp_overlap and cfg.model.sequence_parallel
+    seen = []
+
+    def fake(preset, variant, codecs, steps, extra, sites_out, overlap=False):
+        seen.append((variant, codecs["tp"], overlap))
+        return {"preset": preset, "variant": variant, "codec_tp": codecs["tp"],
+                "step_ms": 10.0}
+    monkeypatch.setattr(train_step, "_measure", fake)
+    train_step.main(["--presets", "tiny", "--emulate-tp", "2", "--variants", "none",
+                     "none:overlap", "taco:overlap", "echo4:overlap",
+                     "--out", str(tmp_path / "e.json")])
+    assert seen == [("none", "none", False), ("none", "none", True), ("taco", "taco", True),
+                    ("echo4", "echo4", True)]
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert [r["transport"] for r in rows] == ["default", "overlap", "overlap", "overlap"]
+
+
 @pytest.mark.parametrize("label,priced_by", [("fused (loopback)", "fused: "),
                                              ("fused (exchange emulated)", "xla transport")])
 def test_sites_are_priced_by_the_transport_telemetry_names(tmp_path, label, priced_by):
@@ -267,5 +434,5 @@ def test_sites_are_priced_by_the_transport_telemetry_names(tmp_path, label, pric
     d = results(tmp_path, rows)
     out = tmp_path / "step_projection.json"
     assert sp.main(["--results", str(d), "--out", str(out)]) == 0
-    got = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "taco:fused"]
-    assert got and all(s["priced_by"].startswith(priced_by) for r in got for s in r["sites"])
+    got = [e for e in json.loads(out.read_text())["priced"] if e["variant"] == "taco:fused"]
+    assert got and all(s["priced_by"].startswith(priced_by) for e in got for s in e["priced"])

@@ -359,3 +359,19 @@ def test_fused_two_shot_matrix_resumes_the_whole_check_matrix(tmp_path, jobs):
         runs.add((re.search(r"--codec (\w+)", c).group(1),
                   re.search(r"--dtypes (\w+)", c).group(1)))
     assert runs == {(c, d) for c in ("taco", "echo4") for d in ("bf16", "f32")}
+
+
+def test_gemm_table_then_the_projection(tmp_path):
+    """gemm_table measures 350m's GEMMs at P = 2, 4, 8, then re-runs bench.step_projection,
+    which reads it; the overlap steps run the model's collective matmul variants."""
+    r, calls = run_fake(tmp_path, ["gemm_table", "train_overlap", "train_overlap_emulated"],
+                        "bench.")
+    assert r.returncode == 0 and len(calls) == 4
+    table, projection, real, emulated = calls
+    assert "bench.gemm_table --presets 350m --p 2 4 8" in table
+    assert "--out bench/results/gemm_table.json" in table
+    assert projection == "-m bench.step_projection"
+    for c in (real, emulated):
+        assert "--variants none none:overlap taco:overlap echo4:overlap" in c
+    assert "--emulate-tp" not in real and "train_step_overlap.json" in real
+    assert "--emulate-tp 4 8" in emulated and "train_step_emulated_overlap.json" in emulated
