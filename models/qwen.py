@@ -10,12 +10,15 @@
     n_head / n_kv_head consecutive query heads; optional Q/K/V biases (`model.qkv_bias`,
     Qwen2.5 has them); no attention-output bias.
 
-Everything tensor-parallel is the GPT's: the sub-layers are `gpt._TPSublayer`s (Megatron f
-before the column-parallel matmul, g after the row-parallel one, with their codecs; with
-sequence parallelism the all-gather and reduce-scatter), the block is `gpt.Block` (its
-forward order, Echo feedback sites), and embedding, LM head, vocab-parallel cross-entropy,
-pipeline stages, data parallelism, ZeRO-1 and emulated TP come from `gpt.GPT` and
-models/parallel.py unchanged. So each block has the GPT's four TP sites and the same codecs.
+Everything tensor-parallel is the GPT's: the sub-layers are `gpt._TPSublayer`s, which
+give only their column-parallel kernel (Q and the KV heads side by side; gate and up), the
+computation between the matmuls and the row-parallel kernel, and inherit Megatron f before
+the one and g after the other with their codecs (with sequence parallelism the all-gather
+and reduce-scatter, with `model.tp_overlap` fused with the matmuls); the block is
+`gpt.Block` (its forward order, Echo feedback sites); the LM head, vocab-parallel
+cross-entropy, pipeline stages, data parallelism, ZeRO-1 and emulated TP come from
+`gpt.GPT` and models/parallel.py unchanged. So each block has the GPT's four TP sites and
+the same codecs.
 
 Grouped-query attention over "tp" (GPTConfig.validate checks that one of the two holds):
   - n_kv_head % tp == 0: the KV heads split with their query groups (rank r holds query
@@ -133,11 +136,6 @@ class GQAttention(_TPSublayer, nnx.Module):
     def row_kernel(self, dt):
         return self.out_kernel[...].astype(dt).reshape(-1, self.cfg.d_model)  # (H/tp·hd, d)
 
-    def partial(self, x):
-        """x (B, T, d) varying over "tp" -> this device's partial sum of the output."""
-        dt = self.cfg.compute_dtype
-        return self.inner(x @ self.column_kernel(dt)) @ self.row_kernel(dt)
-
 
 class SwiGLU(_TPSublayer, nnx.Module):
     """silu(x W_gate) * (x W_up) W_down; hidden units split over "tp" (gate and up in one
@@ -164,11 +162,6 @@ class SwiGLU(_TPSublayer, nnx.Module):
 
     def row_kernel(self, dt):
         return self.down_kernel[...].astype(dt)  # (ff/tp, d): partial sums over the shards
-
-    def partial(self, x):
-        """x (B, T, d) varying over "tp" -> this device's partial sum of the output."""
-        dt = self.cfg.compute_dtype
-        return self.inner(x @ self.column_kernel(dt)) @ self.row_kernel(dt)
 
 
 class QwenBlock(Block):

@@ -66,8 +66,9 @@ def preset_descriptions() -> dict[str, str]:
         what = first.lstrip("# ").rstrip(":").split(": ")[0].split(" (")[0].strip()
         try:
             m = load_config(name, validate=False).model
-            shape = (f" ({m.n_layer} x {m.d_model}, {m.n_head} heads, vocab {m.vocab_size}, "
-                     f"T={m.seq_len}; {m.num_params() / 1e6:.3g}M params)")
+            kv = f", {m.kv_heads} KV heads" if m.kv_heads != m.n_head else ""
+            shape = (f" ({m.n_layer} x {m.d_model}, {m.n_head} heads{kv}, vocab "
+                     f"{m.vocab_size}, T={m.seq_len}; {m.num_params() / 1e6:.3g}M params)")
         except (ValueError, TypeError, AttributeError):
             shape = ""
         out[name] = what + shape
