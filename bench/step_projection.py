@@ -41,7 +41,8 @@ collective matmul. Each all-reduce of the none row becomes a reduce-scatter and 
 all-gather of the sequence, each hidden under its paired GEMM: forward, the all-gather
 before QKV / FC1 / the LM head under that GEMM, the reduce-scatter after the attention
 projection / FC2 under that GEMM; backward, the conjugates under the same GEMM's dX and dW
-(twice its forward work). A pair costs bench.projection.overlapped: the GEMM in P chunks at
+(twice its forward work; the compressed variants' under dX alone, as taco_jax's collective
+matmuls run). A pair costs bench.projection.overlapped: the GEMM in P chunks at
 CHUNK_EFFICIENCY of its rate, slowed by SM_SLOWDOWN while the collective runs; the step adds
 pair − GEMM (max(0, comm − GEMM) without those losses). comm = fixed + (P − 1)/P · bytes /
 link for bf16 (NVLS does not speed an all-gather or reduce-scatter), the codec's bytes for
@@ -112,6 +113,11 @@ COLUMN, ROW = ("qkv", "fc1", "head"), ("proj", "fc2")
 # variants price them in series; bf16's overlap (XLA's collective matmul takes every GEMM)
 # hides them too.
 SERIAL_IN_PRODUCT = ("head",)
+# The backward GEMM a compressed variant's collective hides under: taco_jax's collective
+# matmuls are each other's transpose, so a backward collective runs beside the dX GEMM's
+# chunks and dW follows it (docs/design.md, "Collective matmuls"); bf16's overlap, as
+# Megatron and Transformer Engine run it, pairs it with dX and dW ("bwd").
+PRODUCT_BWD_PASS = "dx"
 GEMM_KERNEL = r"gemm|nvjet|xmma|cutlass|dot"           # GEMM kernels' names in a profile
 # what each collective of an overlapped variant's pricing lists ("priced" in the JSON)
 OVERLAP_COLUMNS = ("gemm", "pass", "collective", "per_step", "bytes", "comm_us", "gemm_us",
@@ -246,7 +252,8 @@ class Prices:
                 comm = projection.half_collective_us(w, p, gbps, self.fixed_us)
                 codec_us, how = ((0.0, "codec inside the GEMM (bound)") if in_gemm
                                  else self.codec_us(codec, c["bytes"], p))
-            gemm, chunked = times[c["gemm"], c["pass"]]
+            ps = PRODUCT_BWD_PASS if codec is not None and c["pass"] == "bwd" else c["pass"]
+            gemm, chunked = times[c["gemm"], ps]
             if codec is not None and c["gemm"] in SERIAL_IN_PRODUCT:
                 o, chunked = {"exposed_us": comm}, gemm                  # in series
             else:
@@ -397,7 +404,7 @@ def sp_collectives(sites: list[dict], shape: dict) -> list[dict]:
 def gemm_times(shape: dict, p: int, compute_ms: float, preset: str, table: dict | None = None,
                share: float = GEMM_SHARE,
                chunk_efficiency: float = projection.CHUNK_EFFICIENCY) -> tuple[dict, dict]:
-    """({(gemm, "fwd" | "bwd"): (µs whole, µs in P chunks)}, how they were had). From
+    """({(gemm, "fwd" | "dx" | "bwd"): (µs whole, µs in P chunks)}, how they were had). From
     gemm_table.json's rows of (preset, P) where every GEMM and pass (fwd, dx, dw) is there
     with the FLOPs of this shape (bwd = dx + dw); else FLOP counts at the rate that makes
     the step's matmul FLOPs fill `share` of C(P), the chunks at `chunk_efficiency`, bwd
@@ -413,6 +420,7 @@ def gemm_times(shape: dict, p: int, compute_ms: float, preset: str, table: dict 
         times = {}
         for g in f["gemm_fwd"]:
             times[g, "fwd"] = (rows[g, "fwd"]["us"], rows[g, "fwd"]["chunked_us"])
+            times[g, "dx"] = (rows[g, "dx"]["us"], rows[g, "dx"]["chunked_us"])
             times[g, "bwd"] = (rows[g, "dx"]["us"] + rows[g, "dw"]["us"],
                                rows[g, "dx"]["chunked_us"] + rows[g, "dw"]["chunked_us"])
         return times, {"gemm_times": "measured per shape",
@@ -422,7 +430,7 @@ def gemm_times(shape: dict, p: int, compute_ms: float, preset: str, table: dict 
     times = {}
     for g, fl in f["gemm_fwd"].items():
         us = fl / rate * 1e6
-        times[g, "fwd"] = (us, us / chunk_efficiency)
+        times[g, "fwd"] = times[g, "dx"] = (us, us / chunk_efficiency)
         times[g, "bwd"] = (2 * us, 2 * us / chunk_efficiency)
     return times, {"gemm_times": f"FLOP count at the rate that fills {share:g} of C(P) with "
                                  f"the step's matmul FLOPs (not measured per shape)",
