@@ -1,0 +1,78 @@
+"""The row-parallel GEMM of tensor parallelism with its compressed all-reduce and residual
+add, in two launches: `encode_epilogue` (GEMM, encode, every device's wire stored into
+every device's receive buffer) then `decode_residual` (decode the P wires, sum in f32,
+add the residual). The partial and the decoded sum stay on chip; per output element a
+device writes P wire copies and reads P, plus the residual's read and the result's write.
+
+    y = round(residual + Σ_j decode(encode(round(x_j @ w_j)))),  j = 0 … P − 1 in order.
+
+One quantization per element; every device decodes the same bytes in the same order, so
+all get the same bits. Not selected by any library path (their GPU checks have not run:
+`bench/gemm_codec.py`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from taco_jax.kernels.gemm import decode_residual, encode_epilogue
+from taco_jax.kernels.gemm.config import GemmConfig
+from taco_jax.kernels.gemm.decode_residual import DecodeConfig
+
+
+def unsupported(codec, p: int, x_shape, w_shape, dtype, cfg: GemmConfig | None = None,
+                decode_cfg: DecodeConfig | None = None) -> str | None:
+    """Why the two launches do not cover x (M, K) @ w (K, N) all-reduced over P devices
+    (None: they do), for a dispatcher to fall back on."""
+    why = encode_epilogue.unsupported(codec, p, x_shape, w_shape, dtype, cfg)
+    if why is not None:
+        return why
+    m, n = x_shape[-2], w_shape[-1]
+    rows = m * n // 256
+    row_bytes = encode_epilogue.tile_codec(codec).row_bytes
+    return decode_residual.unsupported(codec, p, (p, rows, row_bytes), (m, n), dtype,
+                                       decode_cfg)
+
+
+def gemm_allreduce(x, w, residual, axis: str, p: int, codec, *, out_mat=None,
+                   cfg: GemmConfig | None = None, decode_cfg: DecodeConfig | None = None):
+    """residual + Σ over mesh axis `axis` of x @ w, compressed, inside `jax.shard_map` on
+    GPUs of one process (mesh devices 0..n−1 in order).
+
+    Args:
+      x: this device's (M, K) bf16 or f16 input; w: its (K, N) weight shard.
+      residual: (M, N) of x's dtype, the same on every device (the residual stream).
+      axis, p: the mesh axis and its size (1..8). codec: with tile math (`unsupported`).
+      out_mat: the results' `manual_axis_type` under check_vma (None without).
+      cfg, decode_cfg: the two launches' configurations (None: their defaults).
+    Returns: (M, N) in x's dtype, the same bits on every device.
+    Raises: ValueError naming what is not covered."""
+    recv = encode_epilogue.gemm_encode_exchange(x, w, axis, p, codec, out_mat=out_mat,
+                                                cfg=cfg)
+    return decode_residual.decode_sum_residual(recv, residual, codec, decode_cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "decode_cfg"))
+def loopback_gemm_allreduce(xs, ws, residual, codec, cfg: GemmConfig | None = None,
+                            decode_cfg: DecodeConfig | None = None):
+    """The two launches on one GPU for P = xs.shape[0] virtual devices.
+
+    Args:
+      xs: (P, M, K); ws: (P, K, N); residual: (M, N) (every device's) or (P, M, N).
+    Returns: (P, M, N): row d what device d computes (all equal when correct).
+    Raises: ValueError as `gemm_allreduce`."""
+    p = xs.shape[0]
+    if residual.ndim == 2:
+        residual = jnp.broadcast_to(residual, (p, *residual.shape))
+    recv = encode_epilogue.loopback_gemm_encode(xs, ws, codec, cfg)
+    return decode_residual.decode_sum_residual(recv, residual, codec, decode_cfg)
+
+
+def gemm_allreduce_reference(xs, ws, residual, codec):
+    """Plain jnp: round(residual + Σ_j decode(encode(round(xs[j] @ ws[j])))) in f32, j in
+    order: (M, N) for xs (P, M, K), ws (P, K, N), residual (M, N)."""
+    wires = jnp.stack([encode_epilogue.gemm_encode_reference(xs[j], ws[j], codec)
+                       for j in range(xs.shape[0])])
+    return decode_residual.decode_sum_residual_reference(wires, residual, codec)

@@ -1,0 +1,293 @@
+"""The GEMM kernels with the codec in their epilogue (taco_jax/kernels/gemm) on CPU: lowered
+for CUDA (one device, the loopback, a mesh), their shared memory as the lowering allocates
+it, their pipeline, tile order and exchange run by the Mosaic GPU interpreter with a
+stand-in tile codec (the interpreter has no inline_mgpu, which the real tile math is made
+of), their jnp references against the codecs' own, and the wrappers' errors. Their numerics
+with the real tile codecs run on a Hopper GPU (`python -m bench.gemm_codec`)."""
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from taco_jax import codecs
+from taco_jax.kernels import gemm
+from taco_jax.kernels.fused import peers as peers_lib
+from taco_jax.kernels.gemm import decode_residual as dr, encode_epilogue as ee, matmul as mm
+from taco_jax.kernels.gemm.config import SMEM_PER_SM, SMEM_RESERVED, GemmConfig
+from taco_jax.kernels.mosaic import registers
+from taco_jax.numerics.blocks import to_blocks
+
+from fused_lowering import rel_l2, scratch_bytes
+
+TACO, ECHO4 = codecs.get("taco"), codecs.get("echo4")
+# (M, K, N): 350m's row-parallel GEMM with its 16k tokens cut to 256 (K = N = d_model), and
+# an odd shape: 3 row tiles (one compute warpgroup), 5 K steps, 3 column tiles
+SHAPE_350M, ODD = (256, 1024, 1024), (192, 320, 768)
+
+
+def lower(fn, *shapes):
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def operands(p, shape, dtype=jnp.bfloat16):
+    m, k, n = shape
+    return (jax.ShapeDtypeStruct((p, m, k), dtype), jax.ShapeDtypeStruct((p, k, n), dtype))
+
+
+def wires(codec, p, m, n, lead=()):
+    rows, row = m * n // 256, ee.tile_codec(codec).row_bytes
+    return jax.ShapeDtypeStruct((*lead, p, rows, row), jnp.uint8)
+
+
+@pytest.mark.parametrize("codec", ["taco", "echo4"])
+def test_kernels_lower_and_fit_shared_memory(monkeypatch, codec):
+    """At 350m's shape both launches lower for CUDA; the shared memory the lowering
+    allocates (each buffer aligned to 1 KiB), + 1 KiB for the barriers, is what
+    `smem_bytes` counts, and it fits: the GEMM one program a multiprocessor, the decode
+    two (every program of both launches independent of the others but for the exchange's
+    end, so no residency is needed beyond the loopback's)."""
+    c = codecs.get(codec)
+    m, _, n = SHAPE_350M
+    got = scratch_bytes(monkeypatch,
+                        lambda a: gemm.gemm_encode.__wrapped__(a[0][0], a[1][0], c),
+                        operands(1, SHAPE_350M))
+    need = ee.smem_bytes(c, jnp.bfloat16, ee.default_config(m))
+    assert got + 1024 == need and need + SMEM_RESERVED <= SMEM_PER_SM
+    got = scratch_bytes(monkeypatch, lambda a: dr.decode_sum_residual.__wrapped__(*a, c),
+                        (wires(c, 2, m, n), jax.ShapeDtypeStruct((m, n), jnp.bfloat16)))
+    cfg = dr.DecodeConfig()
+    need = dr.smem_bytes(c, jnp.bfloat16, cfg)
+    assert got + 1024 == need and cfg.per_sm * (need + SMEM_RESERVED) <= SMEM_PER_SM
+
+
+def test_loopback_kernels_lower_at_an_odd_shape():
+    """4 virtual devices, one compute warpgroup (M = 192), 5 K steps, 3 column tiles."""
+    m, _, n = ODD
+    text = lower(lambda x, w: gemm.loopback_gemm_encode(x, w, TACO), *operands(4, ODD))
+    assert text.count("taco_gemm_encode") >= 1 and text.count("custom_call") == 1
+    text = lower(lambda r, s: gemm.decode_sum_residual(r, s, ECHO4),
+                 wires(ECHO4, 4, m, n, (4,)), jax.ShapeDtypeStruct((4, m, n), jnp.bfloat16))
+    assert text.count("taco_decode_residual") >= 1
+
+
+def test_the_row_parallel_all_reduce_lowers_on_a_mesh():
+    """Inside shard_map (check_vma) over 2 devices the wire goes to the peer by remote
+    stores: two launches, the GEMM with its epilogue and the decode with the residual."""
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    m, k, n = ODD
+
+    def body(x, w, r):
+        mat = jax.typeof(x).manual_axis_type.update(varying=frozenset())
+        return gemm.gemm_allreduce(x[0], w[0], r, "tp", 2, ECHO4, out_mat=mat)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=P())
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+            for s, spec in [((2, m, k), P("tp")), ((2, k, n), P("tp")), ((m, n), P())]]
+    text = lower(f, *args)
+    assert "taco_gemm_encode" in text and "taco_decode_residual" in text
+
+
+def test_plain_gemm_lowers():
+    assert "taco_gemm" in lower(lambda x, w: gemm.matmul(x[0], w[0]), *operands(1, SHAPE_350M))
+
+
+# -- the pipeline, tile order and exchange, run by the Mosaic GPU interpreter ------------------
+class HighBytes:
+    """A stand-in tile codec in plain Pallas ops (the interpreter runs no inline_mgpu):
+    a value's wire byte is its bf16's high byte (sign and exponent), decoded with a zero low
+    byte, so every byte of the wire and of the result is known exactly."""
+    codec = None
+    row_bytes = 256
+
+    def unsupported(self, dtype):
+        return None
+
+    def x_transforms(self, in_dtype):
+        return ()
+
+    def operands(self, in_dtype):
+        return ()
+
+    def encode(self, x_smem, consts):
+        return x_smem[...]
+
+    def store(self, view, wire):
+        view[...] = (lax.bitcast_convert_type(wire, jnp.uint16) >> 8).astype(jnp.uint8)
+
+    def load(self, view, part, parts):
+        width = 256 // parts
+        return view[:, pl.ds(part * width, width)]
+
+    def decode_add(self, wire, consts, vec, part, parts, total=None):
+        v = high_byte_values(wire)
+        return v if total is None else total + v
+
+    def finish(self, total, vec, parts):
+        return total
+
+
+def high_byte_values(codes):
+    return lax.bitcast_convert_type(codes.astype(jnp.uint16) << 8, jnp.bfloat16).astype(
+        jnp.float32)
+
+
+class Unsynced(peers_lib.Loopback):
+    """The loopback without its end-of-kernel handshake (the interpreter has no
+    semaphores; one launch of every virtual device ends with all stores landed anyway)."""
+    def semaphores(self, scratch, me, b):
+        return None
+
+    def signal(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    kernel = plgpu.kernel
+    monkeypatch.setattr(plgpu, "kernel", lambda *a, **k: kernel(
+        *a, **k, interpret=plgpu.InterpretGPUParams()))
+    monkeypatch.setattr(ee, "tile_codec", lambda codec: HighBytes())
+    monkeypatch.setattr(ee, "tile_unsupported", lambda codec, dtype: None)
+    monkeypatch.setattr(ee, "Loopback", Unsynced)
+    monkeypatch.setattr(registers, "sm_count", lambda: 4)      # 2 or 4 programs a device
+
+
+def random_operands(p, m, k, n, seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    xs = jax.random.normal(k1, (p, m, k)).astype(jnp.bfloat16)
+    ws = (jax.random.normal(k2, (p, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    return xs, ws, jax.random.normal(k3, (m, n)).astype(jnp.bfloat16)
+
+
+def test_interpreted_pipeline_exchange_and_decode(interpreted):
+    """With the stand-in codec, each virtual device's receive buffer holds every device's
+    wire of round(x @ w) in tile-major order, byte for byte; the decode adds the P decoded
+    wires in order and the residual, as its reference does. 2 virtual devices of 2 GEMM
+    programs, 2 compute warpgroups each, 2 tiles a program, 2 K steps through 2 slots; 4
+    decode programs a device, 2 tiles each, their wires through 2 slots in 2 parts."""
+    p, (m, k, n) = 2, (256, 128, 512)
+    cfg, dcfg = GemmConfig(steps=2), dr.DecodeConfig()
+    xs, ws, res = random_operands(p, m, k, n)
+    recv = np.asarray(gemm.loopback_gemm_encode.__wrapped__(xs, ws, None, cfg))
+    assert recv.shape == (p, p, m * n // 256, 256)
+    for j in range(p):
+        y = gemm.matmul_reference(xs[j], ws[j])
+        want = np.asarray(lax.bitcast_convert_type(gemm.tile_blocks(y), jnp.uint16) >> 8)
+        for d in range(p):
+            np.testing.assert_array_equal(recv[d, j], want, err_msg=f"device {d}, slot {j}")
+    got = gemm.decode_sum_residual.__wrapped__(jnp.asarray(recv), jnp.stack([res] * p), None,
+                                               dcfg)
+    total = sum(gemm.untile_blocks(high_byte_values(jnp.asarray(recv[0, j])), m, n)
+                for j in range(p))
+    want = (total + res.astype(jnp.float32)).astype(jnp.bfloat16)
+    for d in range(p):
+        np.testing.assert_array_equal(np.asarray(got[d], np.float32),
+                                      np.asarray(want, np.float32))
+
+
+def test_interpreted_plain_gemm_is_its_reference(interpreted):
+    """f32 accumulation rounded once: every element within half a bf16 step (2^-8 of it)
+    of the exact product, up to the f32 sums' rounding (2^-20 of Σ|x·w|), as the
+    reference is."""
+    xs, ws, _ = random_operands(2, 128, 192, 512, seed=1)
+    got = gemm.matmul.__wrapped__(xs, ws, GemmConfig(wgs=1, tile_k=32, steps=3))
+    x64, w64 = np.asarray(xs, np.float64), np.asarray(ws, np.float64)
+    exact = np.einsum("pmk,pkn->pmn", x64, w64)
+    slack = 2.0 ** -20 * np.einsum("pmk,pkn->pmn", np.abs(x64), np.abs(w64))
+    for y in (got, gemm.matmul_reference(xs, ws)):
+        assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= 2.0 ** -8 * np.abs(exact)
+                      + slack)
+
+
+# -- the references ---------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", [TACO, ECHO4], ids=["taco", "echo4"])
+def test_reference_wire_is_the_codecs_own_encode_of_the_product(codec):
+    """gemm_encode_reference's rows are the codec's compress of the product rounded to bf16
+    (`matmul_reference`, f32 accumulation), block for block, in tile-major order
+    (`tile_order`); echo4's two groups of a 256-value block are one 144-byte row."""
+    m, k, n = ODD
+    xs, ws, _ = random_operands(1, m, k, n, seed=2)
+    y = gemm.matmul_reference(xs[0], ws[0])
+    own = np.asarray(jax.jit(codec.compress_reference)(to_blocks(y, codec.block_size)))
+    got = np.asarray(jax.jit(gemm.gemm_encode_reference, static_argnums=2)(xs[0], ws[0],
+                                                                             codec))
+    np.testing.assert_array_equal(got, own.reshape(m * n // 256, -1)[ee.tile_order(m, n)])
+    np.testing.assert_array_equal(gemm.untile_blocks(gemm.tile_blocks(y), m, n), y)
+
+
+@pytest.mark.parametrize("codec", [TACO, ECHO4], ids=["taco", "echo4"])
+def test_all_reduce_reference_errs_as_the_codec_and_keeps_nan_rows(codec):
+    """One quantization per element: its error against the exact sum is the codec's on
+    round(x_j @ w_j); a NaN in x_0 makes its output row NaN and no other."""
+    p, (m, k, n) = 2, ODD
+    xs, ws, res = random_operands(p, m, k, n, seed=3)
+    xs = xs.at[0, 70, 5].set(jnp.nan)
+    y = np.asarray(jax.jit(gemm.gemm_allreduce_reference, static_argnums=3)(xs, ws, res,
+                                                                             codec), np.float32)
+    assert np.isnan(y[70]).all() and np.isfinite(np.delete(y, 70, axis=0)).all()
+    parts = [np.asarray(gemm.matmul_reference(xs[j], ws[j]), np.float64) for j in range(p)]
+    exact = sum(parts) + np.asarray(res, np.float64)
+    fin = np.ones(m, bool)
+    fin[70] = False
+    err = rel_l2(y[fin] - np.asarray(res, np.float64)[fin], (exact - res)[fin])
+    assert 0 < err < {"taco": 0.05, "echo4": 0.2}[codec.name]
+
+
+# -- what is covered ------------------------------------------------------------------------
+@pytest.mark.parametrize("call,match", [
+    (lambda: gemm.gemm_encode(jnp.ones((100, 64), jnp.bfloat16),
+                              jnp.ones((64, 256), jnp.bfloat16), TACO), r"M=100"),
+    (lambda: gemm.gemm_encode(jnp.ones((128, 96), jnp.bfloat16),
+                              jnp.ones((96, 256), jnp.bfloat16), TACO), r"K=96.*tile_k=64"),
+    (lambda: gemm.gemm_encode(jnp.ones((128, 64), jnp.bfloat16),
+                              jnp.ones((64, 300), jnp.bfloat16), TACO), r"N=300"),
+    (lambda: gemm.gemm_encode(jnp.ones((128, 64), jnp.float32),
+                              jnp.ones((64, 256), jnp.float32), TACO), r"float32"),
+    (lambda: gemm.gemm_encode(jnp.ones((128, 64), jnp.bfloat16),
+                              jnp.ones((64, 256), jnp.float16), TACO), r"x is bfloat16"),
+    (lambda: gemm.gemm_encode(jnp.ones((128, 64), jnp.bfloat16),
+                              jnp.ones((64, 256), jnp.bfloat16), codecs.get("taco-int8")),
+     r"taco-int8"),
+    (lambda: gemm.loopback_gemm_encode(jnp.ones((9, 128, 64), jnp.bfloat16),
+                                       jnp.ones((9, 64, 256), jnp.bfloat16), TACO), r"P=9"),
+    (lambda: gemm.gemm_encode(jnp.ones((128, 64), jnp.bfloat16),
+                              jnp.ones((64, 256), jnp.bfloat16), TACO,
+                              GemmConfig(steps=8)), r"shared memory"),
+    (lambda: GemmConfig(tile_k=48), r"tile_k=48"),
+    (lambda: dr.DecodeConfig(parts=3), r"parts=3"),
+    (lambda: gemm.decode_sum_residual(jnp.zeros((2, 100, 264), jnp.uint8),
+                                      jnp.zeros((128, 256), jnp.bfloat16), TACO),
+     r"wires \(2, 100, 264\)"),
+    (lambda: gemm.decode_sum_residual(jnp.zeros((2, 128, 264), jnp.uint8),
+                                      jnp.zeros((128, 256), jnp.bfloat16), TACO,
+                                      dr.DecodeConfig(ring=8)), r"shared memory"),
+])
+def test_wrappers_refuse_what_they_do_not_cover(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_unsupported_gives_a_reason_for_a_dispatcher():
+    assert gemm.unsupported(TACO, 2, (256, 1024), (1024, 1024), jnp.bfloat16) is None
+    assert gemm.unsupported(ECHO4, 8, (192, 320), (320, 768), jnp.bfloat16) is None
+    assert "N=1000" in gemm.unsupported(TACO, 2, (256, 1024), (1024, 1000), jnp.bfloat16)
+    assert "fp8" in gemm.unsupported(codecs.get("fp8"), 2, (256, 64), (64, 256), jnp.bfloat16)
+
+
+def test_no_library_path_selects_the_gemm_kernels():
+    """The checked-selection rule: until their GPU checks pass, only explicit calls (and
+    the bench) reach them; no module of the library outside kernels/gemm imports them."""
+    root = pathlib.Path(gemm.__file__).resolve().parents[2]
+    users = [p for p in root.rglob("*.py") if "kernels/gemm" not in p.as_posix()
+             and re.search(r"kernels(\.|\s+import\s+)gemm|from \.+gemm", p.read_text())]
+    assert users == []
