@@ -113,6 +113,16 @@
 #                  (--emulate-tp 4 8): what chunking the GEMMs and the codecs' kernels cost
 #                  the step without a link, against the overlap model's assumptions
 #                  → bench/results/train_step_emulated_overlap.json
+#   gemm_codec     python -m bench.gemm_codec: the row-parallel GEMM whose epilogue encodes
+#                  (kernels.gemm) as a loopback on one GPU, per codec of GEMM_CODEC_CODECS
+#                  (default taco echo4; each its own run ≤ 540 s, merged with --update):
+#                  checks at P = GEMM_CODEC_P (default 2 4 8), bf16, 350m's and comm_heavy's attention-output and
+#                  MLP-output GEMMs and an odd shape (the same bits on every virtual device,
+#                  NaN rows, error ≤ 1.05 × its jnp reference's; 3 calls), then the device
+#                  time of each passed configuration: the GEMM with its encode and exchange,
+#                  the decode with the residual, the same GEMM plain, XLA's dot, the
+#                  three-launch path → bench/results/gemm_codec_checks.json,
+#                  gemm_codec_loopback.json
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -306,6 +316,10 @@ for s in "$@"; do
                               --presets 350m --mesh 1,1,1 --emulate-tp 4 8 --variants none \
                               none:overlap taco:overlap echo4:overlap --steps 10 \
                               --out bench/results/train_step_emulated_overlap.json ;;
+    gemm_codec) for codec in ${GEMM_CODEC_CODECS:-taco echo4}; do
+                  step "gemm_codec_$codec" 540 python -m bench.gemm_codec --codecs "$codec" \
+                    --p ${GEMM_CODEC_P:-2 4 8} --calls 3 --timeout 100 --update
+                done ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \
                --out bench/results/train_step_pp.json

@@ -1,0 +1,55 @@
+"""bench.gemm_codec on CPU: its checks pass on the jnp reference standing in for the
+kernels and fail, with a non-zero exit and a one-line reason, on a deliberately wrong
+exchange; its shapes come from the presets; the kernels refuse to run off the GPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import gemm_codec
+
+SMALL = ["--impl", "emulated", "--isolate", "none", "--p", "2", "--shapes", "128x64x512",
+         "--calls", "1", "--codecs", "echo4"]
+
+
+def run(tmp_path, capsys, *extra):
+    out = tmp_path / "checks.json"
+    rc = gemm_codec.main([*SMALL, *extra, "--checks-out", str(out)])
+    return rc, json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_checks_pass_on_the_reference(tmp_path, capsys):
+    rc, res, _ = run(tmp_path, capsys)
+    assert rc == 0 and {"device", "jax", "commit", "sources", "rows"} <= set(res)
+    (row,) = res["rows"]
+    assert {"codec", "p", "dtype", "shape", "ok", "sources"} <= set(row)
+    assert row["ok"] and row["same_on_every_device"] and row["nan_rows_ok"]
+    assert 0 < row["rel_err"] == row["reference_rel_err"] < 0.2
+
+
+@pytest.mark.parametrize("wrong,reason", [("slot", "results differ between virtual devices"),
+                                          ("stale", "rel_err .* > its reference's")])
+def test_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong, reason):
+    import re
+    rc, res, out = run(tmp_path, capsys, "--wrong-exchange", wrong)
+    assert rc == 1 and not res["rows"][0]["ok"]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("bench.gemm_codec: FAILED echo4 P=2") and re.search(reason, last)
+
+
+def test_shapes_are_the_presets_row_parallel_gemms():
+    dims = gemm_codec.preset_dims("350m")
+    assert gemm_codec.gemm_shape("350m.attn_out", 8) == (dims["tokens"], dims["d_model"] // 8,
+                                                         dims["d_model"])
+    assert gemm_codec.gemm_shape("350m.mlp_out", 2) == (dims["tokens"], dims["d_ff"] // 2,
+                                                        dims["d_model"])
+    assert gemm_codec.gemm_shape("odd", 4) == gemm_codec.ODD
+    assert gemm_codec.gemm_shape("192x320x768", 2) == (192, 320, 768)
+    with pytest.raises(SystemExit, match="nope"):
+        gemm_codec.gemm_shape("350m.nope", 2)
+
+
+def test_the_kernels_refuse_to_run_off_the_gpu(tmp_path):
+    with pytest.raises(SystemExit, match="Hopper GPU"):
+        gemm_codec.main(["--impl", "kernel", "--checks-out", str(tmp_path / "c.json")])
