@@ -95,9 +95,9 @@ def emulated_loopback(xs, codec, wrong: str | None = None):
     slot P − 1 holds, on every device, the wire of other values of the same scale (what a
     receive buffer keeps from an earlier call when a store never lands)."""
     from taco_jax import codecs
-    from taco_jax.kernels import fused as fused_kernels, references
+    from taco_jax.kernels import references, tile_codec
     p = xs.shape[0]
-    encoded = fused_kernels.tile_codec(codec).encoded    # what the kernel encodes of v
+    encoded = tile_codec.for_codec(codec).encoded    # what the kernel encodes of v
     enc = lambda v: codec.compress_reference(    # noqa: E731
         codecs.to_blocks(encoded(v), codec.block_size))
     wires = [enc(xs[j]) for j in range(p)]
@@ -757,8 +757,8 @@ def main(argv=None) -> int:
         raise SystemExit("bench.fused: --missing resumes checks: it needs --update and "
                          "takes neither --ablate nor --time")
     from taco_jax import codecs
-    from taco_jax.kernels import fused as fused_kernels
-    tiles = fused_kernels.tile_codec(codecs.get(a.codec))
+    from taco_jax.kernels import tile_codec
+    tiles = tile_codec.for_codec(codecs.get(a.codec))
     needed = {"one_shot" if p == 2 else "two_shot" for p in a.p}
     if a.impl == "mesh" and not needed <= set(tiles.checked_on_gpu):
         raise SystemExit(f"bench.fused: --impl mesh: the collectives do not select the "

@@ -36,7 +36,7 @@ from jax import lax
 
 from taco_jax import telemetry
 from taco_jax.collectives import axes as axes_lib
-from taco_jax.kernels import fused as kernels
+from taco_jax.kernels import fused as kernels, tile_codec
 from taco_jax.kernels.fused.exchange import TILE_BYTES, exchange_kernel
 from taco_jax.kernels.mosaic import BLOCK, ROWS
 
@@ -90,7 +90,7 @@ def one_launch_reason(codec, p: int, dtype) -> str | None:
         return f"P={p}"
     kernel = one_launch_kernel(p)
     why = kernels.unsupported(codec, p, dtype)
-    if why is None and kernel not in kernels.tile_codec(codec).checked_on_gpu:
+    if why is None and kernel not in tile_codec.for_codec(codec).checked_on_gpu:
         why = (f"{codec.name}: the one-launch {kernel.replace('_', '-')} kernel's tile math "
                f"for it is built and lowered, not yet checked on a GPU (python -m "
                f"bench.fused --codec {codec.name} --kernel {kernel})")

@@ -1,9 +1,12 @@
-"""Kernel providers: which fused GPU kernels a codec family has, for which calls, and which
-implementation runs each.
+"""Kernel providers: which fused GPU kernels a codec family has, for which calls, which
+implementation runs each, and its tile codec.
 
 A codec names its family's provider (`Codec.kernels`: `TACO`, `ECHO4`, or None for codecs
-that run their jnp references only); the dispatcher asks that provider rather than
-knowing the families, so a new codec family brings its kernels with a provider of its own.
+that run their jnp references only); the dispatcher and the kernels that move wire tiles
+themselves (`kernels.tile_codec`) ask that provider rather than knowing the families, so a
+new codec family brings its kernels with a provider of its own. A provider's kernels read
+the fields its family's codecs declare (TACO: `codecs.BlockCodec`'s transform, fmt, qmax,
+code_dtype, n_scales; ECHO4: `codecs.Echo`'s symmetric).
 Providers import their kernels when one is first built: the Pallas-Triton kernels import
 `jax.experimental.pallas.triton`, which jax deprecates from 0.11 on. Where that module is
 missing (`triton_missing`, which warns once), a provider has no Triton kernels and the
@@ -42,11 +45,13 @@ class KernelProvider:
     name: the family, for messages. triton: loads {kernel name: function} of its
     Pallas-Triton kernels (from `KERNELS`; compress_feedback only where it has a kernel of
     its own). mosaic: loads ({kernel name: function} of its Mosaic GPU kernels, their
-    `unsupported(kernel, codec, shape, dtype)`), or None where it has none. The loaders
-    run when a kernel is first asked for."""
+    `unsupported(kernel, codec, shape, dtype)`), or None where it has none. tiles: loads
+    its tile-codec class (`kernels.tile_codec.TileCodec`: made as cls(codec, **options)),
+    or None where it has none. The loaders run when a kernel is first asked for."""
     name: str
     triton: Callable[[], dict]
     mosaic: Callable[[], tuple[dict, Callable]] | None = None
+    tiles: Callable[[], type] | None = None
 
     def kernel(self, kernel: str, impl: str) -> Callable | None:
         """The function of `kernel` in implementation `impl` ("triton" or "mosaic"), or
@@ -80,14 +85,25 @@ def _taco_mosaic() -> tuple[dict, Callable]:
     return {"compress": taco.compress, "decompress": taco.decompress}, taco_tiles.unsupported
 
 
+def _taco_tiles() -> type:
+    from taco_jax.kernels.mosaic import taco_tiles
+    return taco_tiles.TacoTiles
+
+
 @functools.cache
 def _echo4_triton() -> dict:
     from taco_jax.kernels.triton import echo4
     return {k: getattr(echo4, k) for k in KERNELS}
 
 
+def _echo4_tiles() -> type:
+    from taco_jax.kernels.mosaic import echo4
+    return echo4.Echo4Tiles
+
+
 # The TACO codecs with per-block scales: Triton kernels for every block size and dtype,
-# Mosaic GPU compress and decompress for the B = 256 Hadamard FP8 codecs.
-TACO = KernelProvider("taco", _taco_triton, _taco_mosaic)
-# Echo's 4-bit codecs (echo4, int4-sym): Triton kernels, compress_feedback among them.
-ECHO4 = KernelProvider("echo4", _echo4_triton)
+# Mosaic GPU compress and decompress and the tile codec for the B = 256 Hadamard FP8 codecs.
+TACO = KernelProvider("taco", _taco_triton, _taco_mosaic, _taco_tiles)
+# Echo's 4-bit codecs (echo4, int4-sym): Triton kernels, compress_feedback among them; the
+# tile codec for echo4.
+ECHO4 = KernelProvider("echo4", _echo4_triton, tiles=_echo4_tiles)

@@ -298,12 +298,12 @@ def test_echo4_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong):
 
 
 def test_unchecked_codecs_not_on_a_mesh(tmp_path, monkeypatch):
-    from taco_jax.kernels import fused as fused_kernels
-    monkeypatch.setattr(fused_kernels.Echo4Tiles, "checked_on_gpu", frozenset({"one_shot"}))
+    from taco_jax.kernels.mosaic import echo4 as mosaic_echo4
+    monkeypatch.setattr(mosaic_echo4.Echo4Tiles, "checked_on_gpu", frozenset({"one_shot"}))
     with pytest.raises(SystemExit, match="not select the one-launch kernel for echo4.*two_shot"):
         bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--p", "4", "--out",
                           str(tmp_path / "no.json")])
-    monkeypatch.setattr(fused_kernels.Echo4Tiles, "checked_on_gpu", frozenset())
+    monkeypatch.setattr(mosaic_echo4.Echo4Tiles, "checked_on_gpu", frozenset())
     with pytest.raises(SystemExit, match="not select the one-launch kernel for echo4"):
         bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--out",
                           str(tmp_path / "no.json")])

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from taco_jax import codecs
 from taco_jax.collectives import fused, two_shot
-from taco_jax.kernels import fused as fa, mosaic
+from taco_jax.kernels import fused as fa, mosaic, tile_codec
 from taco_jax.kernels.fused import one_shot, two_shot as fts
 
 from meshes import per_device
@@ -395,9 +395,10 @@ def test_echo4_and_taco_lower_to_different_kernels():
     """The tile codec is really switched (not taco's math on echo4's buffers)."""
     assert lowered_echo4_loopback(2, jnp.bfloat16) != lowered_loopback(
         2, jnp.bfloat16, fa.FusedConfig())
-    assert isinstance(fa.tile_codec(ECHO4), fa.Echo4Tiles)
-    assert isinstance(fa.tile_codec(TACO), fa.TacoTiles)
-    assert fa.tile_codec(ECHO4).row_bytes == 144 and fa.tile_codec(TACO).row_bytes == 264
+    assert isinstance(tile_codec.for_codec(ECHO4), mosaic.echo4.Echo4Tiles)
+    assert isinstance(tile_codec.for_codec(TACO), mosaic.taco_tiles.TacoTiles)
+    assert tile_codec.for_codec(ECHO4).row_bytes == 144
+    assert tile_codec.for_codec(TACO).row_bytes == 264
 
 
 def test_echo4_is_selected_by_the_collectives(gpu_here):
@@ -412,7 +413,7 @@ def test_echo4_is_selected_by_the_collectives(gpu_here):
 def test_a_tile_codec_unchecked_on_gpu_is_not_selected(gpu_here, monkeypatch):
     """A codec whose tile math is built but not checked on a GPU takes the three-launch
     schedule (compress, exchange, decode_sum), never the one-launch kernel."""
-    monkeypatch.setattr(fa.Echo4Tiles, "checked_on_gpu", frozenset())
+    monkeypatch.setattr(mosaic.echo4.Echo4Tiles, "checked_on_gpu", frozenset())
     why = fused.one_launch_reason(ECHO4, 2, jnp.bfloat16)
     assert why is not None and "not yet checked on a GPU" in why
     assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is None

@@ -1,8 +1,9 @@
 """One-launch compressed all-reduce kernels (Pallas Mosaic GPU, Hopper) that move wire
-tiles between devices themselves, and the fused transport's exchange kernel: `config`
-(FusedConfig, the measured presets), `peers` (Remote, Loopback), `tiles` (the tile codecs
-and the decode-and-sum), `launch`, one file per kernel body (`one_shot`, `one_shot_ws`,
-`two_shot`, `exchange`). The names below are their public face."""
+tiles between devices themselves, through the codec's tile codec (`kernels.tile_codec`), and
+the fused transport's exchange kernel: `config` (FusedConfig, the measured presets), `peers`
+(Remote, Loopback), `body` (the decode-and-sum and staging the bodies share), `launch`,
+one file per kernel body (`one_shot`, `one_shot_ws`, `two_shot`, `exchange`). The names
+below are their public face."""
 from taco_jax.kernels.fused.config import (ABLATIONS, FP8_DECODE, SLIM_2_PER_SM, SMEM_PER_SM,
                                            SMEM_RESERVED, TWO_SHOT_ABLATIONS, WARP_SPECIALIZED,
                                            FusedConfig)
@@ -13,7 +14,6 @@ from taco_jax.kernels.fused.one_shot import (default_config, fused_allreduce,
                                              unsupported)
 from taco_jax.kernels.fused.one_shot_ws import ws_unsupported
 from taco_jax.kernels.fused.peers import Loopback, Remote, signal_released
-from taco_jax.kernels.fused.tiles import Echo4Tiles, TacoTiles, tile_codec
 from taco_jax.kernels.fused.two_shot import (loopback_two_shot, two_shot_allreduce,
                                              two_shot_config, two_shot_layout,
                                              two_shot_reference)
@@ -23,5 +23,5 @@ __all__ = ["ABLATIONS", "TWO_SHOT_ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SM
            "default_config", "fused_allreduce", "fused_allreduce_reference",
            "loopback_allreduce", "reference_mismatch", "reference_steps", "smem_bytes",
            "unsupported", "ws_unsupported", "Loopback", "Remote", "signal_released",
-           "Echo4Tiles", "TacoTiles", "tile_codec", "loopback_two_shot", "two_shot_allreduce",
+           "loopback_two_shot", "two_shot_allreduce",
            "two_shot_config", "two_shot_layout", "two_shot_reference"]

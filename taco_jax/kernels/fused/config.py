@@ -144,15 +144,15 @@ class FusedConfig:
 # Two programs per multiprocessor, each with half the shared memory (one input slot, results
 # stored from registers): one program's decode hides behind the other's waits. Measured at
 # P = 2 in loopback, bf16 (bench/results/fused_ablation_residency.json): 31.1 / 110.4 /
-# 413.5 µs per device at 16 / 64 / 256 MiB against 34.7 / 126.2 / 499.6 for FusedConfig().
+# 413.5 µs per device at 16 / 64 / 256 MiB against 34.6 / 127.2 / 497.6 for FusedConfig().
 SLIM_2_PER_SM = FusedConfig(x_slots=1, out_store="registers", per_sm=2)
 
 # The FP8 codecs' decode: each column part stored once summed, and the P accumulators summed
 # before one butterfly. Measured side by side at P = 2 in loopback, bf16, on SLIM_2_PER_SM
-# (bench/results/fused_ablation_store.json as of commit 8aa8ef6): 27.4 / 100.5 / 386.9 µs per device at 16 / 64 /
-# 256 MiB against 31.0 / 110.6 / 420.7 without either, 28.6 / 106.0 / 406.9 with store_parts
-# alone, 29.9 / 108.3 / 412.4 with sum_first alone; loopback checks pass with both at P = 2,
-# 4, 8, bf16 and f32 (fused_loopback_checks_p*.json).
+# (bench/results/fused_ablation_store.json): 27.4 / 101.0 / 385.5 µs per device at 16 / 64 /
+# 256 MiB against 28.8 / 106.3 / 405.6 with store_parts alone (decode="per_source"),
+# 30.1 / 109.5 / 412.8 with sum_first alone (store_parts=False); loopback checks pass with
+# both at P = 2, 4, 8, bf16 and f32 (fused_loopback_checks_p*.json).
 FP8_DECODE = dict(store_parts=True, decode="sum_first")
 
 

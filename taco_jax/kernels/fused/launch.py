@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from taco_jax.kernels.fused.tiles import BLOCK, LINE, ROWS
+from taco_jax.kernels.tile_codec import BLOCK, LINE, ROWS
 from taco_jax.kernels.mosaic import registers
 
 

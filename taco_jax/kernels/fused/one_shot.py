@@ -8,12 +8,10 @@ every device, so every device gets the same bits. The result equals
 `two_shot.one_shot` (compress → all-gather → `decode_sum`, three launches) up to the
 encoder's rounding (`mosaic.encode_tile` vs the Triton compress).
 
-One kernel body for every codec it covers, through the codec's tile codec (`tiles`:
-`TacoTiles` for the Hadamard FP8 codecs, `Echo4Tiles` for echo4), and for both ways to
-address a peer (`peers`: `Remote` over a mesh axis, `Loopback` on one GPU). A tile codec's
-`checked_on_gpu` says whether its loopback checks have passed on a GPU; the collectives
-select the kernel only for those (both have: `python -m bench.fused`,
-bench/results/fused_loopback.json and fused_echo4_checks.json).
+One kernel body for every codec it covers, through the codec's tile codec
+(`kernels.tile_codec`: the Hadamard FP8 codecs' and echo4's), and for both ways to address a
+peer (`peers`: `Remote` over a mesh axis, `Loopback` on one GPU). The collectives select it
+only where its loopback checks have passed on a GPU (`collectives.fused.one_launch_reason`).
 
 Protocol, per program b (tiles b, b + n, b + 2n, … of this device; every device's
 program b handles the same tiles, so it talks only to the peers' programs b):
@@ -48,10 +46,11 @@ from taco_jax.kernels.fused.config import (ABLATIONS, IN_DTYPES, MAX_P, SLIM_2_P
                                            WARP_SPECIALIZED, FusedConfig)
 from taco_jax.kernels.fused.launch import buffer_bytes, call
 from taco_jax.kernels.fused.one_shot_ws import launch_ws
+from taco_jax.kernels import tile_codec
+from taco_jax.kernels.fused.body import (BLOCK, LINE, ROWS, first_loads, own_or_peer,
+                                         stage_f32, sum_tiles)
 from taco_jax.kernels.fused.peers import Loopback, Remote
-from taco_jax.kernels.fused.tiles import (BLOCK, LINE, ROWS, TacoTiles, first_loads,
-                                          own_or_peer, stage_f32, sum_tiles, tile_codec)
-from taco_jax.kernels.mosaic import registers, taco_tiles
+from taco_jax.kernels.mosaic import registers
 from taco_jax.numerics.blocks import from_blocks, to_blocks
 
 
@@ -64,11 +63,12 @@ def default_config(codec, p: int, in_dtype) -> FusedConfig:
     bf16, each checked on 3 calls (bench/results/fused_echo4_levers.json, commit fc1d4a4):
     23.8 / 84.5 / 324.9 µs per device at 16 / 64 / 256 MiB against 26.5 / 97.2 / 383.1 with
     one program (one warpgroup) a multiprocessor."""
-    if not isinstance(tile_codec(codec), TacoTiles):
+    options = tile_codec.for_codec(codec).options
+    if "sum_first" not in options:                 # echo4: the FP8 decode is not its
         need = 2 * (smem_bytes(p, codec, in_dtype, cfg=SLIM_2_PER_SM) + SMEM_RESERVED)
         return SLIM_2_PER_SM if need <= SMEM_PER_SM else FusedConfig()
     fp8 = dict(FP8_DECODE, own_from_smem=p == 2)
-    if p == 2 and jnp.dtype(in_dtype).itemsize == 2:
+    if p == 2 and jnp.dtype(in_dtype).itemsize == 2 and "warp_specialized" in options:
         return FusedConfig(**fp8, **WARP_SPECIALIZED)
     slim = dataclasses.replace(SLIM_2_PER_SM, **fp8)
     if jnp.dtype(in_dtype).itemsize == 2:
@@ -180,7 +180,7 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
             dst = y_smem if tma_out else y_mine.at[out_rows]
 
             def emit(part, value):
-                taco_tiles.store_part(dst, part, parts, value.astype(out_dtype))
+                registers.store_part(dst, part, parts, value.astype(out_dtype))
             sum_tiles(load, r_wire, r_bar, tiles, c_smem, p, vec, parts, ablate, emit=emit,
                        sources=sources(i))
             if tma_out:
@@ -194,11 +194,11 @@ def _kernel_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, xb_smem, w_smem, r_s
             # the last result store has read y_smem (only the wire stores issued after it
             # may still be reading their staging)
             plgpu.wait_smem_to_gmem(n_wire, wait_read_only=True)
-            taco_tiles.store_values(y_smem, values)
+            registers.store_values(y_smem, values)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(y_smem, y_mine.at[out_rows])
         else:
-            taco_tiles.store_values(y_mine.at[out_rows], values)
+            registers.store_values(y_mine.at[out_rows], values)
 
     @pl.when(count > 0)
     def _():
@@ -229,14 +229,13 @@ def _scratch(p, tiles, in_dtype, out_dtype, cfg, remote: bool):
     tma_out = jnp.dtype(out_dtype).itemsize == 2 and cfg.out_store == "tma"
     return [
         plgpu.SMEM((x_slots, ROWS, BLOCK), in_dtype, transforms=tiles.x_transforms(in_dtype)),
-        (plgpu.SMEM((ROWS, BLOCK), jnp.bfloat16, transforms=taco_tiles.SMEM_TRANSFORMS)
-         if tiles.staged(in_dtype) else None),
+        tiles.staging(in_dtype),
         # wire staging: tile i is staged while tile i − 1's stores still read the other slot
         # (own_from_smem: and while it is decoded; a third slot receives the peer's tile)
         plgpu.SMEM((3 if cfg.own_from_smem else 2, lines, LINE), jnp.uint8),
         # both wire tiles resident at P = 2; above, the tiles stream through the two slots
         None if cfg.own_from_smem else plgpu.SMEM((2, lines, LINE), jnp.uint8),
-        (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=taco_tiles.swizzled(out_dtype))
+        (plgpu.SMEM((ROWS, BLOCK), out_dtype, transforms=registers.swizzled(out_dtype))
          if tma_out else None),
         tuple(plgpu.SMEM(a.shape, a.dtype, transforms=t) for a, t in tiles.operands(in_dtype)),
         plgpu.Barrier(num_barriers=2), plgpu.Barrier(), plgpu.Barrier(num_barriers=2),
@@ -250,7 +249,7 @@ def smem_bytes(p: int, codec, in_dtype, out_dtype=None, cfg: FusedConfig | None 
     swizzled TMA buffer needs), plus 1 KiB for the barriers, for `FusedConfig.per_sm`'s
     check."""
     out_dtype = in_dtype if out_dtype is None else out_dtype
-    return buffer_bytes(_scratch(p, tile_codec(codec), in_dtype, out_dtype,
+    return buffer_bytes(_scratch(p, tile_codec.for_codec(codec), in_dtype, out_dtype,
                                   cfg or FusedConfig(), False)) + 1024      # barriers
 
 
@@ -270,17 +269,15 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
     if cfg.ablate not in ABLATIONS:
         raise ValueError(f"FusedConfig(ablate={cfg.ablate!r}) is the two-shot kernel's "
                          f"measurement knob, not the one-shot's")
-    tiles = tile_codec(codec)
-    if cfg.decode == "sum_first":
-        if not isinstance(tiles, TacoTiles):
-            raise ValueError(f"FusedConfig(decode='sum_first'): {codec.name} has no transform "
-                             f"to sum before (the FP8 codecs have)")
-        tiles = dataclasses.replace(tiles, sum_first=True)
-    if cfg.encode_parts != 1:
-        if not isinstance(tiles, TacoTiles):
-            raise ValueError(f"FusedConfig(encode_parts={cfg.encode_parts}): {codec.name}'s "
-                             f"encode has no column passes (the FP8 codecs' has)")
-        tiles = dataclasses.replace(tiles, encode_parts=cfg.encode_parts)
+    options = tile_codec.for_codec(codec).options
+    if cfg.decode == "sum_first" and "sum_first" not in options:
+        raise ValueError(f"FusedConfig(decode='sum_first'): {codec.name} has no transform "
+                         f"to sum before (the FP8 codecs have)")
+    if cfg.encode_parts != 1 and "encode_parts" not in options:
+        raise ValueError(f"FusedConfig(encode_parts={cfg.encode_parts}): {codec.name}'s "
+                         f"encode has no column passes (the FP8 codecs' has)")
+    chosen = {"sum_first": cfg.decode == "sum_first", "encode_parts": cfg.encode_parts}
+    tiles = tile_codec.for_codec(codec, **{k: v for k, v in chosen.items() if k in options})
     if cfg.own_from_smem and p != 2:
         raise ValueError(f"FusedConfig(own_from_smem=True) covers P = 2, not P={p} (above 2 "
                          f"the wire tiles stream through two receive slots)")
@@ -295,13 +292,13 @@ def _launch(blocks, codec, out_dtype, peers, cfg, mat=None):
 # -- wrappers ------------------------------------------------------------------------------------
 def unsupported(codec, p: int, dtype) -> str | None:
     """Why the one-launch kernels do not cover this all-reduce (None: they do; the one-shot
-    and the two-shot cover the same calls): the Hadamard FP8 codecs with B = 256 and echo4
-    (`tile_codec`), P = 2..8."""
+    and the two-shot cover the same calls): the codecs with a tile codec that covers dtype
+    (`tile_codec.unsupported`: the Hadamard FP8 codecs with B = 256, echo4), P = 2..8."""
     if not 2 <= p <= MAX_P:
         return f"P={p} devices (the kernel covers 2..{MAX_P})"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in IN_DTYPES]:
         return f"{jnp.dtype(dtype).name} data (covered: bfloat16, float16, float32)"
-    return tile_codec(codec).unsupported(dtype)
+    return tile_codec.unsupported(codec, dtype)
 
 
 def check(codec, p, dtype, where):
@@ -332,8 +329,8 @@ def fused_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
       axis: one mesh axis name; peers are addressed by it, other axes keep this device's
         coordinates.
       p: the axis size (2..8).
-      codec: a Hadamard FP8 codec with B = 256 (`taco_tiles.unsupported`) or echo4 (B = 128,
-        `mosaic_echo4`): `tile_codec(codec)` gives its tile math.
+      codec: a codec whose tile codec covers x's dtype (`tile_codec.unsupported`): a
+        Hadamard FP8 codec with B = 256 or echo4 (B = 128).
       out_mat: the result's `manual_axis_type` under check_vma (None without).
       cfg: launch shape (`FusedConfig`; None: `default_config`).
     Returns: an array of x's shape and dtype, the same bits on every device.
@@ -367,7 +364,7 @@ def loopback_allreduce(xs, codec, cfg: FusedConfig | None = None):
 def fused_allreduce_reference(xs, codec):
     """Plain jnp: (P, …) → Σ_j decode(encode(xs[j])) in f32, j in order, in xs's dtype
     (what the kernel encodes: for the FP8 codecs f32 inputs from bf16, for echo4 as they
-    are; `tile_codec(codec).encoded`).
+    are; its tile codec's `encoded`).
 
     The contract the kernel keeps with it: each element within one code step of the codec
     (an FP8 step for the FP8 codecs: `reference_steps`), with the same error against the
@@ -375,7 +372,7 @@ def fused_allreduce_reference(xs, codec):
     FP8 step apart in some elements: the kernel transforms f32 as two bf16 tiles, and its
     default decode sums the sources before one butterfly, in another order than this
     sum). `reference_mismatch` checks a result against it."""
-    tiles = tile_codec(codec)
+    tiles = tile_codec.for_codec(codec)
     acc = None
     for j in range(xs.shape[0]):
         v = tiles.encoded(xs[j])
@@ -387,9 +384,9 @@ def fused_allreduce_reference(xs, codec):
 
 def reference_steps(xs, codec):
     """(P, …) → (…) f32: per element of the result, one code step of the codec in value
-    terms, the largest over the P devices' blocks (`tile_codec(codec).code_step` of each
+    terms, the largest over the P devices' blocks (its tile codec's `code_step` of each
     device's wire, as `fused_allreduce_reference` encodes it)."""
-    tiles = tile_codec(codec)
+    tiles = tile_codec.for_codec(codec)
     steps = None
     for j in range(xs.shape[0]):
         wire = codec.compress_reference(to_blocks(tiles.encoded(xs[j]), codec.block_size))

@@ -18,10 +18,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax.kernels.fused.config import SMEM_PER_SM, SMEM_RESERVED
 from taco_jax.kernels.fused.launch import buffer_bytes, call
+from taco_jax.kernels.fused.body import BLOCK, LINE, ROWS, own_or_peer, sum_tiles
 from taco_jax.kernels.fused.peers import Loopback, Remote
-from taco_jax.kernels.fused.tiles import (BLOCK, LINE, ROWS, TacoTiles, own_or_peer,
-                                          sum_tiles)
-from taco_jax.kernels.mosaic import registers, taco_tiles
+from taco_jax.kernels.mosaic import registers
 
 
 WS_MATH_REGS, WS_TRANSPORT_REGS = 224, 32   # a thread's registers: 2 × 224 + 2 × 32 = 4 × 128
@@ -31,8 +30,8 @@ def ws_unsupported(p: int, tiles, in_dtype) -> str | None:
     """Why FusedConfig(warp_specialized=True) does not cover this call (None: it does)."""
     if p != 2:
         return f"P={p} (it covers P = 2: this device's tile from its staging)"
-    if not isinstance(tiles, TacoTiles):
-        return f"{tiles.codec.name} (it has the FP8 codecs' tile math)"
+    if "warp_specialized" not in tiles.options:
+        return f"{tiles.codec.name} (it is built and measured for the FP8 codecs' tile math)"
     if jnp.dtype(in_dtype).itemsize != 2:
         return f"{jnp.dtype(in_dtype).name} input (it covers 16-bit input)"
     return None
@@ -111,14 +110,14 @@ def _ws_body(x_gmem, c_gmem, y_gmem, recv_gmem, x_smem, w_smem, c_smem, x_bar, h
             where = own_or_peer(me, i, peer_full.at[c])
 
             def emit(part, value):
-                taco_tiles.store_part(out, part, parts, value.astype(out_dtype))
+                registers.store_part(out, part, parts, value.astype(out_dtype))
             if cfg.store_parts:
                 sum_tiles(None, ws, None, tiles, c_smem, p, vec, parts, emit=emit,
                            sources=where)
             else:
                 totals = sum_tiles(None, ws, None, tiles, c_smem, p, vec, parts,
                                     sources=where)
-                taco_tiles.store_values(out, [t.astype(out_dtype) for t in totals])
+                registers.store_values(out, [t.astype(out_dtype) for t in totals])
             # every warp has read the peer's slot (and this staging slot) before either is
             # rewritten: the transport's next load, step i + 2's staging
             plgpu.commit_smem()

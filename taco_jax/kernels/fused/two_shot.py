@@ -1,8 +1,9 @@
 """The compressed two-shot all-reduce in one Pallas Mosaic GPU kernel (Hopper), for P ≥ 3
-(`two_shot_allreduce`, `loopback_two_shot`), for the FP8 codecs and echo4 (`tiles`' tile
-codecs): x is cut into P segments of whole tiles; program b of every device takes every
-n-th tile of each segment, from a start that moves by the segment's remainder from one
-segment to the next (`_shares`: no program takes an extra tile in every segment).
+(`two_shot_allreduce`, `loopback_two_shot`), for the codecs with a tile codec
+(`kernels.tile_codec`: the FP8 codecs, echo4): x is cut into P segments of whole tiles;
+program b of every device takes every n-th tile of each segment, from a start that moves
+by the segment's remainder from one segment to the next (`_shares`: no program takes an
+extra tile in every segment).
 
   1. scatter: for each owner j ≠ me (me + 1, me + 2, …), encode segment j's tiles and
      store them into j's first receive buffer (slot me), one pipelined loop over all of
@@ -39,11 +40,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax.kernels.fused.config import (SMEM_PER_SM, SMEM_RESERVED, TWO_SHOT_ABLATIONS,
                                            FusedConfig)
+from taco_jax.kernels import tile_codec
+from taco_jax.kernels.fused.body import BLOCK, LINE, ROWS, stage_f32
 from taco_jax.kernels.fused.launch import buffer_bytes, scratch_args, scratch_types
 from taco_jax.kernels.fused.one_shot import check
 from taco_jax.kernels.fused.peers import Loopback, Remote
-from taco_jax.kernels.fused.tiles import BLOCK, LINE, ROWS, stage_f32, tile_codec
-from taco_jax.kernels.mosaic import registers, taco_tiles
+from taco_jax.kernels.mosaic import registers
 from taco_jax.numerics.blocks import from_blocks
 
 RING = (7, 6, 5, 4, 3, 2)   # the reduce's and gather's slots for incoming wire tiles, most first
@@ -66,15 +68,14 @@ def _phases(tiles, in_dtype, out_dtype, plan: _Plan) -> dict:
     wire = lambda n: plgpu.SMEM((n, lines, LINE), jnp.uint8)       # noqa: E731
     scatter = [plgpu.SMEM((plan.x_slots, ROWS, BLOCK), in_dtype,
                           transforms=tiles.x_transforms(in_dtype))]
-    if tiles.staged(in_dtype):
-        scatter.append(plgpu.SMEM((ROWS, BLOCK), jnp.bfloat16,
-                                  transforms=taco_tiles.SMEM_TRANSFORMS))
+    if tiles.staging(in_dtype) is not None:
+        scatter.append(tiles.staging(in_dtype))
     scatter.append(wire(2))
     reduce = [*tiles.own_scratch(in_dtype), wire(plan.ring), wire(1)]
     gather = [wire(plan.ring)]
     if plan.tma_out:
         gather.append(plgpu.SMEM((ROWS, BLOCK), out_dtype,
-                                 transforms=taco_tiles.swizzled(out_dtype)))
+                                 transforms=registers.swizzled(out_dtype)))
     return {"scatter": scatter, "reduce": reduce, "gather": gather}
 
 
@@ -108,7 +109,7 @@ def two_shot_config(codec, dtype) -> FusedConfig:
     """The two-shot kernel's launch for this codec and input dtype: two programs per
     multiprocessor where the largest phase fits in half of its shared memory (16-bit
     input: the input's double buffer and the ring), else one."""
-    tiles = tile_codec(codec)
+    tiles = tile_codec.for_codec(codec)
     two = FusedConfig(per_sm=2)
     try:
         _plan(tiles, dtype, dtype, two)
@@ -123,7 +124,7 @@ def two_shot_layout(codec, dtype, cfg: FusedConfig | None = None) -> dict:
     results are staged for TMA, a program's bytes and the room each may take. Raises
     ValueError where it does not fit."""
     cfg = cfg or two_shot_config(codec, dtype)
-    tiles = tile_codec(codec)
+    tiles = tile_codec.for_codec(codec)
     plan = _plan(tiles, dtype, dtype, cfg)
     return {"per_sm": cfg.per_sm, "x_slots": plan.x_slots, "ring": plan.ring,
             "tma_out": plan.tma_out,
@@ -318,10 +319,10 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
                 load_sum(e + ring, slot)
             out = y_mine.at[x_rows(*locate(e))]
             if y_smem is None:
-                taco_tiles.store_values(out, values)
+                registers.store_values(out, values)
             else:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last result store
-                taco_tiles.store_values(y_smem, values)
+                registers.store_values(y_smem, values)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(y_smem, out)
         plgpu.wait_smem_to_gmem(0)
@@ -331,7 +332,7 @@ def _two_shot_body(x_gmem, consts_gmem, y_gmem, recv1_gmem, recv2_gmem, consts, 
 def _launch_two_shot(blocks, codec, out_dtype, peers, cfg, mat=None):
     """blocks: (P·T·64, 256) or, in loopback, (P, P·T·64, 256): P segments of T tiles."""
     p = peers.p
-    tiles = tile_codec(codec)
+    tiles = tile_codec.for_codec(codec)
     n_rows = blocks.shape[-2]
     seg_tiles = n_rows // (p * ROWS)
     lead = blocks.shape[:-2]
@@ -399,7 +400,7 @@ def _two_shot_cfg(cfg: FusedConfig | None, codec, dtype) -> FusedConfig:
                          f"encode_parts={cfg.encode_parts}, store_parts={cfg.store_parts}, "
                          f"own_from_smem={cfg.own_from_smem}, warp_specialized="
                          f"{cfg.warp_specialized})")
-    _plan(tile_codec(codec), dtype, dtype, cfg)       # its shared memory fits, or why not
+    _plan(tile_codec.for_codec(codec), dtype, dtype, cfg)   # its shared memory fits, or why not
     return cfg
 
 
@@ -451,7 +452,7 @@ def two_shot_reference(xs, codec):
     p = xs.shape[0]
     blocks, seg_tiles = _segments(xs.reshape(p, -1), p)        # (P, P·T·64, 256)
     segs = blocks.reshape(p, p, seg_tiles * ROWS, BLOCK)       # [device, segment]
-    sent = tile_codec(codec).encoded(segs)
+    sent = tile_codec.for_codec(codec).encoded(segs)
     width = codec.block_size
 
     def roundtrip(v):                                          # (…, 256) → f32, blockwise

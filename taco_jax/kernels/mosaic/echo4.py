@@ -1,7 +1,7 @@
 """echo4's tile math as Pallas Mosaic GPU register code (Hopper), for kernels that move wire
-rows themselves: the one-launch fused all-reduce takes it as its tile codec
-(`fused.tiles.Echo4Tiles`). Mosaic GPU kernels do not run in Pallas' interpreter: on
-CPU they only lower (the tests check that); the bytes are checked on a GPU.
+rows themselves, which take it as echo4's tile codec (`Echo4Tiles`, the
+`kernels.tile_codec.TileCodec` protocol). Mosaic GPU kernels do not run in Pallas'
+interpreter: on CPU they only lower (the tests check that); the bytes are checked on a GPU.
 
 Tile. 64 rows of 256 values, one warpgroup; each tile row holds two of echo4's groups of
 B = 128 (columns [0, 128) and [128, 256)), and its wire row is their two codec rows:
@@ -45,9 +45,12 @@ Tile API, inside a `plgpu.kernel` with Lane lowering semantics:
   decode_add(wire, vec, total=None) -> (64, 256/parts) f32
       in `registers.wire_tiled(vec, 256/parts)` (the value layout of vec-element vectors),
       plus `total` (an array of that layout) if given.
+
+  Echo4Tiles(codec): the same as a tile codec (`kernels.tile_codec`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -63,8 +66,9 @@ from jaxlib.mlir.dialects import arith, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
 from taco_jax import _jax_private
+from taco_jax.kernels import providers
 from taco_jax.kernels.mosaic import registers
-from taco_jax.numerics import int4
+from taco_jax.numerics import int4, quant
 
 ROWS = registers.ROWS          # 64: one warpgroup
 WIDTH = registers.BLOCK        # 256 values per tile row
@@ -80,11 +84,10 @@ OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 def unsupported(codec) -> str | None:
     """Why this tile math does not implement `codec`'s wire (None: it does): echo4 with
     B = 128 only (int4-sym and tah4 have other grids)."""
-    # an Echo codec without the symmetric grid or the rotation (not int4-sym, tah4, taco)
-    echo4 = (getattr(codec, "symmetric", None) is False
-             and getattr(codec, "hadamard", None) is False)
-    if not echo4:
-        return f"{getattr(codec, 'name', codec)}: not echo4 (the 4-bit tile math is echo4's)"
+    # the 4-bit codecs with kernels (echo4, int4-sym; not tah4) name this provider, and
+    # echo4 is the one without the symmetric grid (`codecs.Echo.symmetric`)
+    if codec.kernels is not providers.ECHO4 or codec.symmetric:
+        return f"{codec.name}: not echo4 (the 4-bit tile math is echo4's)"
     if codec.block_size != GROUP:
         return f"echo4 with block size {codec.block_size} (the tile math has B = {GROUP})"
     return None
@@ -360,6 +363,89 @@ def decode_add(wire, vec: int, total=None):
     codes, scales = wire
     fn = _decode_add_fn(len(codes), vec, total is not None)
     return fn(*codes, *scales, *(() if total is None else (total,)))
+
+
+# -- the tile codec (`kernels.tile_codec.TileCodec`) ------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Echo4Tiles:
+    """echo4 as a tile codec: two groups per tile row, a tile row's wire their two codec
+    rows (144 bytes); no constant operands, input of any covered dtype encoded as it is (f32
+    too, as the codec does); the owner's sum in values (f32, the value layout of 4-element
+    vectors), encoded from f32 as the codec does."""
+    codec: object
+
+    options = frozenset()
+    # its loopback checks pass on an H200 with the one-shot kernel (P = 2, 4, 8; bf16, f32;
+    # 1 KiB to 64 MiB; fused_echo4_checks.json) and the two-shot (P = 3..8; bf16, f16, f32;
+    # 1 KiB to 1 GiB; fused_two_shot_checks.json)
+    checked_on_gpu = frozenset({"one_shot", "two_shot"})
+
+    @property
+    def row_bytes(self) -> int:
+        return row_bytes(self.codec)
+
+    def unsupported(self, dtype) -> str | None:
+        why = unsupported(self.codec)
+        if why is None and jnp.dtype(dtype) not in map(jnp.dtype, IN_DTYPES):
+            why = f"{jnp.dtype(dtype).name} data (covered: bfloat16, float16, float32)"
+        return why
+
+    def x_transforms(self, in_dtype) -> tuple:
+        return ()                          # read into registers by plain loads
+
+    def x_slots(self, in_dtype) -> int:
+        return 2
+
+    def staging(self, in_dtype):
+        return None
+
+    def operands(self, in_dtype) -> tuple:
+        return ()
+
+    def encode(self, x_smem, consts):
+        return encode_tile(x_smem)
+
+    def store(self, view, wire):
+        store_wire_tile(view, wire)
+
+    def load(self, view, part: int, parts: int):
+        return load_wire_tile(view, part, parts)
+
+    def decode_add(self, wire, consts, vec: int, part: int, parts: int, total=None):
+        return decode_add(wire, vec, total)
+
+    def finish(self, total, vec: int, parts: int):
+        return total
+
+    def decode(self, view, consts, out_dtype, parts: int):
+        vec = registers.value_vec(out_dtype)
+        return [decode_add(load_wire_tile(view, part, parts), vec).astype(out_dtype)
+                for part in range(parts)]
+
+    def own_scratch(self, in_dtype) -> tuple:
+        return (plgpu.SMEM((ROWS, WIDTH), in_dtype),)
+
+    def sum_init(self, own, consts):
+        del consts
+        return plgpu.load(own[0], layout=registers.value_layout(jnp.float32),
+                          optimized=False).astype(jnp.float32)
+
+    def sum_load(self, view):
+        return load_wire_tile(view)
+
+    def sum_add(self, total, wire, consts):
+        del consts
+        return decode_add(wire, registers.value_vec(jnp.float32), total)
+
+    def sum_encode(self, total):
+        return encode_values(total)
+
+    def encoded(self, v):
+        return v
+
+    def code_step(self, wire):
+        """One step of the 4-bit grid is its scale s."""
+        return quant.unpack_scales(wire[:, self.codec.block_size // 2:], 2)[0]
 
 
 # -- kernels (the tile math alone, for its checks) ----------------------------------------

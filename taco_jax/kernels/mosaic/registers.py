@@ -1,13 +1,15 @@
 """Register layouts and Mosaic GPU IR helpers shared by the Mosaic tile math (the
-Hadamard FP8 codecs' `taco_tiles`, echo4's `echo4`) and the fused kernels' decode. A tile
-is 64 rows, one warpgroup; in `wire_tiled` a thread holds runs of 16 consecutive bytes or
-values of its rows (8-byte code vectors, 16-byte value vectors)."""
+Hadamard FP8 codecs' `taco_tiles`, echo4's `echo4`) and the kernels built on it, and the
+stores of decoded value tiles (`store_values`, `store_part`, `swizzled`). A tile is 64
+rows, one warpgroup; in `wire_tiled` a thread holds runs of 16 consecutive bytes or values
+of its rows (8-byte code vectors, 16-byte value vectors)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, vector
@@ -79,3 +81,29 @@ def ptx_f32(instr: str, x):
 
 def elem(v, k: int):
     return vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([k]))
+
+
+# -- value tiles ----------------------------------------------------------------------------
+def store_part(ref, part: int, parts: int, value):
+    """Column part `part` of `parts` of a (64, 256) view ← value (its value layout)."""
+    width = BLOCK // parts
+    _jax_private.mgpu_store(ref.at[:, pl.ds(width * part, width)], value)
+
+
+def store_values(ref, values):
+    """Value parts → a (64, 256) view."""
+    for p, part in enumerate(values):
+        store_part(ref, p, len(values), part)
+
+
+def swizzled(dtype) -> tuple:
+    """The SMEM transforms of a (ROWS, BLOCK) tile of decoded values that `store_values`
+    writes and a TMA copy sends out: (8, 128 / itemsize) tiling and a 128-byte swizzle, so
+    the 16-byte vector stores of the value layout spread over the banks.
+
+    Args:
+      dtype: the values' dtype (bf16, f16 or f32).
+    Returns:
+      transforms for `plgpu.SMEM((ROWS, BLOCK), dtype, transforms=...)` or a BlockSpec."""
+    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(128))

@@ -22,11 +22,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from taco_jax.kernels.mosaic.registers import BLOCK, FACTOR, LANE, ROWS, sm_count
+from taco_jax.kernels.mosaic.registers import (BLOCK, FACTOR, LANE, ROWS, sm_count,
+                                               store_values, swizzled)
 from taco_jax.kernels.mosaic.taco_tiles import (SMEM_TRANSFORMS, decode_tile, encode_tile,
                                                 hadamard_operand, load_wire_tile,
-                                                store_values, store_wire_tile, swizzled,
-                                                unsupported)
+                                                store_wire_tile, unsupported)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The Hadamard FP8 codecs' tile math as Pallas Mosaic GPU register code (Hopper: wgmma),
-B = 256: for their compress and decompress kernels (`taco`) and for kernels that move wire
-rows themselves (`kernels.fused`).
+B = 256: for their compress and decompress kernels (`taco`) and, as their tile codec
+`TacoTiles` (the `kernels.tile_codec.TileCodec` protocol), for kernels that move wire rows
+themselves (`kernels.fused`).
 
 Transform. A block is a 16×16 matrix X (row r, column c: element 16r + c) and its wire
 codes are Zᵀ for Z = H X H (`numerics.hadamard`). Per tile of 64 blocks:
@@ -57,15 +58,18 @@ warpgroup per 64 rows. `parts` (1 or 2) splits a tile's 256 columns into that ma
   decode_tile(codes, scales, h_smem, codec, out_dtype=jnp.float32, parts=1) -> values
       values: list of `parts` (64, 256/parts) out_dtype arrays in
       value_layout(out_dtype, parts), blocks in natural element order; add parts of the
-      same layout elementwise, or write them with store_values(ref, values) into a
-      (64, 256) view (an SMEM tile with swizzled(out_dtype)'s transforms for a TMA copy,
-      or GMEM).
+      same layout elementwise, or write them with `registers.store_values(ref, values)`
+      into a (64, 256) view (an SMEM tile with `registers.swizzled(out_dtype)`'s
+      transforms for a TMA copy, or GMEM).
 
-  swizzled(dtype) -> transforms
-      of such a (64, 256) SMEM tile of values: (8, 128 / itemsize) tiling, 128-byte swizzle.
+  TacoTiles(codec): the same math as a tile codec (`kernels.tile_codec`), with the
+  fused kernels' options (`sum_first`, `encode_parts`) and the owner's sum of the
+  two-shot all-reduce as transform coefficients (`coefficients`, `add_coefficients`,
+  `encode_coefficients`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -81,9 +85,12 @@ from jaxlib.mlir.dialects import arith, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
 from taco_jax import _jax_private
+from taco_jax.kernels import providers
 from taco_jax.kernels.mosaic.registers import (BLOCK, FACTOR, ROWS, elem, f32_const,
                                                pallas_layout, ptx_f32, scale_tiled,
                                                value_layout, value_vec, wire_tiled)
+# the stores of decoded value tiles, with the tile API (module docstring)
+from taco_jax.kernels.mosaic.registers import store_part, store_values, swizzled  # noqa: F401
 from taco_jax.numerics import hadamard, quant
 
 SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
@@ -114,14 +121,15 @@ def unsupported(kind: str, codec, shape, dtype) -> str | None:
     "compress" (dtype: the input's) or "decompress" (dtype: the output's)."""
     if kind not in ("compress", "decompress"):
         return f"no Mosaic GPU {kind} kernel"
-    if getattr(codec, "scale_mode", None) != "block" or not codec.has_kernel:
-        return f"{codec.name}: no per-block kernel"
+    # the TACO codecs with per-block scales name this provider; the fields read below are
+    # theirs (`codecs.BlockCodec`)
+    if codec.kernels is not providers.TACO:
+        return f"{codec.name}: not a per-block TACO codec (no per-block kernel)"
     if codec.block_size != BLOCK:
         return f"block size {codec.block_size} (the Mosaic kernels have B = {BLOCK})"
-    transform, fmt = getattr(codec, "transform", None), getattr(codec, "fmt", None)
-    if transform not in ("ash", "hadamard") or fmt not in CODE_FORMATS:
-        return f"{codec.name}: transform {transform}, codes {fmt} (covered: Hadamard " \
-               f"transforms with FP8 codes)"
+    if codec.transform not in ("ash", "hadamard") or codec.fmt not in CODE_FORMATS:
+        return f"{codec.name}: transform {codec.transform}, codes {codec.fmt} (covered: " \
+               f"Hadamard transforms with FP8 codes)"
     dtypes = IN_DTYPES if kind == "compress" else OUT_DTYPES
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in dtypes]:
         return f"{kind} with {jnp.dtype(dtype).name} data (covered: " \
@@ -563,26 +571,200 @@ def decode_tile(codes, scales, h_smem, codec, out_dtype=jnp.float32, parts: int 
             for p in range(parts)]
 
 
-def store_part(ref, part: int, parts: int, value):
-    """Column part `part` of `parts` of a (64, 256) view ← value (its value layout)."""
-    width = BLOCK // parts
-    _jax_private.mgpu_store(ref.at[:, pl.ds(width * part, width)], value)
+# -- the tile codec (`kernels.tile_codec.TileCodec`) ------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TacoTiles:
+    """The Hadamard FP8 codecs with B = 256 (taco, taco-e5m2, taco-1scale) as a tile codec: a
+    block per tile row, the wgmma transform above; f32 input is encoded from bf16 (its
+    staged copy: the wgmma's operand)."""
+    codec: object
+    # FusedConfig.decode == "sum_first": decode_add keeps the running sum before the
+    # butterfly (the wgmma accumulators scaled by their gains) and `finish` completes it.
+    sum_first: bool = False
+    encode_parts: int = 1                  # FusedConfig.encode_parts: encode_tile's parts
+
+    options = frozenset({"sum_first", "encode_parts", "warp_specialized"})
+    # the one-launch kernels whose loopback checks pass on a GPU with it, so that the
+    # collectives may select them
+    checked_on_gpu = frozenset({"one_shot", "two_shot"})
+
+    @property
+    def row_bytes(self) -> int:
+        return self.codec.row_bytes
+
+    def unsupported(self, dtype) -> str | None:
+        enc = jnp.bfloat16 if jnp.dtype(dtype) == jnp.float32 else dtype
+        return (unsupported("compress", self.codec, (ROWS, BLOCK), enc)
+                or unsupported("decompress", self.codec, (ROWS, BLOCK), dtype))
+
+    def _staged(self, in_dtype) -> bool:
+        """f32 input goes through a bf16 copy in shared memory (the wgmma's operand)."""
+        return jnp.dtype(in_dtype) == jnp.float32
+
+    def x_transforms(self, in_dtype) -> tuple:
+        return () if self._staged(in_dtype) else SMEM_TRANSFORMS
+
+    def x_slots(self, in_dtype) -> int:
+        return 1 if self._staged(in_dtype) else 2
+
+    def staging(self, in_dtype):
+        if not self._staged(in_dtype):
+            return None
+        return plgpu.SMEM((ROWS, BLOCK), jnp.bfloat16, transforms=SMEM_TRANSFORMS)
+
+    def operands(self, in_dtype) -> tuple:
+        """(encode factor, decode factor), each with its SMEM transforms."""
+        enc = jnp.bfloat16 if self._staged(in_dtype) else in_dtype
+        return ((hadamard_operand("encode", enc), SMEM_TRANSFORMS),
+                (hadamard_operand("decode"), SMEM_TRANSFORMS))
+
+    def encode(self, x_smem, consts):
+        return encode_tile(x_smem, consts[0], self.codec, self.encode_parts)
+
+    def store(self, view, wire):
+        store_wire_tile(view, *wire)
+
+    def load(self, view, part: int, parts: int):
+        del part, parts                    # the whole tile: a part's wgmma reads every code
+        return load_wire_tile(view, self.codec)
+
+    def decode_add(self, wire, consts, vec: int, part: int, parts: int, total=None):
+        codes, scales = wire
+        fmt = CODE_FORMATS[self.codec.fmt]
+        q = [lax.bitcast_convert_type(codes[:, 16 * c:16 * (c + 1)], fmt)
+             .astype(jnp.float16) for c in range(FACTOR)]
+        acc = transform_part(lambda c: q[c], consts[1], part, parts)
+        rest = () if total is None else (total,)
+        if self.sum_first:
+            return _gain_add_fn(self.codec, parts, total is None)(acc, scales, *rest)
+        return _decode_add_fn(self.codec, vec, parts, total is None)(acc, scales, *rest)
+
+    def finish(self, total, vec: int, parts: int):
+        """decode_add's running sum of a column part → its values (value layout)."""
+        return _finish_fn(vec, parts)(total) if self.sum_first else total
+
+    def decode(self, view, consts, out_dtype, parts: int):
+        codes, scales = load_wire_tile(view, self.codec)
+        return decode_tile(codes, scales, consts[1], self.codec, out_dtype, parts)
+
+    # The owner's sum, summed as the transform's coefficients (`coefficients`): a wire tile
+    # adds q·gain per code, with no transform, and the sum is quantized as it is (no
+    # transform back and forth).
+    def own_scratch(self, in_dtype) -> tuple:
+        """The owner's exact tile (its TMA copy) and, for f32 input, its split into two bf16
+        tiles (the transform's operands)."""
+        own = plgpu.SMEM((ROWS, BLOCK), in_dtype, transforms=self.x_transforms(in_dtype))
+        if not self._staged(in_dtype):
+            return (own,)
+        return (own, plgpu.SMEM((2, ROWS, BLOCK), jnp.bfloat16, transforms=SMEM_TRANSFORMS))
+
+    def sum_init(self, own, consts):
+        """The owner's exact tile → its coefficients (f32). For f32 input the tile is held
+        as two bf16 tiles, its rounding and the remainder; the transform is linear, so both
+        go through one wgmma accumulator (to ~2⁻¹⁶ of the value, far below FP8's step)."""
+        x_smem = own[0]
+        if len(own) == 1:
+            acc = transform_part(lambda sl: x_smem.at[:, pl.ds(FACTOR * sl, FACTOR)],
+                                 consts[0], 0, 1)
+            return coefficients(acc, self.codec)
+        hl = own[1]
+        v = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+        hi = v.astype(jnp.bfloat16)
+        hl[0] = hi
+        hl[1] = (v - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        b = factor_cols(consts[0], 0, 1)
+        f = FACTOR
+
+        def run(acc):
+            for sl in range(f):
+                for h in range(2):
+                    plgpu.wgmma(acc.at[:, pl.ds(f * sl, f)], hl.at[h].at[:, pl.ds(f * sl, f)], b)
+            plgpu.wgmma_wait(0)
+            return acc[...]
+        acc = pl.run_scoped(run, plgpu.ACC((ROWS, BLOCK), jnp.float32))
+        return coefficients(acc, self.codec)
+
+    def sum_load(self, view):
+        return load_wire_codes(view, self.codec)
+
+    def sum_add(self, total, wire, consts):
+        del consts
+        return add_coefficients(*wire, self.codec, total)
+
+    def sum_encode(self, total):
+        return encode_coefficients(total, self.codec)
+
+    def encoded(self, v):
+        return v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v
+
+    def code_step(self, wire):
+        """The code format's spacing at Qmax, times s, over α·√B where the row is
+        transformed."""
+        c = self.codec
+        dtype = jnp.dtype(c.code_dtype)
+        spacing = (1.0 if jnp.issubdtype(dtype, jnp.integer) else
+                   2.0 ** (np.floor(np.log2(c.qmax)) - jnp.finfo(dtype).nmant))
+        scales = quant.unpack_scales(wire[:, c.block_size:], c.n_scales)
+        step = scales[0] * np.float32(spacing)
+        if c.transform != "none":
+            step = step * np.float32(1 / np.sqrt(c.block_size))
+        return step / scales[1] if c.transform == "ash" else step
 
 
-def store_values(ref, values):
-    """Value parts → a (64, 256) view."""
-    for p, part in enumerate(values):
-        store_part(ref, p, len(values), part)
+# decode and add, in registers: built from the register helpers above (`assemble`,
+# `transformed`, `row_gains`), as `decode_tile`'s math without its final cast, so that P
+# tiles sum in f32 in one register array (decode_tile returns every part of a tile at
+# once, cast, which would hold two f32 tiles in registers while summing)
+@functools.cache
+def _decode_add_fn(codec, vec: int, parts: int, first: bool):
+    """One column part of a decoded tile (f32, value layout of `vec`-element vectors), plus
+    the running sum of the previous devices' (unless first)."""
+    layout = pallas_layout(wire_tiled(vec, BLOCK // parts))
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.float32, layout)
+    args = (plgpu.Layout.WGMMA, scale_layout(codec)) + (() if first else (layout,))
+
+    @plgpu.inline_mgpu(arg_types=args, return_type=out)
+    def decode_add(ctx, acc, sbytes, total=None):
+        del ctx
+        vals = assemble(transformed(acc), vec, ir.F32Type.get(),
+                        row_gains(codec, sbytes, 2))                         # eq. 12
+        return vals if total is None else total + vals
+    return decode_add
 
 
-def swizzled(dtype) -> tuple:
-    """The SMEM transforms of a (ROWS, BLOCK) tile of decoded values that `store_values`
-    writes and a TMA copy sends out: (8, 128 / itemsize) tiling and a 128-byte swizzle, so
-    the 16-byte vector stores of the value layout spread over the banks.
+@functools.cache
+def _gain_add_fn(codec, parts: int, first: bool):
+    """decode="sum_first": a tile's wgmma accumulator for one column part (WGMMA layout,
+    before the butterfly), each row times its gain, plus the running sum (unless first)."""
+    wgmma = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.float32, wgmma)
+    args = (wgmma, scale_layout(codec)) + (() if first else (wgmma,))
 
-    Args:
-      dtype: the values' dtype (bf16, f16 or f32).
-    Returns:
-      transforms for `plgpu.SMEM((ROWS, BLOCK), dtype, transforms=...)` or a BlockSpec."""
-    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
-            plgpu.SwizzleTransform(128))
+    @plgpu.inline_mgpu(arg_types=args, return_type=out)
+    def gain_add(ctx, acc, sbytes, total=None):
+        del ctx
+        gains = row_gains(codec, sbytes, 2)
+        regs = acc.registers.reshape(-1, 2)                  # [column group, row half]
+        prev = None if total is None else total.registers.reshape(-1, 2)
+        res = np.empty_like(regs)
+        for c, i in np.ndindex(regs.shape):
+            v = arith.mulf(regs[c, i], gains[i])
+            res[c, i] = v if prev is None else arith.addf(prev[c, i], v)
+        return _jax_private.fragmented_array(res.reshape(acc.registers.shape), acc.layout,
+                                             is_signed=None)
+    return gain_add
+
+
+@functools.cache
+def _finish_fn(vec: int, parts: int):
+    """decode="sum_first": the gain-scaled sum of the P accumulators → the butterfly and
+    assembly of `_decode_add_fn`, once (value layout of `vec`-element vectors)."""
+    layout = pallas_layout(wire_tiled(vec, BLOCK // parts))
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK // parts), jnp.float32, layout)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out)
+    def finish(ctx, total):
+        del ctx
+        return assemble(transformed(total), vec, ir.F32Type.get())
+    return finish

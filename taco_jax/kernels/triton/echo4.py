@@ -45,6 +45,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
+from taco_jax.kernels import providers
 from taco_jax.kernels.triton import tiling
 from taco_jax.numerics import int4, quant
 from taco_jax.numerics.blocks import check_float
@@ -59,9 +60,8 @@ SMALL_ELEMENTS = tiling.SMALL_ELEMENTS  # 16 MiB of bf16: up to it, looped one-w
 
 def covers(codec) -> bool:
     """Do these kernels implement `codec`'s wire format? (echo4 and int4-sym, any B: the
-    Echo codecs without tah4's rotation, known by their `symmetric` and `hadamard` fields.)"""
-    return (isinstance(getattr(codec, "symmetric", None), bool)
-            and getattr(codec, "hadamard", None) is False)
+    codecs that name these kernels' provider, `providers.ECHO4`; tah4 names none.)"""
+    return codec.kernels is providers.ECHO4
 
 
 def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
