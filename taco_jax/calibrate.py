@@ -20,9 +20,12 @@ Before a transport is timed at a size, its result on random inputs is checked ag
 lax.psum's (`check_transport`: within the codec's own error, exactly for an exact codec):
 the timings run on all-ones inputs, where a transport that delivers segments to the wrong
 place would look correct and fast. A transport that fails the check is never cached, at
-any size. A size whose buffers (`held_bytes`) do not fit in the devices' free memory
-(`memory_budget`) is skipped, and said so. On CPU the devices are simulated: the timings
-are the CPU backend's, and the routes are for this machine alone.
+any size. A size whose buffers do not fit in the devices' free memory (`memory_budget`) is
+skipped, and said so: its input, copies and live outputs, and XLA's temporaries as its
+memory analysis of each compiled program gives them (`held_bytes`), per device, and on CPU
+for all the simulated devices together, as they share the host's memory. On CPU the
+devices are simulated: the timings are the CPU backend's, and the routes are for this
+machine alone.
 """
 from __future__ import annotations
 
@@ -61,10 +64,15 @@ def jit_calls(fn):
 
 def warm_calls(fn, x, iters: int):
     """(`jit_calls(fn)`, `iters` copies of x), compiled and run once."""
-    xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
     calls = jit_calls(fn)
+    return calls, warm_program(calls, x, iters)
+
+
+def warm_program(calls, x, iters: int) -> list:
+    """`iters` copies of x, on which the program `calls` (`jit_calls`) has run once."""
+    xs = [jax.tree.map(jnp.copy, x) for _ in range(iters)]
     jax.block_until_ready(calls(xs))
-    return calls, xs
+    return xs
 
 
 def host_us(calls, xs, repeats: int, batches: int) -> float:
@@ -86,37 +94,96 @@ def time_calls(fn, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> fl
     back (the host dispatches the next while the device runs one), over `repeats`.
 
     No while loop: XLA's GPU while loop adds ~16 µs per trip on the H200, which a 120 µs
-    kernel would carry as 13% of its time. Memory: `iters` copies of x, and iters × batches
-    outputs (every output stays live): lower `iters` for the largest sizes."""
+    kernel would carry as 13% of its time. Memory: `iters` copies of x, iters × batches
+    outputs (every output stays live) and the temporaries of iters calls (`held_bytes`):
+    lower `iters` for the largest sizes."""
     return host_us(*warm_calls(fn, x, iters), repeats, batches)
+
+
+def time_program(calls, x, iters: int = 10, repeats: int = 5, batches: int = 3) -> float:
+    """`time_calls` of a program already made, `calls = jit_calls(fn)`: its compiled form
+    (from `program_bytes`, say) is reused."""
+    return host_us(calls, warm_program(calls, x, iters), repeats, batches)
+
+
+def fresh(fn):
+    """(x, one) -> fn(x · one): the input computed inside the call, with `one` a runtime
+    scalar, so lax.psum pays no copy of a reused buffer, as in a model."""
+    return lambda a: fn(a[0] * a[1])
 
 
 def fresh_times(fns, x, *, timer=time_calls, **timer_kw) -> tuple:
     """(prep, [t(fn) for fn in fns]) µs per call on an input computed inside the call
-    (x · one, `one` a runtime scalar): lax.psum pays no copy of a reused buffer, as in a
-    model. `prep` is that multiply alone; subtract it from the others."""
+    (`fresh`). `prep` is that multiply alone; subtract it from the others."""
     arg = (x, jnp.ones((), x.dtype))
-    prep = timer(lambda a: a[0] * a[1], arg, **timer_kw)
-    return prep, [timer(lambda a, fn=fn: fn(a[0] * a[1]), arg, **timer_kw) for fn in fns]
+    prep = timer(fresh(lambda v: v), arg, **timer_kw)
+    return prep, [timer(fresh(fn), arg, **timer_kw) for fn in fns]
 
 
 # -- what a size needs ---------------------------------------------------------------------
-# Temporaries of one measured call, in multiples of its input: the input computed afresh
-# (x · one), the f32 form of the tensor the codec reads, the codes and the decoded sums
-# (bf16 in: the f32 form alone is 2×). An estimate, on the generous side.
-CALL_WORKSPACE = 5
 # Without device memory statistics (CPU), the share of the host's available memory a
 # calibration may hold: the simulated devices all live in it, beside everything else.
 HOST_SHARE = 0.5
+# On a host backend the process's resident memory exceeds XLA's figure: the C allocator
+# keeps some of one program's freed buffers while the next runs, and compiling holds memory
+# of its own (measured on 2 and 4 CPU devices, 2-32 MiB per device: 1.04-1.19 × the
+# figure, beyond ~0.12 GiB; tests/collectives/test_calibrate.py checks the bound).
+HOST_FACTOR, HOST_FIXED = 1.25, 256 << 20
 
 
-def held_bytes(nbytes: int, iters: int, batches: int) -> int:
-    """Bytes one device holds while a size is timed (`time_calls`): the input, its `iters`
-    copies, the iters × batches outputs kept live until the batches finish, and one call's
-    temporaries; or, while the transports are checked, the random input and two results."""
-    timing = nbytes * (1 + iters + iters * batches + CALL_WORKSPACE)
-    checking = nbytes * (3 + CALL_WORKSPACE)
-    return max(timing, checking)
+def program_bytes(calls, x, iters: int) -> tuple[int, int]:
+    """(outputs, temporaries): bytes per device of one execution of the program
+    `calls = jit_calls(fn)` on `iters` inputs like x, from XLA's memory analysis of it,
+    compiled here (jit keeps it: `time_program` does not compile it again).
+
+    Args:
+      calls: `jit_calls(fn)`.
+      x: one input: an array, a `jax.ShapeDtypeStruct` (nothing is allocated), or a tuple
+        of them.
+      iters: how many inputs the program takes.
+
+    Raises:
+      RuntimeError: the backend gives no memory analysis of a compiled program.
+    """
+    stats = calls.lower([x] * iters).compile().memory_analysis()
+    if stats is None:
+        raise RuntimeError(f"calibrate: the {jax.default_backend()} backend gives no memory "
+                           "analysis of a compiled program, which the memory budget needs")
+    return stats.output_size_in_bytes, stats.temp_size_in_bytes
+
+
+def held_bytes(nbytes: int, itemsize: int, programs, iters: int, batches: int,
+               host_devices: int = 0) -> int:
+    """The most a size holds while it is measured, from XLA's analysis of the programs
+    timed.
+
+    Timing a program (`time_program`) holds, per device: the input, its `iters` copies,
+    the program's outputs for each of the `batches` executions (kept live until the batches
+    finish) and one execution's temporaries: the queued executions run one at a time on a
+    device. Checking a transport (`check_transport`) holds the random input, a result and
+    one call's share of the temporaries, per device, and on the host the float64 copies of
+    one device's result that the error is computed on.
+
+    Args:
+      nbytes, itemsize: one device's input, and its element's size.
+      programs: (outputs, temporaries) bytes per device of one execution of each program
+        timed (`program_bytes`), each of `iters` calls.
+      iters, batches: as `time_calls`.
+      host_devices: 0 where each device has its own memory: the figure is per device.
+        Else the devices sharing the host's memory (CPU): the figure is for all of them,
+        with the host copies, times HOST_FACTOR plus HOST_FIXED.
+
+    Returns:
+      Bytes.
+    """
+    timing = max(nbytes * (1 + iters) + batches * out + temp for out, temp in programs)
+    checking = nbytes + max(out + temp for out, temp in programs) // iters
+    if not host_devices:
+        return max(timing, checking)
+    # one result in its dtype, then float64: it, lax.psum's, their difference
+    host = nbytes + 3 * 8 * (nbytes // itemsize)
+    need = max(timing * host_devices, checking * host_devices + host)
+    return int(HOST_FACTOR * need) + HOST_FIXED
 
 
 def memory_budget(devices) -> tuple[int, bool, str]:
@@ -148,14 +215,16 @@ def _host_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def fits(nbytes: int, p: int, iters: int, batches: int, budget: tuple[int, bool, str]
-         ) -> tuple[bool, str]:
-    """(does a size of nbytes per device fit the budget, the figures as words)."""
+def fits(need: int, budget: tuple[int, bool, str], devices: int) -> tuple[bool, str]:
+    """(does `need` bytes (`held_bytes`, for `devices` devices where the budget is the
+    host's) fit the budget, the figures as words)."""
     limit, per_device, where = budget
-    need = held_bytes(nbytes, iters, batches) * (1 if per_device else p)
-    who = "per device" if per_device else f"for {p} devices"
-    return need <= limit, (f"needs {need / 2**30:.2f} GiB {who}, "
-                           f"{where}: {limit / 2**30:.2f} GiB")
+    who = "per device" if per_device else f"for {devices} devices"
+    return need <= limit, f"needs {_size(need)} {who}, {where}: {_size(limit)}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 # -- is each transport right? -----------------------------------------------------------
@@ -174,7 +243,7 @@ def check_transport(fn, reference, x, codec) -> tuple[bool, float, float]:
     err = _rel(y, ref)
     # the codec's error on (up to 2^20 values of) one device's input
     sample = jnp.asarray(x.addressable_shards[0].data).reshape(-1)[: 1 << 20]
-    trip = np.asarray(codec.roundtrip(sample), np.float64)
+    trip = np.asarray(jax.jit(codec.roundtrip)(sample), np.float64)   # one compile, not ~40
     bound = 3 * _rel(trip, np.asarray(sample, np.float64)) + 2 * float(jnp.finfo(x.dtype).eps)
     return bool(np.all(np.isfinite(y)) and err <= bound), err, bound
 
@@ -186,7 +255,7 @@ def _rel(a, b) -> float:
 # -- measuring ------------------------------------------------------------------------------
 def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "fused"),
               sizes_mib=(1, 4, 16, 64, 256, 1024), dtype=jnp.bfloat16, margin: float = 0.97,
-              iters: int = 10, repeats: int = 3, batches: int = 3, timer=time_calls,
+              iters: int = 10, repeats: int = 3, batches: int = 3, timer=time_program,
               budget: tuple[int, bool, str] | None = None,
               log: Callable[[str], None] | None = None) -> Calibration:
     """Time lax.psum and taco_jax.psum over each transport that can run here, over
@@ -195,12 +264,14 @@ def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "
     axes. Costs a compile per size and transport (seconds each on GPU): do it once per
     machine, then `save` it.
 
-    Per size, in increasing order: a size whose buffers do not fit `budget` is skipped;
-    each transport is first checked against lax.psum on random inputs (`check_transport`),
-    and one that fails is dropped from every row (never cached); then the others are timed.
+    Per size, in increasing order: a size whose buffers (`held_bytes`) do not fit `budget`
+    is skipped, and so is every larger one; each transport is first checked against
+    lax.psum on random inputs (`check_transport`), and one that fails is dropped from every
+    row (never cached); then the others are timed.
 
     Args:
-      timer: `timer(fn, x, iters=, repeats=, batches=) -> µs`, replaceable (tests).
+      timer: `timer(calls, x, iters=, repeats=, batches=) -> µs` of a program
+        `calls = jit_calls(fn)` on input x, replaceable (tests); default `time_program`.
       budget: (bytes, per_device, where) the measured calls may hold; None:
         `memory_budget(mesh devices)`.
       log: called with one line per size (and per skipped size or rejected transport);
@@ -216,6 +287,8 @@ def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "
         raise ValueError(f"calibrate: sizes_mib={sizes_mib!r} must be positive sizes")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"calibrate: dtype={dtype!r} must be a float type")
+    if min(iters, repeats, batches) < 1:
+        raise ValueError(f"calibrate: {iters=}, {repeats=} and {batches=} must be >= 1")
     if not (0 < margin <= 1.5):
         raise ValueError(f"calibrate: margin={margin!r} should be a ratio like 0.97")
     bad = set(transports) - set(TRANSPORTS)
@@ -239,17 +312,33 @@ def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "
     reference = sharded(lambda v: lax.psum(v, axis_name))
     taco = {t: sharded(lambda v, t=t: psum(v, axis_name, codec=codec, min_bytes=0,
                                             transport=t)) for t in usable}
+    # the programs timed, made once: each size compiles them once (`program_bytes`)
+    programs = {"prep": jit_calls(fresh(lambda v: v)), "lax": jit_calls(fresh(reference)),
+                **{t: jit_calls(fresh(taco[t])) for t in usable}}
     itemsize = jnp.dtype(dtype).itemsize
-    rows, rejected = [], {}
+    sharding = NamedSharding(mesh, spec)
+    host_devices = 0 if budget[1] else mesh.devices.size    # every device holds its copy
+    rows, rejected, too_large = [], {}, None
     for k, mib in enumerate(sorted(sizes_mib)):
         per_dev = max(c.block_size, int(mib * 2**20) // itemsize // c.block_size * c.block_size)
         size = per_dev * itemsize / 2**20
-        ok, why = fits(per_dev * itemsize, p, iters, batches, budget)
+        if too_large:        # what a size holds grows with it: no need to compile this one
+            say(f"{size:g} MiB/device: skipped, does not fit ({too_large:g} MiB/device did "
+                "not)")
+            continue
+        shape = jax.ShapeDtypeStruct((p * per_dev,), dtype, sharding=sharding)
+        arg = (shape, jax.ShapeDtypeStruct((), dtype))
+        timed = ["prep", "lax"] + [t for t in usable if t not in rejected]
+        need = held_bytes(per_dev * itemsize, itemsize,
+                          [program_bytes(programs[n], arg, iters) for n in timed],
+                          iters, batches, host_devices)
+        ok, why = fits(need, budget, host_devices)
         if not ok:
             say(f"{size:g} MiB/device: skipped, does not fit ({why})")
+            too_large = size
             continue
-        noise = jax.jit(lambda key: jax.random.normal(key, (p * per_dev,), dtype),
-                        out_shardings=NamedSharding(mesh, spec))(jax.random.key(k))
+        noise = jax.jit(lambda key: jax.random.normal(key, shape.shape, dtype),
+                        out_shardings=sharding)(jax.random.key(k))
         for t in [t for t in usable if t not in rejected]:
             good, err, bound = check_transport(taco[t], reference, noise, c)
             if not good:
@@ -259,9 +348,10 @@ def calibrate(mesh, axis_name: str, *, codec: str = "taco", transports=("xla", "
                 say(rejected[t])
         del noise
         live = [t for t in usable if t not in rejected]
-        x = jax.device_put(jnp.ones((p * per_dev,), dtype), NamedSharding(mesh, spec))
-        prep, times = fresh_times([reference] + [taco[t] for t in live], x, timer=timer,
-                                  iters=iters, repeats=repeats, batches=batches)
+        x = (jax.jit(lambda: jnp.ones(shape.shape, dtype), out_shardings=sharding)(),
+             jnp.ones((), dtype))
+        prep, *times = [timer(programs[n], x, iters=iters, repeats=repeats, batches=batches)
+                        for n in ["prep", "lax"] + live]
         del x
         net = [t - prep for t in times]
         row = {"mib": size, "lax_us": net[0]}
@@ -305,6 +395,9 @@ def main(argv=None) -> int:
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     ap.add_argument("--margin", type=float, default=0.97)
     ap.add_argument("--iters", type=int, default=10, help="calls per timed batch")
+    ap.add_argument("--batches", type=int, default=3,
+                    help="batches queued back to back per timing (their outputs stay live)")
+    ap.add_argument("--repeats", type=int, default=3, help="timings per size (the median)")
     ap.add_argument("--memory-gib", type=float, default=None,
                     help="memory the measured calls may hold (per device with device "
                          "memory statistics, else for all devices); default: the free "
@@ -324,7 +417,8 @@ def main(argv=None) -> int:
            f"{' '.join(f'{s:g}' for s in sorted(a.sizes_mib))} MiB per device; memory: "
            f"{budget[2]}, {budget[0] / 2**30:.2f} GiB")
     cal = calibrate(mesh, "tp", codec=a.codec, transports=a.transports, sizes_mib=a.sizes_mib,
-                    margin=a.margin, iters=a.iters, budget=budget, log=_print)
+                    margin=a.margin, iters=a.iters, repeats=a.repeats, batches=a.batches,
+                    budget=budget, log=_print)
     print(cal.table(), flush=True)
     if not cal.rows:
         _print("no size was measured: nothing cached")

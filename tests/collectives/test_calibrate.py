@@ -1,13 +1,20 @@
 """taco_jax.calibrate: the break-even size of compression on this machine (mechanics only:
 CPU timings mean nothing, so the decision rule is tested on given times)."""
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from taco_jax import calibrate
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rows(*ratios, sizes=(1, 4, 16, 64)):
@@ -36,8 +43,8 @@ def test_calibrate_with_given_times():
     """Each size is timed as (prep, lax, taco); the prep time is subtracted from both."""
     times = iter([10.0, 110.0, 130.0,      # 1/64 MiB: lax 100, taco 120 -> 1.2
                   10.0, 210.0, 150.0])     # 1/16 MiB: lax 200, taco 140 -> 0.7
-    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 16, 1 / 64),
-                                     timer=lambda fn, x, **kw: next(times))
+    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 16, 1 / 64), iters=1,
+                                        timer=lambda calls, x, **kw: next(times))
     assert [r["mib"] for r in cal.rows] == [1 / 64, 1 / 16]
     assert [round(r["xla_ratio"], 3) for r in cal.rows] == [1.2, 0.7]
     assert cal.rows[0]["lax_us"] == 100.0 and cal.rows[1]["xla_us"] == 140.0
@@ -51,10 +58,11 @@ def test_calibrate_runs_on_simulated_devices():
     the answer is one of the sizes or NEVER, consistent with the measured rows."""
     calls = itertools.count()
 
-    def timer(fn, x, **kw):
+    def timer(program, x, **kw):
         next(calls)
-        return calibrate.time_calls(fn, x, iters=2, repeats=1, batches=1)
-    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 32,), timer=timer)
+        return calibrate.time_program(program, x, **kw)
+    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 32,), timer=timer,
+                                        iters=2, repeats=1, batches=1)
     assert next(calls) == 3 and len(cal.rows) == 1
     r = cal.rows[0]
     assert r["mib"] == 1 / 32 and r["lax_us"] != 0
@@ -74,6 +82,8 @@ def test_calibrate_rejects_bad_arguments():
         calibrate.calibrate_min_bytes(m, "tp", sizes_mib=(0,))
     with pytest.raises(ValueError, match="dtype"):
         calibrate.calibrate_min_bytes(m, "tp", dtype=jnp.int32)
+    with pytest.raises(ValueError, match="batches=0"):
+        calibrate.calibrate_min_bytes(m, "tp", batches=0)
     one = jax.make_mesh((1, 4), ("tp", "data"), devices=jax.devices()[:4])
     assert calibrate.calibrate_min_bytes(one, "tp").min_bytes == calibrate.NEVER
 
@@ -92,24 +102,64 @@ def test_time_calls_keeps_every_call():
 
 
 # -- memory, correctness of each transport, what it prints ----------------------------------
+def test_held_bytes_counts_inputs_outputs_and_xla_temporaries():
+    """The figure is XLA's own analysis of the programs timed: a program of `iters` calls
+    returns iters outputs; timing holds the input, its copies, `batches` executions'
+    outputs and one execution's temporaries; on a host backend, times the devices, with
+    the allocator's and the compiler's share."""
+    m = mesh2d()
+    nbytes = 4096 * 2                                   # per device, bf16
+    x = jax.ShapeDtypeStruct((2 * 4096,), jnp.bfloat16, sharding=NamedSharding(m, P("tp")))
+    arg = (x, jax.ShapeDtypeStruct((), jnp.bfloat16))
+    prep = calibrate.program_bytes(calibrate.jit_calls(calibrate.fresh(lambda v: v)), arg, 3)
+    assert 3 * nbytes <= prep[0] < 3 * nbytes + 64 and prep[1] == 0    # + the outputs' table
+    held = calibrate.held_bytes(nbytes, 2, [prep, (3 * nbytes, 5 * nbytes)], iters=3, batches=2)
+    assert held == nbytes * (1 + 3) + 2 * 3 * nbytes + 5 * nbytes
+    host = calibrate.held_bytes(nbytes, 2, [(3 * nbytes, 0)], iters=3, batches=2,
+                                host_devices=4)
+    need = 4 * nbytes * (1 + 3 + 2 * 3)
+    assert host == int(calibrate.HOST_FACTOR * need) + calibrate.HOST_FIXED
+
+
 def test_sizes_that_do_not_fit_are_skipped_and_said_so():
-    """held_bytes counts the input, its copies, every output kept live and one call's
-    temporaries; a size above the budget is not measured (here: 1/16 MiB fits, 1 MiB not)."""
-    small, large = 2**20 // 16, 2**20
-    assert calibrate.held_bytes(small, iters=2, batches=3) == small * (1 + 2 + 6 + calibrate.CALL_WORKSPACE)
-    need = calibrate.held_bytes(small, 2, 3) * 2            # 2 devices of the "tp" axis
-    budget = (need, False, "a test budget")
+    """A size above the budget is not measured, nor any larger one (here: 1/16 MiB fits,
+    1/4 and 1 MiB not)."""
     lines = []
-    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1, 1 / 16), iters=2,
-                                        budget=budget, log=lines.append,
-                                        timer=lambda fn, x, **kw: 1.0)
+    budget = (calibrate.HOST_FIXED + (6 << 20), False, "a test budget")
+    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1, 1 / 16, 1 / 4), iters=1,
+                                        batches=1, budget=budget, log=lines.append,
+                                        timer=lambda calls, x, **kw: 1.0)
     assert [r["mib"] for r in cal.rows] == [1 / 16]
-    assert any(line.startswith("1 MiB/device: skipped, does not fit") and "a test budget"
-               in line for line in lines), lines
+    words = f"for 4 devices, a test budget: {budget[0] / 2**20:.1f} MiB"
+    assert any(line.startswith("0.25 MiB/device: skipped, does not fit (needs") and
+               words in line for line in lines), lines
+    assert "1 MiB/device: skipped, does not fit (0.25 MiB/device did not)" in lines, lines
     assert any(line.startswith("0.0625 MiB/device: lax.psum") for line in lines), lines
-    nothing = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1,), budget=budget,
-                                            timer=lambda fn, x, **kw: 1.0)
-    assert nothing.rows == () and nothing.min_bytes == calibrate.NEVER
+
+
+def test_a_calibration_holds_no_more_than_its_budget(tmp_path):
+    """The command on 4 simulated devices, under --memory-gib 2, at 4, 64 and 256 MiB per
+    device: it finishes, skips what does not fit, and its peak resident memory stays
+    within the budget beyond what the bare process (jax, taco_jax, the 4 devices) holds."""
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu")
+
+    def peak_kib(*args):      # the child's peak RSS, through a parent that has no other
+        report = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+                  "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        done = subprocess.run([sys.executable, "-c", report, sys.executable, *args], env=env,
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        *out, last = done.stdout.strip().splitlines()
+        rc, kib = map(int, last.split())
+        return rc, kib, "\n".join(out) + done.stderr
+    bare = peak_kib("-c", "import jax, taco_jax; assert jax.device_count() == 4")
+    assert bare[0] == 0, bare[2]
+    rc, kib, out = peak_kib("-m", "taco_jax.calibrate", "--sizes-mib", "4", "64", "256",
+                            "--memory-gib", "2", "--iters", "1", "--repeats", "1",
+                            "--batches", "1", "--cache", str(tmp_path / "cal.json"))
+    assert rc == 0, out
+    assert "4 MiB/device: lax.psum" in out and "64 MiB/device: skipped, does not fit" in out
+    assert "256 MiB/device: skipped, does not fit" in out
+    assert kib - bare[1] <= 2 * 2**20, (kib, bare[1], out)
 
 
 def test_memory_budget_without_device_statistics_is_a_share_of_host_memory():
@@ -120,7 +170,6 @@ def test_memory_budget_without_device_statistics_is_a_share_of_host_memory():
 
 def test_check_transport_accepts_the_codec_error_and_rejects_misdelivery():
     from jax import lax
-    from jax.sharding import NamedSharding, PartitionSpec as P
     import taco_jax
     m = mesh2d()
     x = jax.device_put(jax.random.normal(jax.random.key(0), (2 * 4096,)),
@@ -152,10 +201,10 @@ def test_a_transport_that_differs_from_lax_psum_is_never_cached(monkeypatch):
     monkeypatch.setattr(calibrate, "psum", misdelivering)
     lines, timed = [], []
 
-    def timer(fn, x, **kw):
-        timed.append(fn)
+    def timer(program, x, **kw):
+        timed.append(program)
         return 10.0 * len(timed)
-    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 64, 1 / 16),
+    cal = calibrate.calibrate_min_bytes(mesh2d(), "tp", sizes_mib=(1 / 64, 1 / 16), iters=1,
                                         timer=timer, log=lines.append)
     assert len(timed) == 2 * 2                     # prep and lax.psum per size, no taco
     assert all(set(r) == {"mib", "lax_us"} for r in cal.rows), cal.rows
@@ -167,8 +216,8 @@ def test_a_transport_that_differs_from_lax_psum_is_never_cached(monkeypatch):
 
 def test_main_prints_each_size_and_what_a_cpu_calibration_means(tmp_path, capsys):
     cache = tmp_path / "cal.json"
-    assert calibrate.main(["--sizes-mib", "0.015625", "0.0625",
-                           "--iters", "2", "--cache", str(cache)]) == 0
+    assert calibrate.main(["--sizes-mib", "0.015625", "0.0625", "--iters", "2",
+                           "--repeats", "1", "--batches", "1", "--cache", str(cache)]) == 0
     out = capsys.readouterr().out
     assert "CPU backend's timings" in out and "this machine only" in out
     assert "fused transport: not timed here (platform 'cpu'" in out
