@@ -2,44 +2,51 @@
 checks and device time.
 
     python -m bench.gemm_codec [--p 2 4 8] [--codecs taco echo4] [--shapes 350m.attn_out …]
-                               [--calls 3] [--no-time] [--impl kernel|emulated]
-                               [--checks-out …] [--times-out …] [--update]
+                               [--exchanges all owner] [--calls 3] [--no-time]
+                               [--impl kernel|emulated] [--checks-out …] [--times-out …]
+                               [--update]
 
 P virtual devices are P groups of programs of one launch (`kernels.gemm`): device d
 computes x_d @ w_d, its GEMM's epilogue encodes each output tile and stores the wire into
-every device's receive buffer (`loopback_gemm_encode`), then each device decodes the P
-wires, sums them in f32 and adds the residual (`decode_sum_residual`). Shapes are the
-per-device GEMMs of tensor parallelism (M = tokens, K = the contraction shard, N =
-d_model), from the presets' configs/<preset>.yaml:
+its destinations' receive buffers (`loopback_gemm_encode`), then each device decodes the P
+wires it holds, sums them in f32 and adds the residual (`decode_sum_residual`). Exchange
+"all": every tile to every device, each device's result the whole all-reduce; "owner":
+each tile to the owner of its rows (M in P ranges), each device's result its rows (the
+reduce-scatter of sequence parallelism). Shapes are the per-device GEMMs of tensor
+parallelism (M = tokens, K = the contraction shard, N = d_model), from the presets'
+configs/<preset>.yaml:
 
   <preset>.attn_out  (T, d_model / P, d_model): the attention output projection;
   <preset>.mlp_out   (T, d_ff / P, d_model): the MLP's second GEMM;
   odd                (64·37, 320, 768) at every P: 37 row tiles (one compute warpgroup),
-                     5 K steps, 3 column tiles;
+                     5 K steps, 3 column tiles; "owner": (64·8·37, 320, 768), 37·8/P
+                     row tiles an owner;
   MxKxN              any other.
 
-Checks (`--calls` calls, fresh inputs each; bf16): every virtual device gets the same bits;
-a NaN put into x_0[M // 3, 3] makes exactly that output row NaN; the error against the
-exact sum (Σ_j x_j @ w_j in f32, + residual; rows without the NaN), relative to the
-all-reduced part, is at most SLACK × that of the jnp reference
-(`gemm_allreduce_reference`, one quantization of round(x_j @ w_j)); "wire_rows_equal" is
-the share of device 0's wire rows, as device P − 1 received them, equal to the
-reference's bytes (the rounding of the f32 sums and the encoder's approximate
-reciprocals make a few differ). Rows → --checks-out, each with its codec, P, dtype, shape,
-ok, reason, the library's sources hash and the commit.
+Checks (`--calls` calls, fresh inputs each; bf16): every virtual device gets the same bits
+("owner": the owners' rows are the all-reduce's, bit for bit); a NaN put into
+x_0[M // 3, 3] makes exactly that output row NaN; the error against the exact sum
+(Σ_j x_j @ w_j in f32, + residual; rows without the NaN), relative to the all-reduced part,
+is at most SLACK × that of the jnp reference (`gemm_allreduce_reference`, one quantization
+of round(x_j @ w_j)); "wire_rows_equal" is the share of device 0's wire rows, as device
+P − 1 received them, equal to the reference's bytes (the rounding of the f32 sums and the
+encoder's approximate reciprocals make a few differ). Rows → --checks-out, each with its
+codec, P, dtype, exchange, shape, ok, reason, the library's sources hash and the commit.
 
 Times (device time, per virtual device; a configuration is timed only after its checks
 pass): "per_device_us" the GEMM with its encode and exchange, "decode_us" the decode,
 sum and residual add, "fused_us" both; "gemm_us" the same GEMM with a plain epilogue in the
 same launch shape (`kernels.gemm.matmul`, P groups), "xla_gemm_us" XLA's dot on the same
 shapes; "separate_us" one device's three-launch path on its own data: XLA's dot, the
-codec's compress, decode_sum of P wires, XLA's residual add. Rows → --times-out.
+codec's compress, decode_sum of P wires (of its rows: "owner"), XLA's residual add. Rows →
+--times-out.
 
-Each (codec, P) runs in its own process under --timeout per shape (a hang costs only its
-group; `--isolate none` runs in this one); the files are written after each group, and
-`--update` keeps their rows of what this run does not measure. On CPU (tests) `--impl emulated` stands the jnp
-reference in for the kernels, per device, and `--wrong-exchange slot|stale` breaks its
-exchange, so the checks can be seen failing; it times nothing.
+Each (codec, P) runs in its own process under --timeout per shape and exchange (a hang
+costs only its group; `--isolate none` runs in this one); the files are written after each
+group, and `--update` keeps their rows of what this run does not measure. On CPU (tests)
+`--impl emulated` stands the jnp reference in for the kernels, per device, and
+`--wrong-exchange slot|stale` breaks its exchange, so the checks can be seen failing; it
+times nothing.
 """
 from __future__ import annotations
 
@@ -60,6 +67,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = ["350m.attn_out", "350m.mlp_out", "comm_heavy.attn_out", "comm_heavy.mlp_out",
           "odd"]
 ODD = (64 * 37, 320, 768)
+# The odd shape where each of P ≤ 8 owners needs whole tiles of rows: 37 of them an owner at
+# P = 8 (two compute warpgroups: M a multiple of 128)
+ODD_OWNER = (64 * 8 * 37, 320, 768)
+EXCHANGES = ("all", "owner")
 SLACK = 1.05          # the kernel's error within this factor of its jnp reference's
 DTYPE = "bf16"
 
@@ -76,10 +87,10 @@ def preset_dims(preset: str) -> dict:
             "d_ff": int(model.get("d_ff") or 0) or 4 * d}
 
 
-def gemm_shape(name: str, p: int) -> tuple[int, int, int]:
+def gemm_shape(name: str, p: int, exchange: str = "all") -> tuple[int, int, int]:
     """A shape name (module docstring) at P devices → (M, K, N) per device."""
     if name == "odd":
-        return ODD
+        return ODD_OWNER if exchange == "owner" else ODD
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", name)
     if m:
         return tuple(int(v) for v in m.groups())
@@ -115,11 +126,23 @@ def emulated(xs, ws, residual, codec, wrong: str | None = None):
     return jnp.stack(out)
 
 
-def implementation(impl: str, codec, wrong: str | None = None):
-    """(xs, ws, residual) → (P, M, N), row d what device d computed."""
+def owned_rows(y):
+    """(P, M, N), row d device d's all-reduce → (P, M / P, N): device o's rows of its own
+    (what the reduce-scatter gives device o)."""
+    p, m, n = y.shape
+    return jnp.stack([y[o, o * (m // p):(o + 1) * (m // p)] for o in range(p)])
+
+
+def implementation(impl: str, codec, wrong: str | None = None, exchange: str = "all"):
+    """(xs, ws, residual) → exchange "all": (P, M, N), row d what device d computed;
+    "owner": (P, M / P, N), device o's rows."""
+    scatter = exchange == "owner"
     if impl == "kernel":
         from taco_jax.kernels import gemm
-        return jax.jit(lambda xs, ws, r: gemm.loopback_gemm_allreduce(xs, ws, r, codec))
+        return jax.jit(lambda xs, ws, r: gemm.loopback_gemm_allreduce(xs, ws, r, codec,
+                                                                      scatter=scatter))
+    if scatter:
+        return jax.jit(lambda xs, ws, r: owned_rows(emulated(xs, ws, r, codec, wrong)))
     return jax.jit(lambda xs, ws, r: emulated(xs, ws, r, codec, wrong))
 
 
@@ -157,29 +180,38 @@ def _same_bits(y):
     return jnp.all(u == u[:1])
 
 
-def check_call(fn, reference, xs, ws, res, nan_row, wire=None) -> tuple[dict, str | None]:
+def check_call(fn, reference, xs, ws, res, nan_row, wire=None,
+               all_reduce=None) -> tuple[dict, str | None]:
     """One call's checks → (figures, failure reason or None). reference(xs, ws, res) → the
     (M, N) result the jnp reference gives; wire: (kernel's, reference's) wire rows of
-    device 0, or None."""
+    device 0, or None; all_reduce: for the reduce-scatter (fn's result (P, M / P, N)), the
+    all-reduce, whose rows its shards must be, bit for bit."""
     y = fn(xs, ws, res)
-    m = y.shape[1]
-    want_nan = np.zeros(m, bool)
+    if all_reduce is None:
+        same = bool(_same_bits(y))
+        y = y[0]
+    else:
+        y = y.reshape(-1, y.shape[-1])                      # the owners' rows, in order
+        same = bool(_same_bits(jnp.stack([y, all_reduce(xs, ws, res)[0]])))
+    want_nan = np.zeros(y.shape[0], bool)
     want_nan[nan_row] = True
-    nan_rows = np.asarray(jnp.any(jnp.isnan(y[0]), axis=1))
-    all_nan = bool(jnp.all(jnp.isnan(y[0, nan_row])))
+    nan_rows = np.asarray(jnp.any(jnp.isnan(y), axis=1))
+    all_nan = bool(jnp.all(jnp.isnan(y[nan_row])))
     exact, part = _exact(xs, ws, res)
     finite = jnp.asarray(~want_nan)
-    figures = {"same_on_every_device": bool(_same_bits(y)),
+    figures = {("same_on_every_device" if all_reduce is None else
+                "shards_are_the_all_reduce"): same,
                "nan_rows_ok": bool(np.array_equal(nan_rows, want_nan) and all_nan),
-               "rel_err": float(_rel_err(y[0], exact, part, finite)),
+               "rel_err": float(_rel_err(y, exact, part, finite)),
                "reference_rel_err": float(_rel_err(reference(xs, ws, res), exact, part,
                                                    finite))}
     if wire is not None:
         got, want = wire
         figures["wire_rows_equal"] = float(jnp.mean(jnp.all(got == want, axis=-1)))
     why = None
-    if not figures["same_on_every_device"]:
-        why = "results differ between virtual devices"
+    if not same:
+        why = ("results differ between virtual devices" if all_reduce is None else
+               "the owners' rows are not the all-reduce's")
     elif not figures["nan_rows_ok"]:
         why = "NaN outside the row the input's NaN reaches, or that row not all NaN"
     elif not figures["rel_err"] <= SLACK * figures["reference_rel_err"]:     # NaN fails too
@@ -188,26 +220,32 @@ def check_call(fn, reference, xs, ws, res, nan_row, wire=None) -> tuple[dict, st
     return figures, why
 
 
-def run_checks(a, codec, p: int, shape: str) -> dict:
+def run_checks(a, codec, p: int, shape: str, exchange: str = "all") -> dict:
     from taco_jax.kernels import gemm
-    m, k, n = gemm_shape(shape, p)
+    m, k, n = gemm_shape(shape, p, exchange)
     row = {"kind": "check", "codec": a.codec_name, "p": p, "dtype": DTYPE, "shape": shape,
-           "m": m, "k": k, "n": n, "impl": a.impl}
-    why = gemm.unsupported(codec, p, (m, k), (k, n), jnp.bfloat16)
+           "exchange": exchange, "m": m, "k": k, "n": n, "impl": a.impl}
+    why = gemm.unsupported(codec, p, (m, k), (k, n), jnp.bfloat16, scatter=exchange == "owner")
     if why is not None:
         return {**row, "ok": False, "reason": f"not covered: {why}", "calls": 0}
-    fn = implementation(a.impl, codec, a.wrong_exchange)
+    fn = implementation(a.impl, codec, a.wrong_exchange, exchange)
+    all_reduce = (implementation(a.impl, codec, a.wrong_exchange) if exchange == "owner"
+                  else None)
     reference = jax.jit(lambda xs, ws, r: gemm.gemm_allreduce_reference(xs, ws, r, codec))
     wire_fn = None
     if a.impl == "kernel":
-        encode = jax.jit(lambda xs, ws: gemm.loopback_gemm_encode(xs, ws, codec)[p - 1, 0])
+        encode = jax.jit(lambda xs, ws: gemm.loopback_gemm_encode(
+            xs, ws, codec, exchange=exchange)[p - 1, 0])
         ref_wire = jax.jit(lambda x, w: gemm.gemm_encode_reference(x, w, codec))
-        wire_fn = lambda xs, ws: (encode(xs, ws), ref_wire(xs[0], ws[0]))   # noqa: E731
+        rows = m * n // 256 // (p if exchange == "owner" else 1)       # device P − 1's
+        first = rows * (p - 1) if exchange == "owner" else 0
+        wire_fn = lambda xs, ws: (encode(xs, ws),                       # noqa: E731
+                                  ref_wire(xs[0], ws[0])[first:first + rows])
     worst, why = None, None
     for call in range(a.calls):
         xs, ws, res, nan_row = make_inputs(jax.random.key(1000 * p + call), p, m, k, n)
         wire = wire_fn(xs, ws) if wire_fn is not None and call == 0 else None
-        figures, why = check_call(fn, reference, xs, ws, res, nan_row, wire)
+        figures, why = check_call(fn, reference, xs, ws, res, nan_row, wire, all_reduce)
         if worst is None or figures["rel_err"] > worst["rel_err"] or why:
             worst = {**(worst or {}), **figures}
         if why:
@@ -222,39 +260,41 @@ def _us(t: dict) -> float:
     return t["us"] if t.get("us") is not None else t["host_us"]
 
 
-def run_times(a, codec, p: int, shape: str) -> dict:
+def run_times(a, codec, p: int, shape: str, exchange: str = "all") -> dict:
     """Device time per virtual device of the two launches, the plain GEMM in the same launch
     shape, XLA's dot, and one device's three-launch path."""
     from taco_jax.kernels import gemm
-    m, k, n = gemm_shape(shape, p)
+    m, k, n = gemm_shape(shape, p, exchange)
     xs, ws, res, _ = make_inputs(jax.random.key(7), p, m, k, n)
     xs = jnp.nan_to_num(xs)
-    resp = jnp.broadcast_to(res, (p, m, n))
+    resp = (res.reshape(p, m // p, n) if exchange == "owner" else
+            jnp.broadcast_to(res, (p, m, n)))
     iters = 3 if p * m * n * 2 >= 1 << 28 else 10
     t = lambda fn, x: device_time(fn, x, iters=iters)                     # noqa: E731
-    enc = t(lambda a_: gemm.loopback_gemm_encode(*a_, codec), (xs, ws))
-    recv = gemm.loopback_gemm_encode(xs, ws, codec)
+    enc = t(lambda a_: gemm.loopback_gemm_encode(*a_, codec, exchange=exchange), (xs, ws))
+    recv = gemm.loopback_gemm_encode(xs, ws, codec, exchange=exchange)
     dec = t(lambda a_: gemm.decode_sum_residual(*a_, codec), (recv, resp))
     plain = t(lambda a_: gemm.matmul(*a_), (xs, ws))
     xla = t(lambda a_: jnp.matmul(*a_, preferred_element_type=jnp.float32).astype(
         jnp.bfloat16), (xs, ws))
     row = {"kind": "time", "codec": a.codec_name, "p": p, "dtype": DTYPE, "shape": shape,
-           "m": m, "k": k, "n": n, "timer": "device" if enc.get("us") is not None else "host",
+           "exchange": exchange, "m": m, "k": k, "n": n,
+           "timer": "device" if enc.get("us") is not None else "host",
            "per_device_us": round(_us(enc) / p, 2), "decode_us": round(_us(dec) / p, 2),
            "gemm_us": round(_us(plain) / p, 2), "xla_gemm_us": round(_us(xla) / p, 2)}
     row["fused_us"] = round(row["per_device_us"] + row["decode_us"], 2)
     try:
-        row.update(separate(codec, xs[0], ws[0], res, p, t))
+        row.update(separate(codec, xs[0], ws[0], res, p, t, exchange == "owner"))
         row["fused_over_separate"] = round(row["fused_us"] / row["separate_us"], 3)
     except Exception as e:            # noqa: BLE001 - a figure beside the measured ones
         row["separate_error"] = f"{type(e).__name__}: {e}"[:300]
     return row
 
 
-def separate(codec, x, w, res, p: int, t) -> dict:
+def separate(codec, x, w, res, p: int, t, scatter: bool = False) -> dict:
     """One device's three-launch path, each launch timed alone: XLA's dot (rounded to
     bf16), the codec's compress of its blocks (Triton), decode_sum of P such wires
-    (Triton) and XLA's residual add."""
+    (Triton; scatter: of its 1/P of the rows) and XLA's residual add (of those rows)."""
     from taco_jax import codecs
     provider = codec.kernels
     compress, decode_sum = (provider.kernel("compress", "triton"),
@@ -262,14 +302,15 @@ def separate(codec, x, w, res, p: int, t) -> dict:
     y = jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     blocks = codecs.to_blocks(y, codec.block_size)
     wire = compress(blocks, codec)
-    recv = jnp.stack([wire] * p)
-    total = decode_sum(recv, codec, jnp.bfloat16).reshape(y.shape)
+    mine = (y.shape[0] // p if scatter else y.shape[0])
+    recv = jnp.stack([wire[:wire.shape[0] * mine // y.shape[0]]] * p)
+    total = decode_sum(recv, codec, jnp.bfloat16).reshape(mine, y.shape[1])
     parts = {
         "xla_dot_us": _us(t(lambda a_: jnp.matmul(*a_, preferred_element_type=jnp.float32)
                             .astype(jnp.bfloat16), (x, w))),
         "compress_us": _us(t(lambda b: compress(b, codec), blocks)),
         "decode_sum_us": _us(t(lambda r: decode_sum(r, codec, jnp.bfloat16), recv)),
-        "residual_add_us": _us(t(lambda a_: a_[0] + a_[1], (total, res)))}
+        "residual_add_us": _us(t(lambda a_: a_[0] + a_[1], (total, res[:mine])))}
     return {"separate_us": round(sum(parts.values()), 2),
             **{k: round(v, 2) for k, v in parts.items()}}
 
@@ -280,17 +321,19 @@ def run_group(a, p: int) -> list[dict]:
     from taco_jax import codecs
     codec = codecs.get(a.codec_name)
     rows = []
-    for shape in a.shapes:
-        check = run_checks(a, codec, p, shape)
-        rows.append(check)
-        if a.time and check["ok"] and a.impl == "kernel":
-            rows.append(run_times(a, codec, p, shape))
+    for exchange in a.exchanges:
+        for shape in a.shapes:
+            check = run_checks(a, codec, p, shape, exchange)
+            rows.append(check)
+            if a.time and check["ok"] and a.impl == "kernel":
+                rows.append(run_times(a, codec, p, shape, exchange))
     return rows
 
 
 def child_cmd(a, p: int) -> list[str]:
     cmd = [sys.executable, "-m", "bench.gemm_codec", "--one", a.codec_name, str(p),
-           "--shapes", *a.shapes, "--calls", str(a.calls), "--impl", a.impl]
+           "--shapes", *a.shapes, "--exchanges", *a.exchanges, "--calls", str(a.calls),
+           "--impl", a.impl]
     if not a.time:
         cmd.append("--no-time")
     if a.wrong_exchange:
@@ -309,7 +352,7 @@ def run_children(a, groups, save=lambda rows: None) -> list[dict]:
             got = run_group(a, p)
             why = None
         else:
-            limit = a.timeout * len(a.shapes)
+            limit = a.timeout * len(a.shapes) * len(a.exchanges)
             try:
                 proc = subprocess.run(child_cmd(a, p), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, timeout=limit,
@@ -322,13 +365,13 @@ def run_children(a, groups, save=lambda rows: None) -> list[dict]:
                 text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
                 why = f"timed out after {limit:.0f} s"
             got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
-        done = {r["shape"] for r in got if r["kind"] == "check"}
+        done = {(r["exchange"], r["shape"]) for r in got if r["kind"] == "check"}
         got += [{"kind": "check", "codec": codec_name, "p": p, "dtype": DTYPE, "shape": s,
-                 "ok": False, "reason": why or "no result"}
-                for s in a.shapes if s not in done]
+                 "exchange": e, "ok": False, "reason": why or "no result"}
+                for e in a.exchanges for s in a.shapes if (e, s) not in done]
         for r in got:
             if r["kind"] == "check":
-                print(f"{codec_name} P={p} {r['shape']}: "
+                print(f"{codec_name} P={p} {r['exchange']} {r['shape']}: "
                       + ("ok" if r["ok"] else r["reason"]), flush=True)
         rows += got
         save(rows)
@@ -336,7 +379,7 @@ def run_children(a, groups, save=lambda rows: None) -> list[dict]:
 
 
 def row_key(r: dict) -> tuple:
-    return r.get("codec"), r.get("p"), r.get("dtype"), r.get("shape")
+    return r.get("codec"), r.get("p"), r.get("dtype"), r.get("exchange"), r.get("shape")
 
 
 def merged(path: str, rows: list[dict], update: bool) -> list[dict]:
@@ -358,6 +401,9 @@ def main(argv=None) -> int:
     ap.add_argument("--p", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--codecs", nargs="+", default=["taco", "echo4"])
     ap.add_argument("--shapes", nargs="+", default=SHAPES)
+    ap.add_argument("--exchanges", nargs="+", choices=EXCHANGES, default=list(EXCHANGES),
+                    help="all: the all-reduce (every tile to every device); owner: the "
+                         "reduce-scatter (each tile to the owner of its rows)")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--no-time", dest="time", action="store_false",
                     help="checks only (times follow passed checks by default, on a GPU)")
@@ -383,7 +429,8 @@ def main(argv=None) -> int:
                          f"checks on the jnp reference)")
     for shape in a.shapes:
         for p in a.p:
-            gemm_shape(shape, p)             # a bad name or split fails here, not in a child
+            for exchange in a.exchanges:     # a bad name or split fails here, not in a child
+                gemm_shape(shape, p, exchange)
     if a.one:
         a.codec_name = a.one[0]
         for r in run_group(a, int(a.one[1])):
@@ -404,16 +451,18 @@ def main(argv=None) -> int:
                                      "rows": merged(a.times_out, times, a.update)})
         return checks, times
     checks, times = save(run_children(a, [(c, p) for c in a.codecs for p in a.p], save))
-    print_table(checks, ["codec", "p", "shape", "m", "k", "n", "ok", "rel_err",
+    print_table(checks, ["codec", "p", "exchange", "shape", "m", "k", "n", "ok", "rel_err",
                          "reference_rel_err", "wire_rows_equal"])
     if times:
-        print_table(times, ["codec", "p", "shape", "per_device_us", "decode_us", "fused_us",
-                            "gemm_us", "xla_gemm_us", "separate_us", "fused_over_separate"])
+        print_table(times, ["codec", "p", "exchange", "shape", "per_device_us", "decode_us",
+                            "fused_us", "gemm_us", "xla_gemm_us", "separate_us",
+                            "fused_over_separate"])
     failed = [r for r in checks if not r["ok"]]
     if failed:
         r = failed[0]
-        print(f"bench.gemm_codec: FAILED {r['codec']} P={r['p']} {r['shape']}: {r['reason']} "
-              f"({len(failed)} of {len(checks)} configurations failed)")
+        print(f"bench.gemm_codec: FAILED {r['codec']} P={r['p']} {r['exchange']} "
+              f"{r['shape']}: {r['reason']} ({len(failed)} of {len(checks)} configurations "
+              f"failed)")
         return 1
     return 0
 

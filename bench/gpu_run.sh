@@ -115,10 +115,13 @@
 #                  → bench/results/train_step_emulated_overlap.json
 #   gemm_codec     python -m bench.gemm_codec: the row-parallel GEMM whose epilogue encodes
 #                  (kernels.gemm) as a loopback on one GPU, per codec of GEMM_CODEC_CODECS
-#                  (default taco echo4; each its own run ≤ 540 s, merged with --update):
-#                  checks at P = GEMM_CODEC_P (default 2 4 8), bf16, 350m's and comm_heavy's attention-output and
-#                  MLP-output GEMMs and an odd shape (the same bits on every virtual device,
-#                  NaN rows, error ≤ 1.05 × its jnp reference's; 3 calls), then the device
+#                  (default taco echo4) and exchange of GEMM_CODEC_EXCHANGES (default all
+#                  owner: the all-reduce, the reduce-scatter), each its own run ≤ 540 s,
+#                  merged with --update (one pair a call keeps a call under 10 min):
+#                  checks at P = GEMM_CODEC_P (default 2 4 8), bf16, 350m's and
+#                  comm_heavy's attention-output and MLP-output GEMMs and an odd shape (the
+#                  same bits on every virtual device, or the owners' rows the all-reduce's;
+#                  NaN rows; error ≤ 1.05 × its jnp reference's; 3 calls), then the device
 #                  time of each passed configuration: the GEMM with its encode and exchange,
 #                  the decode with the residual, the same GEMM plain, XLA's dot, the
 #                  three-launch path → bench/results/gemm_codec_checks.json,
@@ -317,8 +320,11 @@ for s in "$@"; do
                               none:overlap taco:overlap echo4:overlap --steps 10 \
                               --out bench/results/train_step_emulated_overlap.json ;;
     gemm_codec) for codec in ${GEMM_CODEC_CODECS:-taco echo4}; do
-                  step "gemm_codec_$codec" 540 python -m bench.gemm_codec --codecs "$codec" \
-                    --p ${GEMM_CODEC_P:-2 4 8} --calls 3 --timeout 100 --update
+                  for exchange in ${GEMM_CODEC_EXCHANGES:-all owner}; do
+                    step "gemm_codec_${codec}_$exchange" 540 python -m bench.gemm_codec \
+                      --codecs "$codec" --exchanges "$exchange" --p ${GEMM_CODEC_P:-2 4 8} \
+                      --calls 3 --timeout 100 --update
+                  done
                 done ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \

@@ -22,20 +22,26 @@ def run(tmp_path, capsys, *extra):
 def test_checks_pass_on_the_reference(tmp_path, capsys):
     rc, res, _ = run(tmp_path, capsys)
     assert rc == 0 and {"device", "jax", "commit", "sources", "rows"} <= set(res)
-    (row,) = res["rows"]
-    assert {"codec", "p", "dtype", "shape", "ok", "sources"} <= set(row)
-    assert row["ok"] and row["same_on_every_device"] and row["nan_rows_ok"]
-    assert 0 < row["rel_err"] == row["reference_rel_err"] < 0.2
+    rows = {r["exchange"]: r for r in res["rows"]}
+    assert set(rows) == {"all", "owner"}
+    for row in rows.values():
+        assert {"codec", "p", "dtype", "shape", "ok", "sources"} <= set(row)
+        assert row["ok"] and row["nan_rows_ok"]
+        assert 0 < row["rel_err"] == row["reference_rel_err"] < 0.2
+    assert rows["all"]["same_on_every_device"] and rows["owner"]["shards_are_the_all_reduce"]
 
 
-@pytest.mark.parametrize("wrong,reason", [("slot", "results differ between virtual devices"),
-                                          ("stale", "rel_err .* > its reference's")])
-def test_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong, reason):
+@pytest.mark.parametrize("wrong,exchange,reason", [
+    ("slot", "all", "results differ between virtual devices"),
+    ("slot", "owner", "the owners' rows are not the all-reduce's"),
+    ("stale", "all", "rel_err .* > its reference's")])
+def test_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong, exchange, reason):
     import re
-    rc, res, out = run(tmp_path, capsys, "--wrong-exchange", wrong)
+    rc, res, out = run(tmp_path, capsys, "--wrong-exchange", wrong, "--exchanges", exchange)
     assert rc == 1 and not res["rows"][0]["ok"]
     last = out.strip().splitlines()[-1]
-    assert last.startswith("bench.gemm_codec: FAILED echo4 P=2") and re.search(reason, last)
+    assert last.startswith(f"bench.gemm_codec: FAILED echo4 P=2 {exchange}")
+    assert re.search(reason, last)
 
 
 def test_shapes_are_the_presets_row_parallel_gemms():
@@ -45,6 +51,7 @@ def test_shapes_are_the_presets_row_parallel_gemms():
     assert gemm_codec.gemm_shape("350m.mlp_out", 2) == (dims["tokens"], dims["d_ff"] // 2,
                                                         dims["d_model"])
     assert gemm_codec.gemm_shape("odd", 4) == gemm_codec.ODD
+    assert gemm_codec.gemm_shape("odd", 8, "owner") == gemm_codec.ODD_OWNER
     assert gemm_codec.gemm_shape("192x320x768", 2) == (192, 320, 768)
     with pytest.raises(SystemExit, match="nope"):
         gemm_codec.gemm_shape("350m.nope", 2)

@@ -94,6 +94,22 @@ def test_the_row_parallel_all_reduce_lowers_on_a_mesh():
     assert "taco_gemm_encode" in text and "taco_decode_residual" in text
 
 
+def test_the_reduce_scatter_lowers_on_a_mesh():
+    """Megatron-SP's form: each tile's wire to the owner of its rows only, the owner
+    decoding its rows with its residual shard."""
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+    m, k, n = SHAPE_350M
+
+    def body(x, w, r):
+        return gemm.gemm_reduce_scatter(x[0], w[0], r, "tp", 4, TACO)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P("tp")),
+                      out_specs=P("tp"), check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
+            for s in [(4, m, k // 4), (4, k // 4, n), (m, n)]]
+    text = lower(f, *args)
+    assert "taco_gemm_encode" in text and "taco_decode_residual" in text
+
+
 def test_plain_gemm_lowers():
     assert "taco_gemm" in lower(lambda x, w: gemm.matmul(x[0], w[0]), *operands(1, SHAPE_350M))
 
@@ -171,12 +187,14 @@ def random_operands(p, m, k, n, seed=0):
 
 def test_interpreted_pipeline_exchange_and_decode(interpreted):
     """With the stand-in codec, each virtual device's receive buffer holds every device's
-    wire of round(x @ w) in tile-major order, byte for byte; the decode adds the P decoded
-    wires in order and the residual, as its reference does. 2 virtual devices of 2 GEMM
-    programs, 2 compute warpgroups each, 2 tiles a program, 2 K steps through 2 slots; 4
-    decode programs a device, 2 tiles each, their wires through 2 slots in 2 parts."""
+    wire of round(x @ w) in tile-major order, byte for byte (exchange "owner": the slice of
+    its own rows); the decode adds the P decoded wires in order and the residual, as its
+    reference does. 2 virtual devices of 2 GEMM programs, 2 compute warpgroups each, 2
+    tiles a program, 2 K steps through 2 slots; 2 decode programs a device, 4 tiles each,
+    4 wire loads a tile (2 sources in 2 parts) through 5 slots, so loads run ahead into
+    the next tile."""
     p, (m, k, n) = 2, (256, 128, 512)
-    cfg, dcfg = GemmConfig(steps=2), dr.DecodeConfig()
+    cfg, dcfg = GemmConfig(steps=2), dr.DecodeConfig(ring=5, per_sm=1)
     xs, ws, res = random_operands(p, m, k, n)
     recv = np.asarray(gemm.loopback_gemm_encode.__wrapped__(xs, ws, None, cfg))
     assert recv.shape == (p, p, m * n // 256, 256)
@@ -185,6 +203,10 @@ def test_interpreted_pipeline_exchange_and_decode(interpreted):
         want = np.asarray(lax.bitcast_convert_type(gemm.tile_blocks(y), jnp.uint16) >> 8)
         for d in range(p):
             np.testing.assert_array_equal(recv[d, j], want, err_msg=f"device {d}, slot {j}")
+    owned = np.asarray(gemm.loopback_gemm_encode.__wrapped__(xs, ws, None, cfg, "owner"))
+    per_owner = m * n // 256 // p                # "owner": each device's rows' tiles only
+    for o in range(p):
+        np.testing.assert_array_equal(owned[o], recv[o, :, o * per_owner:(o + 1) * per_owner])
     got = gemm.decode_sum_residual.__wrapped__(jnp.asarray(recv), jnp.stack([res] * p), None,
                                                dcfg)
     total = sum(gemm.untile_blocks(high_byte_values(jnp.asarray(recv[0, j])), m, n)

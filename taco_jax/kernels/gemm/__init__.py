@@ -1,8 +1,8 @@
 """GEMMs whose epilogue keeps the codec on chip (Pallas Mosaic GPU, Hopper): the plain
 warp-specialized GEMM and its pipeline (`matmul`), the GEMM whose epilogue encodes its
-output tiles and stores the wire into every device's receive buffer (`encode_epilogue`),
+output tiles and stores the wire into its destinations' receive buffers (`encode_epilogue`),
 the decode, sum and residual add that consumes them (`decode_residual`), and the two as
-the row-parallel GEMM's compressed all-reduce (`row_parallel`). Each with its jnp
+the row-parallel GEMM's compressed all-reduce or reduce-scatter (`row_parallel`). Each with its jnp
 reference. Only explicit calls use them: no library path selects them until their GPU
 checks pass (`bench/gemm_codec.py`)."""
 from taco_jax.kernels.gemm.config import GemmConfig
@@ -14,10 +14,11 @@ from taco_jax.kernels.gemm.encode_epilogue import (gemm_encode, gemm_encode_exch
                                                    untile_blocks)
 from taco_jax.kernels.gemm.matmul import matmul, matmul_reference
 from taco_jax.kernels.gemm.row_parallel import (gemm_allreduce, gemm_allreduce_reference,
-                                                loopback_gemm_allreduce, unsupported)
+                                                gemm_reduce_scatter, loopback_gemm_allreduce,
+                                                unsupported)
 
 __all__ = ["GemmConfig", "DecodeConfig", "decode_sum_residual",
            "decode_sum_residual_reference", "gemm_encode", "gemm_encode_exchange",
            "gemm_encode_reference", "loopback_gemm_encode", "tile_blocks", "untile_blocks",
            "matmul", "matmul_reference", "gemm_allreduce", "gemm_allreduce_reference",
-           "loopback_gemm_allreduce", "unsupported"]
+           "gemm_reduce_scatter", "loopback_gemm_allreduce", "unsupported"]

@@ -158,8 +158,10 @@ def _body(tiles, cfg: DecodeConfig, p: int, nprog: int, n_ops: int, batched: boo
 
         @pl.when(count > 0)
         def _():
-            for u in range(min(ring, per_tile)):
-                load_item(u)
+            for u in range(ring):
+                @pl.when(u < items)
+                def _():
+                    load_item(u)
             load_residual(0)
 
             @pl.loop(0, count)
@@ -213,6 +215,12 @@ def decode_sum_residual(recv, residual, codec, cfg: DecodeConfig | None = None):
       cfg: `DecodeConfig`; None: its defaults.
     Returns: residual's shape and dtype.
     Raises: ValueError naming what is not covered."""
+    return decode_launch(recv, residual, codec, cfg)
+
+
+def decode_launch(recv, residual, codec, cfg: DecodeConfig | None = None, out_mat=None):
+    """`decode_sum_residual` unjitted, its result's `manual_axis_type` out_mat (inside
+    shard_map under check_vma; None without)."""
     cfg = cfg or DecodeConfig()
     batched = residual.ndim == 3
     p = recv.shape[-3] if recv.ndim >= 3 else 0
@@ -236,8 +244,10 @@ def decode_sum_residual(recv, residual, codec, cfg: DecodeConfig | None = None):
                plgpu.Barrier(num_barriers=max(len(ops), 1))]
     scratch += [plgpu.SMEM(a.shape, a.dtype, transforms=t) for a, t in ops]
     body = _body(tiles, cfg, p, nprog, len(ops), batched, n // TILE_N, n_tiles, dtype)
+    out = (jax.ShapeDtypeStruct(residual.shape, dtype) if out_mat is None else
+           jax.ShapeDtypeStruct(residual.shape, dtype, manual_axis_type=out_mat))
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(residual.shape, dtype), scratch_types=scratch,
+        body, out_type=out, scratch_types=scratch,
         grid=(groups * nprog,), grid_names=("prog",), kernel_name="taco_decode_residual",
         compiler_params=plgpu.CompilerParams(lowering_semantics=registers.LANE))
     return kernel(_wire_lines(recv), residual, *[a for a, _ in ops])

@@ -12,7 +12,9 @@ values of an output row, so N % 256 == 0), one codec tile. Its epilogue rounds i
 shared-memory tile (the tile codec's input transforms), encodes it, stages the 64 wire rows
 in the same shared memory and stores them by TMA, as whole 256-byte lines, into every
 device's receive buffer (`fused.peers`: `Remote` peers over a mesh axis, or `Loopback`, P
-virtual devices as P groups of programs of one launch), this device's own slot last.
+virtual devices as P groups of programs of one launch), this device's own slot last, or
+(exchange "owner") into the receive buffer of the device that owns the tile's rows only:
+the reduce-scatter of sequence parallelism, one wire write per tile instead of P.
 When a compute warpgroup's stores have all landed it signals the same warpgroup of the
 same program on every peer and waits for theirs: once a device's kernel ends, its receive
 buffer holds every device's wire.
@@ -46,6 +48,11 @@ from taco_jax.kernels.gemm.config import (ROWS, TILE_N, GemmConfig, buffer_bytes
 
 LINE = 256                   # bytes per TMA line of a wire tile
 MAX_P = 8
+# Where a tile's wire goes: "all", every device's receive buffer (the one-shot all-reduce:
+# each device decodes all P wires of every tile); "owner", the device that owns the tile's
+# rows (M split into P contiguous ranges: the reduce-scatter of sequence parallelism, a
+# device writing its wire once instead of P times).
+EXCHANGES = ("all", "owner")
 STAGE_LINES = ROWS * TILE_N * 2 // LINE   # a (64, 256) 16-bit tile: 128 lines of staging
 
 
@@ -97,16 +104,23 @@ def untile_blocks(blocks, m: int, n: int):
 
 
 # -- what is covered --------------------------------------------------------------------------
-def unsupported(codec, p: int, x_shape, w_shape, dtype,
-                cfg: GemmConfig | None = None) -> str | None:
+def unsupported(codec, p: int, x_shape, w_shape, dtype, cfg: GemmConfig | None = None,
+                exchange: str = "all") -> str | None:
     """Why the GEMM with the encode epilogue does not cover this call (None: it does):
     `matmul.unsupported`'s shapes and dtypes (M a multiple of 64·wgs, K of tile_k, N of
-    256; bf16 or f16), P = 1..8 devices, and a codec with tile math for the dtype (the
-    Hadamard FP8 codecs with B = 256, echo4)."""
+    256; bf16 or f16), P = 1..8 devices, a codec with tile math for the dtype (the
+    Hadamard FP8 codecs with B = 256, echo4); exchange "owner" needs M / 64 divisible by P
+    (each owner's rows whole tiles)."""
     if not 1 <= p <= MAX_P:
         return f"P={p} devices (covered: 1..{MAX_P})"
-    return (matmul.unsupported(x_shape, w_shape, dtype, cfg or default_config(x_shape[-2]))
-            or tile_unsupported(codec, dtype))
+    if exchange not in EXCHANGES:
+        return f"exchange={exchange!r} (covered: {', '.join(EXCHANGES)})"
+    why = (matmul.unsupported(x_shape, w_shape, dtype, cfg or default_config(x_shape[-2]))
+           or tile_unsupported(codec, dtype))
+    if why is None and exchange == "owner" and (x_shape[-2] // ROWS) % p:
+        why = (f"M={x_shape[-2]} in P={p} owners' rows: M / {ROWS} must be divisible by P "
+               f"(whole tiles each)")
+    return why
 
 
 def default_config(m: int) -> GemmConfig:
@@ -137,9 +151,10 @@ def _scratch(tiles, dtype, cfg: GemmConfig, p: int, remote: bool) -> list:
 
 
 def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
-          tiles_n: int, dtype):
+          tiles_n: int, dtype, exchange: str):
     """The kernel body for plgpu.kernel: (x, w, *operands, recv, *scratch)."""
     p, nprog = peers.p, peers.nprog
+    owned_rows = tiles_m * cfg.wgs // p          # "owner": row tiles (of 64) an owner has
     row = tiles.row_bytes
     lines = ROWS * row // LINE
 
@@ -161,9 +176,30 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
             for k, (src, dst) in enumerate(zip(consts_gmem, consts)):
                 plgpu.copy_gmem_to_smem(src, dst, c_bar.at[k])
 
+        def send(stage, r, tn):
+            """The staged wire of codec tile (row tile r, column tile tn) → its
+            destinations' receive buffers, slot me."""
+            if exchange == "all":
+                rows = pl.ds((r * tiles_n + tn) * lines, lines)
+                for k in range(1, p + 1):              # peers first, this device's slot last
+                    dst = recv_mine if k == p else peers.peer(recv_gmem, me, (me + k) % p)
+                    plgpu.copy_smem_to_gmem(stage, dst.at[me, rows])
+                return
+            owner = r // owned_rows
+            rows = pl.ds(((r - owner * owned_rows) * tiles_n + tn) * lines, lines)
+
+            @pl.when(owner == me)
+            def _():
+                plgpu.copy_smem_to_gmem(stage, recv_mine.at[me, rows])
+            if p > 1:
+                @pl.when(owner != me)
+                def _():
+                    plgpu.copy_smem_to_gmem(stage, peers.peer(recv_gmem, me, owner).at[
+                        me, rows])
+
         def epilogue(i, at, g, acc):
             tm, tn = at
-            t = (tm * cfg.wgs + g) * tiles_n + tn          # the codec tile, row-major
+            r = tm * cfg.wgs + g                    # the codec tile's row of 64-row tiles
             xs, ws = xs_smem.at[g], ws_smem.at[g]
             # the staging was last read by the previous tile's wire stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -174,10 +210,7 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
             stage = ws.at[pl.ds(0, lines)]
             tiles.store(wire_view(stage, row), wire)
             plgpu.commit_smem()
-            rows = pl.ds(t * lines, lines)
-            for k in range(1, p + 1):                  # peers first, this device's slot last
-                dst = recv_mine if k == p else peers.peer(recv_gmem, me, (me + k) % p)
-                plgpu.copy_smem_to_gmem(stage, dst.at[me, rows])
+            send(stage, r, tn)
 
         def handshake(g):
             """Compute warpgroup g's stores have landed: tell the peers' warpgroup g of
@@ -200,13 +233,14 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
     return body
 
 
-def _launch(x, w, tiles, peers, cfg: GemmConfig, mat=None):
+def _launch(x, w, tiles, peers, cfg: GemmConfig, exchange: str = "all", mat=None):
     """x (…, M, K), w (…, K, N), a leading P in loopback → the receive buffers: (…, P,
-    n_tiles·lines, 256), slot j device j's wire."""
+    tiles·lines, 256), slot j device j's wire (exchange "all": of every tile; "owner": of
+    this device's rows' tiles)."""
     dtype = x.dtype
     m, n = x.shape[-2], w.shape[-1]
     tiles_m, tiles_n = matmul.tile_grid(m, n, cfg)
-    n_tiles = (m // ROWS) * (n // TILE_N)
+    n_tiles = (m // ROWS) * (n // TILE_N) // (peers.p if exchange == "owner" else 1)
     lines = ROWS * tiles.row_bytes // LINE
     remote = isinstance(peers, Remote)
     lead = () if remote else (peers.p,)
@@ -214,7 +248,8 @@ def _launch(x, w, tiles, peers, cfg: GemmConfig, mat=None):
     out = (jax.ShapeDtypeStruct(shape, jnp.uint8) if mat is None else
            jax.ShapeDtypeStruct(shape, jnp.uint8, manual_axis_type=mat))
     operands = [a for a, _ in tiles.operands(dtype)]
-    body = _body(peers, tiles, cfg, len(operands), remote, tiles_m, tiles_n, dtype)
+    body = _body(peers, tiles, cfg, len(operands), remote, tiles_m, tiles_n, dtype,
+                 exchange)
     return matmul.launch(body, (x, w, *operands), out_type=out,
                          scratch=_scratch(tiles, dtype, cfg, peers.p, remote), cfg=cfg,
                          nprog=peers.nprog, groups=1 if remote else peers.p,
@@ -229,8 +264,8 @@ def wire_view(lines_ref, row_bytes: int):
     return lines_ref.reshape(ROWS, row_bytes)
 
 
-def _check(where, codec, p, x, w, cfg):
-    why = unsupported(codec, p, x.shape, w.shape, x.dtype, cfg) or (
+def _check(where, codec, p, x, w, cfg, exchange="all"):
+    why = unsupported(codec, p, x.shape, w.shape, x.dtype, cfg, exchange) or (
         None if w.dtype == x.dtype else f"x is {x.dtype}, w is {w.dtype}")
     if why is not None:
         raise ValueError(f"{where}: {why}")
@@ -264,44 +299,50 @@ def gemm_encode(x, w, codec, cfg: GemmConfig | None = None):
     return _wire_rows(recv[0, 0], tiles.row_bytes)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "cfg"))
-def loopback_gemm_encode(xs, ws, codec, cfg: GemmConfig | None = None):
+@functools.partial(jax.jit, static_argnames=("codec", "cfg", "exchange"))
+def loopback_gemm_encode(xs, ws, codec, cfg: GemmConfig | None = None,
+                         exchange: str = "all"):
     """The exchange kernel on one GPU for P = xs.shape[0] virtual devices: device d
-    computes xs[d] @ ws[d], encodes it and stores the wire into every device's receive
-    buffer.
+    computes xs[d] @ ws[d], encodes it and stores each tile's wire into its destinations'
+    receive buffers.
 
     Args:
       xs: (P, M, K); ws: (P, K, N), as `gemm_encode`'s x and w per device.
-    Returns: (P, P, M·N/256, row_bytes) uint8: [d, j] device j's wire as device d received
-      it (the same for every d when the exchange is right).
+      exchange: "all" (every device gets every tile) or "owner" (device o gets the tiles
+        of rows [o·M/P, (o+1)·M/P)).
+    Returns: (P, P, rows, row_bytes) uint8: [d, j] device j's wire as device d received it;
+      "all": rows = M·N/256, the same for every d when the exchange is right; "owner":
+      rows = M·N/(256·P), device j's wire of d's rows (tile-major over them).
     Raises: ValueError as `gemm_encode`."""
     p = xs.shape[0]
     cfg = cfg or default_config(xs.shape[-2])
-    _check("loopback_gemm_encode", codec, p, xs[0], ws[0], cfg)
+    _check("loopback_gemm_encode", codec, p, xs[0], ws[0], cfg, exchange)
     tiles = tile_codec(codec)
     tiles_m, tiles_n = matmul.tile_grid(xs.shape[-2], ws.shape[-1], cfg)
     peers = Loopback(p, cfg.grid(tiles_m * tiles_n, p), phases=cfg.wgs)
-    return _wire_rows(_launch(xs, ws, tiles, peers, cfg), tiles.row_bytes)
+    return _wire_rows(_launch(xs, ws, tiles, peers, cfg, exchange), tiles.row_bytes)
 
 
-def gemm_encode_exchange(x, w, axis: str, p: int, codec, *, out_mat=None,
-                         cfg: GemmConfig | None = None):
+def gemm_encode_exchange(x, w, axis: str, p: int, codec, *, exchange: str = "all",
+                         out_mat=None, cfg: GemmConfig | None = None):
     """Inside `jax.shard_map` over GPUs of one process (mesh devices 0..n−1 in order):
-    this device's encode(round(x @ w)) stored into every member of mesh axis `axis`.
+    this device's encode(round(x @ w)), each tile stored into its destinations among the
+    members of mesh axis `axis`.
 
     Args:
       x, w: this device's operands, as `gemm_encode`'s.
       axis: the mesh axis of the P devices; p: its size (1..8).
+      exchange: "all" or "owner", as `loopback_gemm_encode`'s.
       out_mat: the result's `manual_axis_type` under check_vma (None without).
-    Returns: (P, M·N/256, row_bytes) uint8, slot j device j's wire (tile-major), complete
-      when the kernel ends.
+    Returns: (P, rows, row_bytes) uint8, slot j device j's wire (tile-major; "all": of
+      every tile, "owner": of this device's rows), complete when the kernel ends.
     Raises: ValueError as `gemm_encode`."""
     cfg = cfg or default_config(x.shape[-2])
-    _check("gemm_encode_exchange", codec, p, x, w, cfg)
+    _check("gemm_encode_exchange", codec, p, x, w, cfg, exchange)
     tiles = tile_codec(codec)
     tiles_m, tiles_n = matmul.tile_grid(x.shape[-2], w.shape[-1], cfg)
     peers = Remote(axis, p, cfg.grid(tiles_m * tiles_n, 1))
-    return _wire_rows(_launch(x, w, tiles, peers, cfg, out_mat), tiles.row_bytes)
+    return _wire_rows(_launch(x, w, tiles, peers, cfg, exchange, out_mat), tiles.row_bytes)
 
 
 def gemm_encode_reference(x, w, codec):
