@@ -5,9 +5,10 @@ overrides.
 
 `codec=X` is shorthand for every axis at once: `model.codec_fwd=X model.codec_bwd=X` (tensor
 parallelism), `recipe.codec_pp=X` (pipeline hand-offs) and `recipe.codec_dp=X` (data-parallel
-gradients), so `codec=none` is the exact baseline. Values are parsed as YAML
-(`train.steps=50`, `data.paths=[a.txt, b/]`). Unknown keys and mistyped values raise ValueError
-naming them; `Config.validate` checks everything that does not need devices.
+gradients), with `recipe.codec=X` the default, so `codec=none` is the exact baseline. Values
+are parsed as YAML (`train.steps=50`, `data.paths=[a.txt, b/]`). Unknown keys and mistyped
+values raise ValueError naming them; `Config.validate` checks everything that does not need
+devices.
 """
 from __future__ import annotations
 
@@ -378,6 +379,8 @@ def parse_overrides(overrides: Iterable[str]) -> dict:
                     taco_jax.codecs.get(value)
                 except (ValueError, TypeError) as e:  # named as typed, not as expanded
                     raise ValueError(f"{item}: {e}") from None
+                # the recipe's default too, so config.yaml names the codec that runs
+                _set_dotted(tree, "recipe.codec", value)
             for field in SHORTHAND_FIELDS:
                 _set_dotted(tree, field, value)
         else:

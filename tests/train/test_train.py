@@ -95,6 +95,10 @@ def test_overrides_and_codec_shorthand():
     cfg = config_lib.load_config("tiny", ["codec=none", "model.n_layer=2", "optim.lr=1e-3",
                                           "data.paths=[a, b]", "train.async_ckpt=false"])
     assert (cfg.model.codec_fwd, cfg.model.codec_bwd) == ("none", "none")
+    # the saved config names the codec that runs, the recipe's default included
+    assert cfg.recipe.codec == "none" and set(cfg.codecs().values()) == {"none"}
+    assert "taco" not in __import__("yaml").safe_load(config_lib.dump(cfg))["recipe"].values()
+    assert config_lib.load_config("tiny", ["codec=null"]).recipe.codec == "taco"
     assert cfg.model.n_layer == 2 and cfg.optim.lr == 1e-3 and cfg.data.paths == ("a", "b")
     assert cfg.train.async_ckpt is False
     cfg = config_lib.load_config("tiny", ["model.codec_fwd=taco", "model.codec_bwd=fp8",
