@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from taco_jax import codecs
 from taco_jax.kernels import gemm
 from taco_jax.kernels.fused import peers as peers_lib
-from taco_jax.kernels.gemm import decode_residual as dr, encode_epilogue as ee, matmul as mm
+from taco_jax.kernels.gemm import decode_residual as dr, encode_epilogue as ee
 from taco_jax.kernels.gemm.config import SMEM_PER_SM, SMEM_RESERVED, GemmConfig
 from taco_jax.kernels.mosaic import registers
 from taco_jax.numerics.blocks import to_blocks

@@ -1,10 +1,10 @@
-"""GEMMs whose epilogue keeps the codec on chip (Pallas Mosaic GPU, Hopper): the plain
-warp-specialized GEMM and its pipeline (`matmul`), the GEMM whose epilogue encodes its
-output tiles and stores the wire into its destinations' receive buffers (`encode_epilogue`),
-the decode, sum and residual add that consumes them (`decode_residual`), and the two as
-the row-parallel GEMM's compressed all-reduce or reduce-scatter (`row_parallel`). Each with its jnp
-reference. Only explicit calls use them: no library path selects them until their GPU
-checks pass (`bench/gemm_codec.py`)."""
+"""GEMMs whose epilogue keeps the codec on chip (Pallas Mosaic GPU, Hopper): the
+warp-specialized GEMM's pipeline and the plain GEMM on it (`pipeline`), the GEMM whose
+epilogue encodes its output tiles and stores the wire into its destinations' receive
+buffers (`encode_epilogue`), the decode, sum and residual add that consumes them
+(`decode_residual`), and the two as the row-parallel GEMM's compressed all-reduce or
+reduce-scatter (`row_parallel`), each with its jnp reference. Only explicit calls use
+them: no library path selects them until their GPU checks pass (`bench/gemm_codec.py`)."""
 from taco_jax.kernels.gemm.config import GemmConfig
 from taco_jax.kernels.gemm.decode_residual import (DecodeConfig, decode_sum_residual,
                                                    decode_sum_residual_reference)
@@ -12,7 +12,7 @@ from taco_jax.kernels.gemm.encode_epilogue import (gemm_encode, gemm_encode_exch
                                                    gemm_encode_reference,
                                                    loopback_gemm_encode, tile_blocks,
                                                    untile_blocks)
-from taco_jax.kernels.gemm.matmul import matmul, matmul_reference
+from taco_jax.kernels.gemm.pipeline import matmul, matmul_reference
 from taco_jax.kernels.gemm.row_parallel import (gemm_allreduce, gemm_allreduce_reference,
                                                 gemm_reduce_scatter, loopback_gemm_allreduce,
                                                 unsupported)

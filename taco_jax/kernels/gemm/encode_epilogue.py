@@ -6,7 +6,7 @@ bf16 and compress never reads it back.
     rounded to x's dtype (the partial the separate path would write) and encoded by the
     codec's tile codec (`kernels.tile_codec`: taco's transform and scales, echo4's groups).
 
-The GEMM is `matmul`'s warp-specialized pipeline. Each compute warpgroup's accumulator is
+The GEMM is `pipeline`'s warp-specialized one. Each compute warpgroup's accumulator is
 64 rows × 256 columns of the output: 64 of the codec's blocks (a block is 256 consecutive
 values of an output row, so N % 256 == 0), one codec tile. Its epilogue rounds it into a
 shared-memory tile (the tile codec's input transforms), encodes it, stages the 64 wire rows
@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax.kernels.fused.peers import Loopback, Remote
-from taco_jax.kernels.gemm import matmul
+from taco_jax.kernels.gemm import pipeline
 from taco_jax.kernels.gemm.config import (ROWS, TILE_N, GemmConfig, buffer_bytes)
 
 LINE = 256                   # bytes per TMA line of a wire tile
@@ -107,7 +107,7 @@ def untile_blocks(blocks, m: int, n: int):
 def unsupported(codec, p: int, x_shape, w_shape, dtype, cfg: GemmConfig | None = None,
                 exchange: str = "all") -> str | None:
     """Why the GEMM with the encode epilogue does not cover this call (None: it does):
-    `matmul.unsupported`'s shapes and dtypes (M a multiple of 64·wgs, K of tile_k, N of
+    `pipeline.unsupported`'s shapes and dtypes (M a multiple of 64·wgs, K of tile_k, N of
     256; bf16 or f16), P = 1..8 devices, a codec with tile math for the dtype (the
     Hadamard FP8 codecs with B = 256, echo4); exchange "owner" needs M / 64 divisible by P
     (each owner's rows whole tiles)."""
@@ -115,7 +115,7 @@ def unsupported(codec, p: int, x_shape, w_shape, dtype, cfg: GemmConfig | None =
         return f"P={p} devices (covered: 1..{MAX_P})"
     if exchange not in EXCHANGES:
         return f"exchange={exchange!r} (covered: {', '.join(EXCHANGES)})"
-    why = (matmul.unsupported(x_shape, w_shape, dtype, cfg or default_config(x_shape[-2]))
+    why = (pipeline.unsupported(x_shape, w_shape, dtype, cfg or default_config(x_shape[-2]))
            or tile_unsupported(codec, dtype))
     if why is None and exchange == "owner" and (x_shape[-2] // ROWS) % p:
         why = (f"M={x_shape[-2]} in P={p} owners' rows: M / {ROWS} must be divisible by P "
@@ -124,7 +124,7 @@ def unsupported(codec, p: int, x_shape, w_shape, dtype, cfg: GemmConfig | None =
 
 
 def default_config(m: int) -> GemmConfig:
-    return matmul.default_config(m)
+    return pipeline.default_config(m)
 
 
 def smem_bytes(codec, dtype, cfg: GemmConfig) -> int:
@@ -145,7 +145,7 @@ def _scratch(tiles, dtype, cfg: GemmConfig, p: int, remote: bool) -> list:
         plgpu.SMEM((cfg.wgs, ROWS, TILE_N), dtype, transforms=tiles.x_transforms(dtype)),
         plgpu.SMEM((cfg.wgs, STAGE_LINES, LINE), jnp.uint8))
     consts = [plgpu.SMEM(a.shape, a.dtype, transforms=t) for a, t in tiles.operands(dtype)]
-    return (matmul.pipeline_scratch(cfg, dtype) + [staging] + consts
+    return (pipeline.pipeline_scratch(cfg, dtype) + [staging] + consts
             + [plgpu.Barrier(num_barriers=max(len(consts), 1))]
             + ([plgpu.SemaphoreType.REGULAR((cfg.wgs * p,))] if remote else []))
 
@@ -169,7 +169,7 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
         x_mine, w_mine = peers.local(x_gmem, me), peers.local(w_gmem, me)
         recv_mine = peers.local(recv_gmem, me)
         sems = peers.semaphores(sem_scratch, me, b) if p > 1 else None
-        count, tile = matmul.program_tiles(tiles_m * tiles_n, nprog, b)
+        count, tile = pipeline.program_tiles(tiles_m * tiles_n, nprog, b)
 
         @pl.when(wg == 0)
         def _():
@@ -227,7 +227,7 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
             for k in range(n_ops):
                 plgpu.barrier_wait(c_bar.at[k])
 
-        matmul.mainloop(x_mine, w_mine, a_smem, b_smem, full, consumed, cfg=cfg,
+        pipeline.mainloop(x_mine, w_mine, a_smem, b_smem, full, consumed, cfg=cfg,
                         count=count, tile=tile, n_cols=tiles_n, epilogue=epilogue,
                         after=handshake)
     return body
@@ -239,7 +239,7 @@ def _launch(x, w, tiles, peers, cfg: GemmConfig, exchange: str = "all", mat=None
     this device's rows' tiles)."""
     dtype = x.dtype
     m, n = x.shape[-2], w.shape[-1]
-    tiles_m, tiles_n = matmul.tile_grid(m, n, cfg)
+    tiles_m, tiles_n = pipeline.tile_grid(m, n, cfg)
     n_tiles = (m // ROWS) * (n // TILE_N) // (peers.p if exchange == "owner" else 1)
     lines = ROWS * tiles.row_bytes // LINE
     remote = isinstance(peers, Remote)
@@ -250,7 +250,7 @@ def _launch(x, w, tiles, peers, cfg: GemmConfig, exchange: str = "all", mat=None
     operands = [a for a, _ in tiles.operands(dtype)]
     body = _body(peers, tiles, cfg, len(operands), remote, tiles_m, tiles_n, dtype,
                  exchange)
-    return matmul.launch(body, (x, w, *operands), out_type=out,
+    return pipeline.launch(body, (x, w, *operands), out_type=out,
                          scratch=_scratch(tiles, dtype, cfg, peers.p, remote), cfg=cfg,
                          nprog=peers.nprog, groups=1 if remote else peers.p,
                          name="taco_gemm_encode")
@@ -269,7 +269,7 @@ def _check(where, codec, p, x, w, cfg, exchange="all"):
         None if w.dtype == x.dtype else f"x is {x.dtype}, w is {w.dtype}")
     if why is not None:
         raise ValueError(f"{where}: {why}")
-    matmul.check_fits(where, smem_bytes(codec, x.dtype, cfg), cfg)
+    pipeline.check_fits(where, smem_bytes(codec, x.dtype, cfg), cfg)
 
 
 def _wire_rows(recv, row_bytes: int):
@@ -293,8 +293,8 @@ def gemm_encode(x, w, codec, cfg: GemmConfig | None = None):
     _check("gemm_encode", codec, 1, x, w, cfg)
     tiles = tile_codec(codec)
     m, n = x.shape[-2], w.shape[-1]
-    peers = Loopback(1, cfg.grid(matmul.tile_grid(m, n, cfg)[0] *
-                                 matmul.tile_grid(m, n, cfg)[1]), phases=cfg.wgs)
+    peers = Loopback(1, cfg.grid(pipeline.tile_grid(m, n, cfg)[0] *
+                                 pipeline.tile_grid(m, n, cfg)[1]), phases=cfg.wgs)
     recv = _launch(x[None], w[None], tiles, peers, cfg)
     return _wire_rows(recv[0, 0], tiles.row_bytes)
 
@@ -318,7 +318,7 @@ def loopback_gemm_encode(xs, ws, codec, cfg: GemmConfig | None = None,
     cfg = cfg or default_config(xs.shape[-2])
     _check("loopback_gemm_encode", codec, p, xs[0], ws[0], cfg, exchange)
     tiles = tile_codec(codec)
-    tiles_m, tiles_n = matmul.tile_grid(xs.shape[-2], ws.shape[-1], cfg)
+    tiles_m, tiles_n = pipeline.tile_grid(xs.shape[-2], ws.shape[-1], cfg)
     peers = Loopback(p, cfg.grid(tiles_m * tiles_n, p), phases=cfg.wgs)
     return _wire_rows(_launch(xs, ws, tiles, peers, cfg, exchange), tiles.row_bytes)
 
@@ -340,7 +340,7 @@ def gemm_encode_exchange(x, w, axis: str, p: int, codec, *, exchange: str = "all
     cfg = cfg or default_config(x.shape[-2])
     _check("gemm_encode_exchange", codec, p, x, w, cfg, exchange)
     tiles = tile_codec(codec)
-    tiles_m, tiles_n = matmul.tile_grid(x.shape[-2], w.shape[-1], cfg)
+    tiles_m, tiles_n = pipeline.tile_grid(x.shape[-2], w.shape[-1], cfg)
     peers = Remote(axis, p, cfg.grid(tiles_m * tiles_n, 1))
     return _wire_rows(_launch(x, w, tiles, peers, cfg, exchange, out_mat), tiles.row_bytes)
 
@@ -350,6 +350,6 @@ def gemm_encode_reference(x, w, codec):
     accumulation, rounded to x's dtype), blocks in tile-major order: (…, M·N/256,
     row_bytes) for x (…, M, K), w (…, K, N); a codec with B < 256 (echo4: 128) has
     256 / B of its rows in each."""
-    blocks = tile_blocks(matmul.matmul_reference(x, w))              # (…, rows, 256)
+    blocks = tile_blocks(pipeline.matmul_reference(x, w))              # (…, rows, 256)
     wire = codec.compress_reference(blocks.reshape(-1, codec.block_size))
     return wire.reshape(*blocks.shape[:-1], -1)     # a tile row: 256 // B codec rows

@@ -20,8 +20,9 @@ Per program, `mainloop`:
       wgmma in flight); then the epilogue on the accumulator while the memory warpgroup
       fills the slots with the next tile's first slices.
 The plain epilogue (`matmul`) rounds to the input dtype, stages the tile in shared memory
-and stores it by TMA. Mosaic GPU kernels do not run in Pallas' interpreter: on CPU they
-lower (the tests check that); `matmul_reference` is the jnp reference.
+and stores it by TMA; `matmul_reference` is the jnp reference. On CPU the kernels lower
+for CUDA, and the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`) runs this GEMM (it
+has no inline_mgpu, of which the codecs' tile math is made).
 """
 from __future__ import annotations
 
