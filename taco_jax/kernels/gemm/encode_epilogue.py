@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from taco_jax.kernels import tile_codec as tile_codec_lib
 from taco_jax.kernels.fused.peers import Loopback, Remote
 from taco_jax.kernels.gemm import pipeline
 from taco_jax.kernels.gemm.config import (ROWS, TILE_N, GemmConfig, buffer_bytes)
@@ -59,25 +60,13 @@ STAGE_LINES = ROWS * TILE_N * 2 // LINE   # a (64, 256) 16-bit tile: 128 lines o
 # -- the codec's tile math: the one place that asks for it ------------------------------------
 def tile_codec(codec):
     """The codec's tile codec (`kernels.tile_codec.TileCodec`: row_bytes, x_transforms,
-    operands, encode, store, load, decode_add, finish)."""
-    try:
-        from taco_jax.kernels import tile_codec as protocol
-    except ImportError:               # a library without the protocol module: its lookup
-        from taco_jax.kernels.fused.tiles import tile_codec as lookup
-        return lookup(codec)
-    return protocol.for_codec(codec)
+    operands, encode, store, load, decode_add, finish), with its default options."""
+    return tile_codec_lib.for_codec(codec)
 
 
 def tile_unsupported(codec, dtype) -> str | None:
     """Why the codec has no tile math for `dtype` input (None: it has)."""
-    try:
-        from taco_jax.kernels import tile_codec as protocol
-    except ImportError:
-        try:
-            return tile_codec(codec).unsupported(dtype)
-        except (AttributeError, ValueError) as e:
-            return f"{getattr(codec, 'name', codec)}: no tile codec ({e})"
-    return protocol.unsupported(codec, dtype)
+    return tile_codec_lib.unsupported(codec, dtype)
 
 
 # -- block order ------------------------------------------------------------------------------
