@@ -667,7 +667,7 @@ def _summary(prog: Program, loop: _Loop, run_dir: Path, resumed_from: int | None
         "final_train_loss": loop.last_loss, "final_val_loss": loop.val_loss,
         "step_time_s": step_time,
         "tokens_per_s": loop.tokens_per_step / step_time if step_time else None,
-        "compile_s": loop.compile_s, "params": n_params,
+        "compile_s": loop.compile_s, "params": n_params, "arch": cfg.model.arch,
         "mesh": {"data": model.data, "pipe": model.pipe, "tp": model.tp,
                  "emulated_tp": bool(model.emulate_tp)},
         "microbatches": model.microbatches, "bubble_fraction": model.bubble_fraction,
