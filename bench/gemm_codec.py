@@ -3,8 +3,8 @@ checks and device time.
 
     python -m bench.gemm_codec [--p 2 4 8] [--codecs taco echo4] [--shapes 350m.attn_out …]
                                [--exchanges all owner] [--calls 3] [--no-time]
-                               [--impl kernel|emulated] [--checks-out …] [--times-out …]
-                               [--update]
+                               [--gemm-config KEY=VALUE …] [--impl kernel|emulated]
+                               [--checks-out …] [--times-out …] [--update]
 
 P virtual devices are P groups of programs of one launch (`kernels.gemm`): device d
 computes x_d @ w_d, its GEMM's epilogue encodes each output tile and stores the wire into
@@ -31,7 +31,8 @@ is at most SLACK × that of the jnp reference (`gemm_allreduce_reference`, one q
 of round(x_j @ w_j)); "wire_rows_equal" is the share of device 0's wire rows, as device
 P − 1 received them, equal to the reference's bytes (the rounding of the f32 sums and the
 encoder's approximate reciprocals make a few differ). Rows → --checks-out, each with its
-codec, P, dtype, exchange, shape, ok, reason, the library's sources hash and the commit.
+codec, P, dtype, exchange, shape, the GEMM's launch ("config": `--gemm-config` over the
+default), ok, reason, the library's sources hash and the commit.
 
 Times (device time, per virtual device; a configuration is timed only after its checks
 pass): "per_device_us" the GEMM with its encode and exchange, "decode_us" the decode,
@@ -133,13 +134,36 @@ def owned_rows(y):
     return jnp.stack([y[o, o * (m // p):(o + 1) * (m // p)] for o in range(p)])
 
 
-def implementation(impl: str, codec, wrong: str | None = None, exchange: str = "all"):
+def gemm_config(pairs, m: int):
+    """["pingpong=true", "steps=2"] → kernels.gemm.GemmConfig: those fields over the
+    default for M rows; none → None (the default, as the kernels take it)."""
+    import dataclasses
+    from taco_jax.kernels.gemm import GemmConfig, encode_epilogue
+    if not pairs:
+        return None
+    fields = {f.name: f.type for f in dataclasses.fields(GemmConfig)}
+    kw = {}
+    for item in pairs:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"bench.gemm_codec: --gemm-config {item!r}: not a GemmConfig "
+                             f"field ({', '.join(fields)})")
+        kw[key] = (value in ("1", "true", "True") if "bool" in str(fields[key]) else
+                   None if value == "None" else int(value))
+    try:
+        return dataclasses.replace(encode_epilogue.default_config(m), **kw)
+    except ValueError as e:
+        raise SystemExit(f"bench.gemm_codec: --gemm-config {' '.join(pairs)}: {e}") from None
+
+
+def implementation(impl: str, codec, wrong: str | None = None, exchange: str = "all",
+                   cfg=None):
     """(xs, ws, residual) → exchange "all": (P, M, N), row d what device d computed;
-    "owner": (P, M / P, N), device o's rows."""
+    "owner": (P, M / P, N), device o's rows. cfg: the GEMM's launch (None: its default)."""
     scatter = exchange == "owner"
     if impl == "kernel":
         from taco_jax.kernels import gemm
-        return jax.jit(lambda xs, ws, r: gemm.loopback_gemm_allreduce(xs, ws, r, codec,
+        return jax.jit(lambda xs, ws, r: gemm.loopback_gemm_allreduce(xs, ws, r, codec, cfg,
                                                                       scatter=scatter))
     if scatter:
         return jax.jit(lambda xs, ws, r: owned_rows(emulated(xs, ws, r, codec, wrong)))
@@ -220,22 +244,29 @@ def check_call(fn, reference, xs, ws, res, nan_row, wire=None,
     return figures, why
 
 
+def describe(a) -> str:
+    return " ".join(a.gemm_config or ()) or "default"
+
+
 def run_checks(a, codec, p: int, shape: str, exchange: str = "all") -> dict:
     from taco_jax.kernels import gemm
     m, k, n = gemm_shape(shape, p, exchange)
-    row = {"kind": "check", "codec": a.codec_name, "p": p, "dtype": DTYPE, "shape": shape,
-           "exchange": exchange, "m": m, "k": k, "n": n, "impl": a.impl}
-    why = gemm.unsupported(codec, p, (m, k), (k, n), jnp.bfloat16, scatter=exchange == "owner")
+    cfg = gemm_config(a.gemm_config, m)
+    row = {"kind": "check", "kernel": "gemm_encode", "codec": a.codec_name, "p": p,
+           "dtype": DTYPE, "shape": shape, "exchange": exchange, "config": describe(a),
+           "m": m, "k": k, "n": n, "impl": a.impl}
+    why = gemm.unsupported(codec, p, (m, k), (k, n), jnp.bfloat16, cfg,
+                           scatter=exchange == "owner")
     if why is not None:
         return {**row, "ok": False, "reason": f"not covered: {why}", "calls": 0}
-    fn = implementation(a.impl, codec, a.wrong_exchange, exchange)
-    all_reduce = (implementation(a.impl, codec, a.wrong_exchange) if exchange == "owner"
-                  else None)
+    fn = implementation(a.impl, codec, a.wrong_exchange, exchange, cfg)
+    all_reduce = (implementation(a.impl, codec, a.wrong_exchange, cfg=cfg)
+                  if exchange == "owner" else None)
     reference = jax.jit(lambda xs, ws, r: gemm.gemm_allreduce_reference(xs, ws, r, codec))
     wire_fn = None
     if a.impl == "kernel":
         encode = jax.jit(lambda xs, ws: gemm.loopback_gemm_encode(
-            xs, ws, codec, exchange=exchange)[p - 1, 0])
+            xs, ws, codec, cfg, exchange=exchange)[p - 1, 0])
         ref_wire = jax.jit(lambda x, w: gemm.gemm_encode_reference(x, w, codec))
         rows = m * n // 256 // (p if exchange == "owner" else 1)       # device P − 1's
         first = rows * (p - 1) if exchange == "owner" else 0
@@ -265,20 +296,23 @@ def run_times(a, codec, p: int, shape: str, exchange: str = "all") -> dict:
     shape, XLA's dot, and one device's three-launch path."""
     from taco_jax.kernels import gemm
     m, k, n = gemm_shape(shape, p, exchange)
+    cfg = gemm_config(a.gemm_config, m)
     xs, ws, res, _ = make_inputs(jax.random.key(7), p, m, k, n)
     xs = jnp.nan_to_num(xs)
     resp = (res.reshape(p, m // p, n) if exchange == "owner" else
             jnp.broadcast_to(res, (p, m, n)))
     iters = 3 if p * m * n * 2 >= 1 << 28 else 10
     t = lambda fn, x: device_time(fn, x, iters=iters)                     # noqa: E731
-    enc = t(lambda a_: gemm.loopback_gemm_encode(*a_, codec, exchange=exchange), (xs, ws))
-    recv = gemm.loopback_gemm_encode(xs, ws, codec, exchange=exchange)
+    enc = t(lambda a_: gemm.loopback_gemm_encode(*a_, codec, cfg, exchange=exchange),
+            (xs, ws))
+    recv = gemm.loopback_gemm_encode(xs, ws, codec, cfg, exchange=exchange)
     dec = t(lambda a_: gemm.decode_sum_residual(*a_, codec), (recv, resp))
-    plain = t(lambda a_: gemm.matmul(*a_), (xs, ws))
+    plain = t(lambda a_: gemm.matmul(*a_, cfg), (xs, ws))
     xla = t(lambda a_: jnp.matmul(*a_, preferred_element_type=jnp.float32).astype(
         jnp.bfloat16), (xs, ws))
-    row = {"kind": "time", "codec": a.codec_name, "p": p, "dtype": DTYPE, "shape": shape,
-           "exchange": exchange, "m": m, "k": k, "n": n,
+    row = {"kind": "time", "kernel": "gemm_encode", "codec": a.codec_name, "p": p,
+           "dtype": DTYPE, "shape": shape, "exchange": exchange, "config": describe(a),
+           "m": m, "k": k, "n": n,
            "timer": "device" if enc.get("us") is not None else "host",
            "per_device_us": round(_us(enc) / p, 2), "decode_us": round(_us(dec) / p, 2),
            "gemm_us": round(_us(plain) / p, 2), "xla_gemm_us": round(_us(xla) / p, 2)}
@@ -334,6 +368,8 @@ def child_cmd(a, p: int) -> list[str]:
     cmd = [sys.executable, "-m", "bench.gemm_codec", "--one", a.codec_name, str(p),
            "--shapes", *a.shapes, "--exchanges", *a.exchanges, "--calls", str(a.calls),
            "--impl", a.impl]
+    if a.gemm_config:
+        cmd += ["--gemm-config", *a.gemm_config]
     if not a.time:
         cmd.append("--no-time")
     if a.wrong_exchange:
@@ -366,8 +402,9 @@ def run_children(a, groups, save=lambda rows: None) -> list[dict]:
                 why = f"timed out after {limit:.0f} s"
             got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
         done = {(r["exchange"], r["shape"]) for r in got if r["kind"] == "check"}
-        got += [{"kind": "check", "codec": codec_name, "p": p, "dtype": DTYPE, "shape": s,
-                 "exchange": e, "ok": False, "reason": why or "no result"}
+        got += [{"kind": "check", "kernel": "gemm_encode", "codec": codec_name, "p": p,
+                 "dtype": DTYPE, "shape": s, "exchange": e, "config": describe(a),
+                 "ok": False, "reason": why or "no result"}
                 for e in a.exchanges for s in a.shapes if (e, s) not in done]
         for r in got:
             if r["kind"] == "check":
@@ -379,7 +416,8 @@ def run_children(a, groups, save=lambda rows: None) -> list[dict]:
 
 
 def row_key(r: dict) -> tuple:
-    return r.get("codec"), r.get("p"), r.get("dtype"), r.get("exchange"), r.get("shape")
+    return (r.get("codec"), r.get("p"), r.get("dtype"), r.get("exchange"), r.get("shape"),
+            r.get("config", "default"))
 
 
 def merged(path: str, rows: list[dict], update: bool) -> list[dict]:
@@ -405,6 +443,9 @@ def main(argv=None) -> int:
                     help="all: the all-reduce (every tile to every device); owner: the "
                          "reduce-scatter (each tile to the owner of its rows)")
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--gemm-config", nargs="+", metavar="KEY=VALUE", default=None,
+                    help="GemmConfig fields over the default, e.g. pingpong=true steps=2 "
+                         "(rows name them as their \"config\")")
     ap.add_argument("--no-time", dest="time", action="store_false",
                     help="checks only (times follow passed checks by default, on a GPU)")
     ap.add_argument("--impl", choices=["kernel", "emulated"], default=None,
@@ -429,8 +470,8 @@ def main(argv=None) -> int:
                          f"checks on the jnp reference)")
     for shape in a.shapes:
         for p in a.p:
-            for exchange in a.exchanges:     # a bad name or split fails here, not in a child
-                gemm_shape(shape, p, exchange)
+            for exchange in a.exchanges:     # a bad name, split or config fails here
+                gemm_config(a.gemm_config, gemm_shape(shape, p, exchange)[0])
     if a.one:
         a.codec_name = a.one[0]
         for r in run_group(a, int(a.one[1])):

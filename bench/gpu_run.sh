@@ -126,6 +126,13 @@
 #                  the decode with the residual, the same GEMM plain, XLA's dot, the
 #                  three-launch path → bench/results/gemm_codec_checks.json,
 #                  gemm_codec_loopback.json
+#   gemm_codec_levers  the same GEMM's launch shapes side by side (taco, or the first of
+#                  GEMM_CODEC_CODECS; exchange owner; P = 2, 8; 350m's two row-parallel
+#                  GEMMs; 2 calls): the default (two compute warpgroups sharing w, their
+#                  epilogues together) and ping-pong (each its own tiles, one's epilogue
+#                  beside the other's mainloop) with 2 × 2 slots of tile_k 64 and 2 × 3 of
+#                  32, each checked then timed (≤ 180 s each) → bench/results/
+#                  gemm_codec_levers_checks.json, gemm_codec_levers.json
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -326,6 +333,16 @@ for s in "$@"; do
                       --calls 3 --timeout 100 --update
                   done
                 done ;;
+    gemm_codec_levers)
+      k=0
+      for cfg in "" "pingpong=true steps=2" "pingpong=true tile_k=32 steps=3"; do
+        k=$((k + 1))
+        step "gemm_codec_levers_$k" 180 python -m bench.gemm_codec \
+          --codecs "$(echo ${GEMM_CODEC_CODECS:-taco} | cut -d' ' -f1)" --exchanges owner \
+          --p 2 8 --shapes 350m.attn_out 350m.mlp_out --calls 2 --timeout 60 --update \
+          ${cfg:+--gemm-config $cfg} --checks-out bench/results/gemm_codec_levers_checks.json \
+          --times-out bench/results/gemm_codec_levers.json
+      done ;;
     train3d) step train3d_pp 300 python -m bench.train_step --presets small comm_heavy \
                --mesh 1,2,1 --microbatches 8 --variants none pp pp@default \
                --out bench/results/train_step_pp.json

@@ -60,3 +60,15 @@ def test_shapes_are_the_presets_row_parallel_gemms():
 def test_the_kernels_refuse_to_run_off_the_gpu(tmp_path):
     with pytest.raises(SystemExit, match="Hopper GPU"):
         gemm_codec.main(["--impl", "kernel", "--checks-out", str(tmp_path / "c.json")])
+
+
+def test_gemm_config_pairs_apply_over_the_default():
+    from taco_jax.kernels.gemm import GemmConfig
+    assert gemm_codec.gemm_config(None, 256) is None
+    assert gemm_codec.gemm_config(["pingpong=true", "steps=2"], 256) == GemmConfig(
+        pingpong=True, steps=2)
+    assert gemm_codec.gemm_config(["tile_k=32"], 192) == GemmConfig(wgs=1, tile_k=32)
+    with pytest.raises(SystemExit, match="not a GemmConfig field"):
+        gemm_codec.gemm_config(["nope=1"], 256)
+    with pytest.raises(SystemExit, match="wgs=1"):            # M = 192: one warpgroup
+        gemm_codec.gemm_config(["pingpong=true"], 192)

@@ -217,12 +217,14 @@ def test_interpreted_pipeline_exchange_and_decode(interpreted):
                                       np.asarray(want, np.float32))
 
 
-def test_interpreted_plain_gemm_is_its_reference(interpreted):
+def test_interpreted_plain_gemm_in_ping_pong_is_its_reference(interpreted):
     """f32 accumulation rounded once: every element within half a bf16 step (2^-8 of it)
     of the exact product, up to the f32 sums' rounding (2^-20 of Σ|x·w|), as the
-    reference is."""
-    xs, ws, _ = random_operands(2, 128, 192, 512, seed=1)
-    got = gemm.matmul.__wrapped__(xs, ws, GemmConfig(wgs=1, tile_k=32, steps=3))
+    reference is. Ping-pong: 2 programs a device of 3 tiles each (the turn passes from
+    warpgroup 0 to 1 and back, warpgroup 0 taking 2 tiles), 6 K steps through 2 slots a
+    ring."""
+    xs, ws, _ = random_operands(2, 192, 192, 512, seed=1)
+    got = gemm.matmul.__wrapped__(xs, ws, GemmConfig(tile_k=32, steps=2, pingpong=True))
     x64, w64 = np.asarray(xs, np.float64), np.asarray(ws, np.float64)
     exact = np.einsum("pmk,pkn->pmn", x64, w64)
     slack = 2.0 ** -20 * np.einsum("pmk,pkn->pmn", np.abs(x64), np.abs(w64))

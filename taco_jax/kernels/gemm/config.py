@@ -37,6 +37,12 @@ class GemmConfig:
     # Compute warpgroups per program: 2 share each w slice (half the w traffic per output
     # row of 1) at 64 more registers a thread of accumulator per program.
     wgs: int = 2
+    # False (cooperative): the compute warpgroups share each w slice, their tiles side by
+    # side, their epilogues at the same time, the tensor cores idle meanwhile. True
+    # (ping-pong, wgs = 2): each its own (64, 256) tiles and slot ring, their mainloops in
+    # turn (a barrier hands the turn over once a mainloop's wgmmas are issued), so one's
+    # epilogue runs beside the other's mainloop; w is loaded once per 64 rows.
+    pingpong: bool = False
     programs: int | None = None
 
     def __post_init__(self):
@@ -48,11 +54,19 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.wgs={self.wgs} must be 1 or 2")
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"GemmConfig.programs={self.programs} must be >= 1")
+        if self.pingpong and self.wgs != 2:
+            raise ValueError(f"GemmConfig(pingpong=True) takes wgs=2 (two warpgroups in "
+                             f"turn), not wgs={self.wgs}")
 
     @property
     def tile_m(self) -> int:
-        """Output rows per program tile."""
-        return ROWS * self.wgs
+        """Output rows per program tile (a compute warpgroup's in ping-pong)."""
+        return ROWS if self.pingpong else ROWS * self.wgs
+
+    @property
+    def rings(self) -> int:
+        """Slot rings: one shared, or one per compute warpgroup (ping-pong)."""
+        return self.wgs if self.pingpong else 1
 
     def grid(self, n_tiles: int, devices_here: int = 1) -> int:
         """Programs per device: one per multiprocessor (of this device's share of the GPU
@@ -64,8 +78,8 @@ class GemmConfig:
     def pipeline_bytes(self, dtype) -> int:
         """Shared memory of the operand slots."""
         item = jnp.dtype(dtype).itemsize
-        return self.steps * (_aligned(self.tile_m * self.tile_k * item)
-                             + _aligned(self.tile_k * TILE_N * item))
+        return self.rings * self.steps * (_aligned(self.tile_m * self.tile_k * item)
+                                          + _aligned(self.tile_k * TILE_N * item))
 
 
 def _aligned(n: int) -> int:

@@ -143,15 +143,15 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
           tiles_n: int, dtype, exchange: str):
     """The kernel body for plgpu.kernel: (x, w, *operands, recv, *scratch)."""
     p, nprog = peers.p, peers.nprog
-    owned_rows = tiles_m * cfg.wgs // p          # "owner": row tiles (of 64) an owner has
+    owned_rows = tiles_m * cfg.tile_m // ROWS // p   # "owner": 64-row tiles an owner has
     row = tiles.row_bytes
     lines = ROWS * row // LINE
 
     def body(x_gmem, w_gmem, *refs):
         consts_gmem, (recv_gmem,), refs = refs[:n_ops], refs[n_ops:n_ops + 1], refs[n_ops + 1:]
-        a_smem, b_smem, full, consumed, staging = refs[:5]
-        consts, c_bar = refs[5:5 + n_ops], refs[5 + n_ops]
-        sem_scratch = refs[6 + n_ops] if remote else None
+        a_smem, b_smem, full, consumed, turn, staging = refs[:6]
+        consts, c_bar = refs[6:6 + n_ops], refs[6 + n_ops]
+        sem_scratch = refs[7 + n_ops] if remote else None
         xs_smem, ws_smem = staging
         me, b = peers.ids()
         wg = lax.axis_index("wg")
@@ -187,8 +187,7 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
                         me, rows])
 
         def epilogue(i, at, g, acc):
-            tm, tn = at
-            r = tm * cfg.wgs + g                    # the codec tile's row of 64-row tiles
+            r, tn = at                              # the codec tile: 64-row tile r, column tn
             xs, ws = xs_smem.at[g], ws_smem.at[g]
             # the staging was last read by the previous tile's wire stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -216,9 +215,9 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
             for k in range(n_ops):
                 plgpu.barrier_wait(c_bar.at[k])
 
-        pipeline.mainloop(x_mine, w_mine, a_smem, b_smem, full, consumed, cfg=cfg,
-                        count=count, tile=tile, n_cols=tiles_n, epilogue=epilogue,
-                        after=handshake)
+        pipeline.mainloop(x_mine, w_mine, a_smem, b_smem, full, consumed, turn, cfg=cfg,
+                          count=count, tile=tile, n_cols=tiles_n, epilogue=epilogue,
+                          after=handshake)
     return body
 
 

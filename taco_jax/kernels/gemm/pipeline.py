@@ -8,8 +8,8 @@ warpgroup feeding compute warpgroups through shared-memory slots), written for L
 lowering semantics, where the codecs' register tile math runs (`mosaic.taco_tiles`,
 `mosaic.echo4`). Its tiles have the codecs' shape: a compute warpgroup accumulates 64 rows
 × 256 columns, one block of 256 values per tile row, so an epilogue hands its accumulator
-to a tile codec unchanged. Program tiles are (64·wgs, 256) (`GemmConfig`); each program
-takes tiles b, b + n, … in row-major order of the tile grid.
+to a tile codec unchanged. Program tiles are (64·wgs, 256), or (64, 256) in ping-pong
+(`GemmConfig`); each program takes tiles b, b + n, … in row-major order of the tile grid.
 
 Per program, `mainloop`:
   memory warpgroup: for every step s (tile s // k_steps, K slice s % k_steps), wait until
@@ -18,7 +18,8 @@ Per program, `mainloop`:
   compute warpgroup g: per tile, a (64, 256) f32 accumulator; per step wait for the slot,
       wgmma its 64 rows, release the previous step's slot once that wgmma is done (one
       wgmma in flight); then the epilogue on the accumulator while the memory warpgroup
-      fills the slots with the next tile's first slices.
+      fills the slots with the next tile's first slices (ping-pong: while the other
+      compute warpgroup runs its mainloop).
 The plain epilogue (`matmul`) rounds to the input dtype, stages the tile in shared memory
 and stores it by TMA; `matmul_reference` is the jnp reference. On CPU the kernels lower
 for CUDA, and the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`) runs this GEMM (it
@@ -49,13 +50,15 @@ def operand_transforms(tile_k: int, dtype) -> tuple:
 
 
 def pipeline_scratch(cfg: GemmConfig, dtype) -> list:
-    """The mainloop's scratch: operand slots of x and w, their "full" and "consumed"
-    barriers."""
+    """The mainloop's scratch: operand slots of x and w (per ring), their "full" and
+    "consumed" barriers, the ping-pong's turn barriers (one per compute warpgroup)."""
     t = operand_transforms(cfg.tile_k, dtype)
-    return [plgpu.SMEM((cfg.steps, cfg.tile_m, cfg.tile_k), dtype, transforms=t),
-            plgpu.SMEM((cfg.steps, cfg.tile_k, TILE_N), dtype, transforms=t),
-            plgpu.Barrier(num_arrivals=2, num_barriers=cfg.steps),
-            plgpu.Barrier(num_arrivals=cfg.wgs, num_barriers=cfg.steps)]
+    slots = cfg.rings * cfg.steps
+    return [plgpu.SMEM((cfg.rings, cfg.steps, cfg.tile_m, cfg.tile_k), dtype, transforms=t),
+            plgpu.SMEM((cfg.rings, cfg.steps, cfg.tile_k, TILE_N), dtype, transforms=t),
+            plgpu.Barrier(num_arrivals=2, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=1 if cfg.pingpong else cfg.wgs, num_barriers=slots),
+            plgpu.Barrier(num_barriers=cfg.wgs)]
 
 
 def tile_grid(m: int, n: int, cfg: GemmConfig) -> tuple[int, int]:
@@ -68,72 +71,104 @@ def program_tiles(n_tiles: int, nprog: int, b):
     return (n_tiles - b + nprog - 1) // nprog, lambda i: b + i * nprog
 
 
-def mainloop(x_gmem, w_gmem, a_smem, b_smem, full, consumed, *, cfg: GemmConfig, count,
-             tile, n_cols: int, epilogue, after=None):
+def mainloop(x_gmem, w_gmem, a_smem, b_smem, full, consumed, turn, *, cfg: GemmConfig,
+             count, tile, n_cols: int, epilogue, after=None):
     """The warp-specialized GEMM of one program over its `count` tiles (step i → program
     tile index `tile(i)`, row-major over (M / tile_m, n_cols) tiles); x_gmem (M, K),
     w_gmem (K, N) this device's operands. Warpgroups 0 … wgs − 1 compute, wgs loads.
-    epilogue(i, (tm, tn), g, acc) runs in compute warpgroup g (traced index) with tile i's
-    (64, 256) f32 accumulator (WGMMA layout): rows tm·tile_m + 64·g …, columns tn·256 …;
-    after(g), if given, in compute warpgroup g once its tiles are done."""
+    epilogue(i, (r, tn), g, acc) runs in compute warpgroup g (traced index) with its (64,
+    256) f32 accumulator (WGMMA layout) of output rows 64r …, columns 256·tn …; after(g),
+    if given, in compute warpgroup g once its tiles are done.
+
+    Cooperative: every step's slot holds (64·wgs, tile_k) of x, each warpgroup its 64 rows.
+    Ping-pong: tile i is warpgroup i % 2's, its steps in that warpgroup's ring (local step
+    u = (i // 2)·k_steps + k); the memory warpgroup loads in tile order, which is the order
+    the turns take, so no ring waits on the other."""
     wg = lax.axis_index("wg")
-    tk, tm, slots = cfg.tile_k, cfg.tile_m, cfg.steps
+    tk, tm, slots, wgs = cfg.tile_k, cfg.tile_m, cfg.steps, cfg.wgs
     k_steps = x_gmem.shape[-1] // tk
 
     def where(i):
         t = tile(i)
         return t // n_cols, t % n_cols
 
-    @pl.when(wg == cfg.wgs)
+    def ring_step(s):
+        """Global step s → (ring, local step in it)."""
+        if not cfg.pingpong:
+            return 0, s
+        i = s // k_steps
+        return i % wgs, (i // wgs) * k_steps + s % k_steps
+
+    def ring_tiles(r):
+        return (count - r + wgs - 1) // wgs if cfg.pingpong else count
+
+    def slot_of(r, u):
+        return r * slots + u % slots               # the barrier index of a ring's slot
+
+    @pl.when(wg == wgs)
     def _memory():
         plgpu.set_max_registers(MEMORY_REGS, action="decrease")
 
         @pl.loop(0, count * k_steps)
         def _(s):
-            slot = s % slots
+            r, u = ring_step(s)
 
-            @pl.when(s >= slots)
+            @pl.when(u >= slots)
             def _():
-                plgpu.barrier_wait(consumed.at[slot])       # step s − steps is done
+                plgpu.barrier_wait(consumed.at[slot_of(r, u)])   # its step u − steps is done
             row, col = where(s // k_steps)
             ks = pl.ds((s % k_steps) * tk, tk)
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row * tm, tm), ks], a_smem.at[slot],
-                                    full.at[slot])
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row * tm, tm), ks],
+                                    a_smem.at[r, u % slots], full.at[slot_of(r, u)])
             plgpu.copy_gmem_to_smem(w_gmem.at[ks, pl.ds(col * TILE_N, TILE_N)],
-                                    b_smem.at[slot], full.at[slot])
+                                    b_smem.at[r, u % slots], full.at[slot_of(r, u)])
 
         # the last slots' releases too: every phase of a barrier is observed before the
         # program ends (the interpreter checks it), and the memory warpgroup outlives none
         # of the compute
-        @pl.loop(jnp.maximum(count * k_steps - slots, 0), count * k_steps)
-        def _(s):
-            plgpu.barrier_wait(consumed.at[s % slots])
+        for r in range(cfg.rings):
+            steps = ring_tiles(r) * k_steps
 
-    @pl.when(wg < cfg.wgs)
+            @pl.loop(jnp.maximum(steps - slots, 0), steps)
+            def _(u):
+                plgpu.barrier_wait(consumed.at[slot_of(r, u)])
+
+    @pl.when(wg < wgs)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGS, action="increase")
-        rows = pl.ds(wg * ROWS, ROWS)
+        r = wg if cfg.pingpong else 0
+        rows = pl.ds(0, ROWS) if cfg.pingpong else pl.ds(wg * ROWS, ROWS)
 
-        @pl.loop(0, count)
+        @pl.loop(wg if cfg.pingpong else 0, count, step=wgs if cfg.pingpong else 1)
         def _(i):
-            s0 = i * k_steps
+            u0 = (i // wgs if cfg.pingpong else i) * k_steps
+            if cfg.pingpong:
+                @pl.when(i > 0)
+                def _():
+                    plgpu.barrier_wait(turn.at[wg])      # the other's mainloop is issued
 
             def run(acc):
                 @pl.loop(0, k_steps)
                 def _(k):
-                    s = s0 + k
-                    plgpu.barrier_wait(full.at[s % slots])
-                    plgpu.wgmma(acc, a_smem.at[s % slots].at[rows], b_smem.at[s % slots])
-                    plgpu.wgmma_wait(1)                 # step s − 1's wgmma is done
+                    u = u0 + k
+                    plgpu.barrier_wait(full.at[slot_of(r, u)])
+                    plgpu.wgmma(acc, a_smem.at[r, u % slots].at[rows],
+                                b_smem.at[r, u % slots])
+                    plgpu.wgmma_wait(1)                 # step u − 1's wgmma is done
 
                     @pl.when(k > 0)
                     def _():
-                        plgpu.barrier_arrive(consumed.at[(s - 1) % slots])
+                        plgpu.barrier_arrive(consumed.at[slot_of(r, u - 1)])
+                if cfg.pingpong:
+                    @pl.when(i + 1 < count)
+                    def _():
+                        plgpu.barrier_arrive(turn.at[(wg + 1) % wgs])
                 plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[(s0 + k_steps - 1) % slots])
+                plgpu.barrier_arrive(consumed.at[slot_of(r, u0 + k_steps - 1)])
                 return acc[...]
             acc = pl.run_scoped(run, plgpu.ACC((ROWS, TILE_N), jnp.float32))
-            epilogue(i, where(i), wg, acc)
+            tm_, tn = where(i)
+            epilogue(i, (tm_ if cfg.pingpong else tm_ * wgs + wg, tn), wg, acc)
         if after is not None:
             after(wg)
 
@@ -214,7 +249,7 @@ def matmul(x, w, cfg: GemmConfig | None = None):
     nprog = cfg.grid(tiles_m * tiles_n, groups)
     dtype = x.dtype
 
-    def body(x_gmem, w_gmem, y_gmem, a_smem, b_smem, full, consumed, o_smem):
+    def body(x_gmem, w_gmem, y_gmem, a_smem, b_smem, full, consumed, turn, o_smem):
         g = lax.axis_index("prog")
         d, b = g // nprog, g % nprog
         x_mine, w_mine, y_mine = ((x_gmem, w_gmem, y_gmem) if not lead else
@@ -222,17 +257,17 @@ def matmul(x, w, cfg: GemmConfig | None = None):
         count, tile = program_tiles(tiles_m * tiles_n, nprog, b)
 
         def epilogue(i, at, wg, acc):
-            tm, tn = at
+            r, tn = at
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the last tile's store
             o_smem.at[wg][...] = acc.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[wg], y_mine.at[
-                pl.ds((tm * cfg.wgs + wg) * ROWS, ROWS), pl.ds(tn * TILE_N, TILE_N)])
+                pl.ds(r * ROWS, ROWS), pl.ds(tn * TILE_N, TILE_N)])
 
         @pl.when(count > 0)
         def _():
-            mainloop(x_mine, w_mine, a_smem, b_smem, full, consumed, cfg=cfg, count=count,
-                     tile=tile, n_cols=tiles_n, epilogue=epilogue)
+            mainloop(x_mine, w_mine, a_smem, b_smem, full, consumed, turn, cfg=cfg,
+                     count=count, tile=tile, n_cols=tiles_n, epilogue=epilogue)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = pipeline_scratch(cfg, dtype) + [
