@@ -311,11 +311,13 @@ class LayerNorm(nnx.Module):
 
 class _TPSublayer:
     """Megatron sub-layer: f (pvary) → column-parallel matmul → `inner` → row-parallel
-    matmul → g (psum) → + bias. Subclasses give `column_kernel(dt)`, (d, n/tp): several
-    column-parallel matmuls of one input (Q, K and V; a gate and an up projection) go as
-    one kernel, their local columns side by side; `inner(h)`, this device's computation
-    between the two matmuls, (B, T, n/tp) -> (B, T, k/tp); `row_kernel(dt)`, (k/tp, d); and
-    `bias(dt)` (None: no output bias).
+    matmul → g (psum) → + bias. Subclasses give `column_kernel(dt)`, (d, *n): this
+    device's columns, several column-parallel matmuls of one input (Q, K and V; a gate and
+    an up projection) as one kernel; `inner(h)`, this device's computation between the two
+    matmuls, (B, T, *n) -> (B, T, *k); `row_kernel(dt)`, (*k, d); and `bias(dt)` (None: no
+    output bias). The fused ops see the kernels flattened to (d, n) and (k, d); a
+    sub-layer whose kernels keep their heads' axes (n, k tuples) gives its own `partial`,
+    contracting them as they are (Attention).
 
     With sequence parallelism x is this device's part of the sequence, (B, T/tp, d): f is
     the all-gather of the sequence (backward: the reduce-scatter of its cotangent), g the
@@ -334,9 +336,12 @@ class _TPSublayer:
         """Sequence parallelism's f, the sub-layer and its g, each collective fused with
         its matmul: x (B, T/tp, d) -> this device's part of the sum (B, T/tp, d), no bias."""
         dt = self.cfg.compute_dtype
-        h = taco_jax.all_gather_matmul(x, self.column_kernel(dt), TP, axis=1,
-                                       codec=sites.bwd, **sites.comm)          # (B, T, n/tp)
-        return taco_jax.matmul_reduce_scatter(self.inner(h), self.row_kernel(dt), TP,
+        w_in, w_out = self.column_kernel(dt), self.row_kernel(dt)
+        h = taco_jax.all_gather_matmul(x, w_in.reshape(w_in.shape[0], -1), TP, axis=1,
+                                       codec=sites.bwd, **sites.comm)            # (B, T, n)
+        y = self.inner(h.reshape(*h.shape[:2], *w_in.shape[1:]))
+        y = y.reshape(*y.shape[:y.ndim - (w_out.ndim - 1)], -1)                  # (B, T, k)
+        return taco_jax.matmul_reduce_scatter(y, w_out.reshape(-1, w_out.shape[-1]), TP,
                                               scatter_dimension=1, codec=sites.fwd,
                                               **sites.comm)
 
@@ -377,20 +382,24 @@ class Attention(_TPSublayer, nnx.Module):
         return self.out_bias[...].astype(dt)
 
     def column_kernel(self, dt):
-        return self.qkv_kernel[...].astype(dt).reshape(self.cfg.d_model, -1)  # (d, 3·H/tp·hd)
+        return self.qkv_kernel[...].astype(dt)  # (d, 3, H/tp, hd)
 
     def inner(self, qkv):
-        """(B, T, 3·H/tp·hd) -> the heads' attention output (B, T, H/tp·hd)."""
+        """(B, T, 3, H/tp, hd) -> the heads' attention output (B, T, H/tp, hd)."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
-        b, t = qkv.shape[:2]
-        qkv = qkv.reshape(b, t, 3, -1, cfg.head_dim) + self.qkv_bias[...].astype(dt)
+        qkv = qkv + self.qkv_bias[...].astype(dt)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, H/tp, hd)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                         implementation=cfg.attention_impl(dt))
-        return y.reshape(b, t, -1)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation=cfg.attention_impl(dt))
 
     def row_kernel(self, dt):
-        return self.out_kernel[...].astype(dt).reshape(-1, self.cfg.d_model)  # (H/tp·hd, d)
+        return self.out_kernel[...].astype(dt)  # (H/tp, hd, d)
+
+    def partial(self, x):
+        """x (B, T, d) varying over "tp" -> this device's partial sum over its heads."""
+        dt = self.cfg.compute_dtype
+        qkv = jnp.einsum("btd,dkhe->btkhe", x, self.column_kernel(dt))
+        return jnp.einsum("bthe,hed->btd", self.inner(qkv), self.row_kernel(dt))
 
 
 class MLP(_TPSublayer, nnx.Module):
