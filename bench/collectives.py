@@ -33,8 +33,10 @@ import subprocess
 import sys
 import tempfile
 
+from taco_jax import routes
+
 MIB = 1 << 20
-TRANSPORTS = ("xla", "fused", "fused-none", "lax-kernels")
+TRANSPORTS = (*routes.TRANSPORTS, "fused-none", "lax-kernels")
 LINK_ENV = {"nvlink": {}, "pcie": {"NCCL_P2P_DISABLE": "1"},
             "network": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -6,7 +6,7 @@ projection for two GPUs.
                           [--update] [--kernel two_shot] [--ablate [--variants ...]] [--fail-fast]
 
 P virtual devices are P groups of programs of the one-launch kernel
-(`kernels.fused.loopback_allreduce`): the kernel body, tile math and protocol of
+(`kernels.fused.one_shot_loopback`): the kernel body, tile math and protocol of
 the two-GPU kernel, with a peer's receive buffer a slice of one buffer. Each configuration
 (P, size, dtype) runs in its own subprocess under a timeout (a hang costs only itself;
 `--isolate group` shares one process per (P, dtype) to save start-ups) and
@@ -29,7 +29,7 @@ as one): fixed + max(per-device compute, wire bytes / link bandwidth), divided b
 transport (its kernels' device times plus the all-to-all and all-gather at the link rate,
 in series) is set beside what two GPUs measured for it there ("method_check").
 
-`--kernel two_shot` checks the one-launch two-shot kernel (`loopback_two_shot`, P ≥ 3;
+`--kernel two_shot` checks the one-launch two-shot kernel (`two_shot_loopback`, P ≥ 3;
 rows "one_launch_two_shot") the same way, its error gated on its jnp reference's
 (`two_shot_reference`: the same segments and owners) within TWO_SHOT_SLACK, the xla
 transport's reported beside it. `--fail-fast` runs nothing more after a hang or crash.
@@ -191,8 +191,8 @@ def implementation(name: str, codec, wrong: str | None, p: int, config=None,
     if name == "kernel":
         from taco_jax.kernels import fused as fused_kernels
         fused_config(config, codec, p, dtype, kernel)   # a bad --config fails here, not traced
-        fn = {"one_shot": fused_kernels.loopback_allreduce,
-              "two_shot": fused_kernels.loopback_two_shot}[kernel]
+        fn = {"one_shot": fused_kernels.one_shot_loopback,
+              "two_shot": fused_kernels.two_shot_loopback}[kernel]
         return jax.jit(lambda xs: fn(xs, codec, fused_config(config, codec, p, xs.dtype,
                                                              kernel)))
     if name == "mesh":

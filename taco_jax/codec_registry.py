@@ -1,4 +1,6 @@
-"""The codec interface (`Codec`) and the registry of codecs by name."""
+"""The codec interface (`Codec`) and the registry of codecs by name (`taco_jax.codecs`
+re-exports them): below the codec families and the kernels, so that the recipe checks codec
+names without loading either."""
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol, runtime_checkable

@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import threading
 from typing import Iterator
 
-from taco_jax.codecs import registry
+from taco_jax import codec_registry as registry
+from taco_jax._scoped import ScopedStack
+from taco_jax.routes import TRANSPORTS
 
 BACKENDS = ("auto", "pallas", "interpret", "reference")
-TRANSPORTS = ("auto", "xla", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +54,9 @@ class Recipe:
         if self.backend not in BACKENDS:
             raise ValueError(f"taco_jax recipe: backend={self.backend!r} is not one of "
                              f"{BACKENDS}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"taco_jax recipe: transport={self.transport!r} is not one of "
-                             f"{TRANSPORTS}")
+        if self.transport != "auto" and self.transport not in TRANSPORTS:
+            raise ValueError(f"taco_jax recipe: transport={self.transport!r} is not 'auto' or "
+                             f"one of {TRANSPORTS}")
         if self.min_bytes is not None and (isinstance(self.min_bytes, bool)
                                            or not isinstance(self.min_bytes, int)
                                            or self.min_bytes < 0):
@@ -67,7 +67,7 @@ class Recipe:
                             f"True or False")
 
 
-_state = threading.local()
+_recipes = ScopedStack()
 
 
 def _base() -> Recipe:
@@ -78,8 +78,7 @@ def _base() -> Recipe:
 def current() -> Recipe:
     """The recipe in effect here (innermost `config`, else defaults; the environment
     variable TACO_JAX_BACKEND sets the default backend)."""
-    stack = getattr(_state, "stack", None)
-    return stack[-1] if stack else _base()
+    return _recipes.top() or _base()
 
 
 def config(**fields) -> contextlib.AbstractContextManager[Recipe]:
@@ -122,11 +121,5 @@ def config(**fields) -> contextlib.AbstractContextManager[Recipe]:
 @contextlib.contextmanager
 def _entered(fields) -> Iterator[Recipe]:
     recipe = dataclasses.replace(current(), **fields)   # relative to the recipe at entry
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    stack.append(recipe)
-    try:
+    with _recipes.pushed(recipe):
         yield recipe
-    finally:
-        stack.pop()

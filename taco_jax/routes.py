@@ -21,6 +21,9 @@ import jax
 NEVER = 1 << 62
 CACHE_ENV = "TACO_JAX_CALIBRATION"      # path of the cache file (default under ~/.cache)
 CACHE_VERSION = 1
+# How compressed bytes move: XLA's all-to-all / all-gather, or in-kernel stores into the
+# peers' memory (`collectives.fused`); a call or recipe may also say "auto" (this cache's
+# choice per size, else "xla").
 TRANSPORTS = ("xla", "fused")
 
 

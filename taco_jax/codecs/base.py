@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from taco_jax.codecs.registry import Codec, get, names, register  # noqa: F401
+from taco_jax.codec_registry import Codec, get, names, register  # noqa: F401
 from taco_jax.kernels import dispatch
 from taco_jax.numerics.blocks import (FLOAT_DTYPES, check_float, from_blocks,  # noqa: F401
                                       n_blocks, to_blocks)

@@ -54,9 +54,9 @@ class Call:
         if min_bytes is not None and (isinstance(min_bytes, bool)
                                       or not isinstance(min_bytes, int) or min_bytes < 0):
             raise ValueError(f"taco_jax.{op}: min_bytes={min_bytes!r} must be an int >= 0")
-        if transport is not None and transport not in recipe.TRANSPORTS:
-            raise ValueError(f"taco_jax.{op}: transport={transport!r} is not one of "
-                             f"{recipe.TRANSPORTS}")
+        if transport not in (None, "auto", *routes.TRANSPORTS):
+            raise ValueError(f"taco_jax.{op}: transport={transport!r} is not 'auto' or one "
+                             f"of {routes.TRANSPORTS}")
         if xla_only is not None:
             if transport == "fused":
                 raise ValueError(f"taco_jax.{op}: transport='fused' cannot run it: "

@@ -119,7 +119,7 @@ def one_launch(x, axis, codec, p: int, vma: bool):
         mat = getattr(jax.typeof(x), "manual_axis_type", None)
         if mat is not None and vma:       # every device holds the same bits after it
             mat = mat.update(varying=frozenset(mat.varying) - {axis})
-        kernel = (kernels.fused_allreduce if one_launch_kernel(p) == "one_shot"
+        kernel = (kernels.one_shot_allreduce if one_launch_kernel(p) == "one_shot"
                   else kernels.two_shot_allreduce)
         y = kernel(x, axis, p, codec, out_mat=mat)
     if telemetry.enabled():
@@ -139,8 +139,8 @@ def loopback(x, axis, codec, p: int, vma: bool):
     value shared by the members, as a psum's is there, so its cotangent arrives summed:
     row 0 (the kernel's loopback checks assert all rows are the same bits)."""
     xs = lax.all_gather(x, axis)          # under vmap: the members' inputs, one array
-    kernel = (kernels.loopback_allreduce if one_launch_kernel(p) == "one_shot"
-              else kernels.loopback_two_shot)
+    kernel = (kernels.one_shot_loopback if one_launch_kernel(p) == "one_shot"
+              else kernels.two_shot_loopback)
     ys = LOOPBACK_KERNELS.get(kernel, kernel)(xs, codec)
     return ys[0] if vma else ys[lax.axis_index(axis)]
 

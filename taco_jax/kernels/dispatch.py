@@ -38,11 +38,13 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from taco_jax import recipe
+from taco_jax._scoped import ScopedStack
 from taco_jax.kernels import references
 from taco_jax.kernels.providers import triton_missing
 
 IMPLS = ("auto", "triton", "mosaic")
-KERNELS = ("compress", "decompress", "reduce")
+# the kernels with a Triton and a Mosaic implementation to choose from (`kernel_impl`)
+IMPL_KERNELS = ("compress", "decompress", "reduce")
 # What "auto" picks on GPU where Mosaic covers the call. Device time on one H200
 # (bench/results/kernels.json), taco, bf16, µs Triton / Mosaic: compress 9.56 / 12.07 at
 # 16 MiB, 29.62 / 33.62 at 64, 100.96 / 119.35 at 256, 387.11 / 464.56 at 1024;
@@ -50,13 +52,14 @@ KERNELS = ("compress", "decompress", "reduce")
 # faster for both at every size. There is no Mosaic reduce.
 DEFAULT_IMPL = {"compress": "triton", "decompress": "triton", "reduce": "triton"}
 
-_state = threading.local()
+_state = threading.local()          # the batch factor under jax.vmap (`_per_batch`)
+_impls = ScopedStack()              # `kernel_impl`'s choices
 
 
 def _check_impls(impls: dict) -> dict:
     for k, v in impls.items():
-        if k not in KERNELS:
-            raise ValueError(f"kernel_impl: unknown kernel {k!r} (kernels: {KERNELS})")
+        if k not in IMPL_KERNELS:
+            raise ValueError(f"kernel_impl: unknown kernel {k!r} (kernels: {IMPL_KERNELS})")
         if v not in IMPLS:
             raise ValueError(f"kernel_impl: {k}={v!r} is not one of {IMPLS}")
     return impls
@@ -75,10 +78,7 @@ def _env_impls() -> dict:
 def current_impls() -> dict:
     """kernel → implementation in effect here (innermost `kernel_impl`, else the
     environment, else "auto")."""
-    stack = getattr(_state, "stack", None)
-    if stack:
-        return stack[-1]
-    return {**{k: "auto" for k in KERNELS}, **_env_impls()}
+    return _impls.top() or {**{k: "auto" for k in IMPL_KERNELS}, **_env_impls()}
 
 
 @contextlib.contextmanager
@@ -86,14 +86,8 @@ def kernel_impl(**impls: str) -> Iterator[dict]:
     """Choose implementations (compress=, decompress=, reduce=) for the code traced inside.
     A jitted function traced earlier keeps the choice it was traced with."""
     merged = {**current_impls(), **_check_impls(impls)}
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    stack.append(merged)
-    try:
+    with _impls.pushed(merged):
         yield merged
-    finally:
-        stack.pop()
 
 
 def backend_for(codec) -> str:

@@ -19,7 +19,8 @@ import functools
 import warnings
 from typing import Callable
 
-KERNELS = ("compress", "decompress", "reduce", "decode_sum", "compress_feedback")
+# every kernel a codec family may provide (`KernelProvider.kernel`)
+CODEC_KERNELS = ("compress", "decompress", "reduce", "decode_sum", "compress_feedback")
 TRITON_MODULE = "jax.experimental.pallas.triton"
 
 
@@ -43,8 +44,8 @@ class KernelProvider:
     """A codec family's kernels.
 
     name: the family, for messages. triton: loads {kernel name: function} of its
-    Pallas-Triton kernels (from `KERNELS`; compress_feedback only where it has a kernel of
-    its own). mosaic: loads ({kernel name: function} of its Mosaic GPU kernels, their
+    Pallas-Triton kernels (from `CODEC_KERNELS`; compress_feedback only where it has a
+    kernel of its own). mosaic: loads ({kernel name: function} of its Mosaic GPU kernels, their
     `unsupported(kernel, codec, shape, dtype)`), or None where it has none. tiles: loads
     its tile-codec class (`kernels.tile_codec.TileCodec`: made as cls(codec, **options)),
     or None where it has none. The loaders run when a kernel is first asked for."""
@@ -56,8 +57,9 @@ class KernelProvider:
     def kernel(self, kernel: str, impl: str) -> Callable | None:
         """The function of `kernel` in implementation `impl` ("triton" or "mosaic"), or
         None where the family has none (or Triton is missing here)."""
-        if kernel not in KERNELS:
-            raise ValueError(f"{self.name} kernels: unknown kernel {kernel!r} ({KERNELS})")
+        if kernel not in CODEC_KERNELS:
+            raise ValueError(f"{self.name} kernels: unknown kernel {kernel!r} "
+                             f"({CODEC_KERNELS})")
         if impl == "mosaic":
             return None if self.mosaic is None else self.mosaic()[0].get(kernel)
         if impl != "triton":
@@ -93,7 +95,7 @@ def _taco_tiles() -> type:
 @functools.cache
 def _echo4_triton() -> dict:
     from taco_jax.kernels.triton import echo4
-    return {k: getattr(echo4, k) for k in KERNELS}
+    return {k: getattr(echo4, k) for k in CODEC_KERNELS}
 
 
 def _echo4_tiles() -> type:

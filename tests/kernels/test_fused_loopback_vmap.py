@@ -31,8 +31,8 @@ def loopback(monkeypatch):
     """On CPU: the loopback kernels' jnp models, each row what device d computes, and the
     platform check passed; records which kernel ran. On a GPU: the kernels, recorded."""
     ran = []
-    models = {kernels.loopback_allreduce: kernels.fused_allreduce_reference,
-              kernels.loopback_two_shot: kernels.two_shot_reference}
+    models = {kernels.one_shot_loopback: kernels.one_shot_reference,
+              kernels.two_shot_loopback: kernels.two_shot_reference}
     for kernel, model in models.items():
         def run(xs, codec, kernel=kernel, model=model):
             ran.append(kernel.__name__)
@@ -49,8 +49,8 @@ def emulated(fn, xs):
     return jax.jit(jax.vmap(fn, axis_name="tp"))(xs)
 
 
-@pytest.mark.parametrize("p,kernel,dtype", [(2, "loopback_allreduce", jnp.bfloat16),
-                                             (4, "loopback_two_shot", np.float32)])
+@pytest.mark.parametrize("p,kernel,dtype", [(2, "one_shot_loopback", jnp.bfloat16),
+                                             (4, "two_shot_loopback", np.float32)])
 def test_psum_under_vmap_runs_the_one_launch_kernel_for_all_members(loopback, p, kernel,
                                                                     dtype):
     xs = jnp.asarray(gauss((p, 3, 700), seed=p)).astype(dtype)
@@ -62,7 +62,7 @@ def test_psum_under_vmap_runs_the_one_launch_kernel_for_all_members(loopback, p,
     for d in range(1, p):                       # every member holds the same bits
         np.testing.assert_array_equal(y[d], y[0])
     # the kernel's own math, member d's row ...
-    model = (kernels.fused_allreduce_reference if p == 2
+    model = (kernels.one_shot_reference if p == 2
              else kernels.two_shot_reference)
     want = np.asarray(jax.jit(model, static_argnums=1)(xs, codecs.get("taco")), np.float32)
     x32 = np.asarray(xs, np.float32)
@@ -103,7 +103,7 @@ def test_gradients_through_the_loopback_match_the_xla_transport(loopback):
     for vma in (False, True):
         loopback.clear()
         g = grad("fused", vma)
-        assert "loopback_two_shot" in loopback, vma
+        assert "two_shot_loopback" in loopback, vma
         exact = grad("xla", vma, codec="none")
         tol = FACTOR * roundtrip_error("taco", np.asarray(ws) * np.asarray(x) * 4)
         assert_blockwise_close(g, exact, exact, tol, 256, lead=0, what=f"exact, {vma=}")
@@ -133,7 +133,7 @@ def test_the_gpt_emulated_through_the_loopback_equals_the_xla_emulation(loopback
 
     telemetry.clear_sites()
     l_f, g_f = run("fused")
-    assert "loopback_two_shot" in loopback
+    assert "two_shot_loopback" in loopback
     assert any(s.transport == "fused (loopback)" for s, _ in telemetry.sites())
     l_x, g_x = run("xla")
     l_e, g_e = run("xla", codec="none")

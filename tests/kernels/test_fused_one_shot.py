@@ -68,7 +68,7 @@ def test_loopback_lowers_and_fits_shared_memory(p, dtype):
 @cached
 def lowered_loopback(p, dtype, cfg, n=64 * 256 * 3 + 17):
     x = jax.ShapeDtypeStruct((p, n), dtype)
-    return jax.jit(lambda v: fa.loopback_allreduce(v, TACO, cfg)).trace(x).lower(
+    return jax.jit(lambda v: fa.one_shot_loopback(v, TACO, cfg)).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
@@ -98,7 +98,7 @@ def test_knobs_lower_on_two_gpus(ablate):
     """The Remote form (remote_ref stores, peer semaphores) with a knob, under shard_map."""
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
     cfg = fa.FusedConfig(ablate=ablate)
-    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
+    f = jax.shard_map(lambda v: fa.one_shot_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
                       mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
     x = jax.ShapeDtypeStruct((2, 3, 5000), jnp.bfloat16,
                              sharding=NamedSharding(mesh, P("tp")))
@@ -157,11 +157,11 @@ def test_calls_without_a_config_launch_the_default(monkeypatch):
     (2, jnp.int32, "taco", "int32"), (2, jnp.bfloat16, "taco-int8", "taco-int8")])
 def test_bad_calls_name_the_value(p, dtype, codec, match):
     with pytest.raises(ValueError, match=match):
-        fa.loopback_allreduce(jnp.ones((p, 512), dtype), codecs.get(codec))
+        fa.one_shot_loopback(jnp.ones((p, 512), dtype), codecs.get(codec))
 
 
 def test_empty_input_launches_nothing():
-    assert fa.loopback_allreduce(jnp.ones((2, 0), jnp.bfloat16), TACO).shape == (2, 0)
+    assert fa.one_shot_loopback(jnp.ones((2, 0), jnp.bfloat16), TACO).shape == (2, 0)
 
 
 def test_config_refuses_more_programs_than_fit():
@@ -201,7 +201,7 @@ WS = dataclasses.replace(fa.default_config(TACO, 2, jnp.bfloat16), warp_speciali
 def test_options_lower_on_a_three_axis_mesh(cfg):
     mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
     names = ("data", "pipe", "tp")
-    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
+    f = jax.shard_map(lambda v: fa.one_shot_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
                       mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
     x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
     text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -212,10 +212,10 @@ def test_sum_first_is_refused_where_it_has_no_meaning():
     with pytest.raises(ValueError, match="decode='sideways'"):
         fa.FusedConfig(decode="sideways")
     with pytest.raises(ValueError, match="echo4 has no transform"):
-        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
+        fa.one_shot_loopback(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
                               SUM_FIRST)
     with pytest.raises(ValueError, match="two-shot kernel takes no decode"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO, SUM_FIRST)
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.bfloat16), TACO, SUM_FIRST)
 
 
 # -- encode_parts=2: the encode in two column halves ------------------------------------------
@@ -233,10 +233,10 @@ def test_encode_halves_are_refused_where_they_have_no_meaning():
     with pytest.raises(ValueError, match="encode_parts=4"):
         fa.FusedConfig(encode_parts=4)
     with pytest.raises(ValueError, match="echo4's encode has no column passes"):
-        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
+        fa.one_shot_loopback(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
                               fa.FusedConfig(encode_parts=2))
     with pytest.raises(ValueError, match="encode_parts=2"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(encode_parts=2))
 
 
@@ -256,13 +256,13 @@ def test_store_parts_lowers_in_loopback_and_changes_the_kernel(p, cfg, dtype):
 def test_decode_options_lower_for_echo4_and_on_a_three_axis_mesh(field):
     cfg = fa.FusedConfig(**{field: True})
     xs = jax.ShapeDtypeStruct((2, 64 * 256 * 3), jnp.bfloat16)
-    f = lambda v: fa.loopback_allreduce(v, codecs.get("echo4"), cfg)         # noqa: E731
+    f = lambda v: fa.one_shot_loopback(v, codecs.get("echo4"), cfg)         # noqa: E731
     assert jax.jit(f).trace(xs).lower(lowering_platforms=("cuda",)).as_text().count(
         "custom_call") == 1
     mesh = jax.make_mesh((2, 1, 2), ("data", "pipe", "tp"), devices=jax.devices()[:4])
     names = ("data", "pipe", "tp")
     taco = dataclasses.replace(fa.default_config(TACO, 2, jnp.bfloat16), **{field: True})
-    g = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, TACO, cfg=taco)[None],
+    g = jax.shard_map(lambda v: fa.one_shot_allreduce(v[0], "tp", 2, TACO, cfg=taco)[None],
                       mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
     x = jax.ShapeDtypeStruct((4, 3, 5000), jnp.bfloat16, sharding=NamedSharding(mesh, P(names)))
     assert jax.jit(g).trace(x).lower(lowering_platforms=("cuda",)).as_text().count(
@@ -273,7 +273,7 @@ def test_store_parts_is_refused_where_it_has_no_meaning():
     with pytest.raises(ValueError, match="store_parts="):
         fa.FusedConfig(store_parts=1)
     with pytest.raises(ValueError, match="store_parts=True"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(store_parts=True))
 
 
@@ -315,7 +315,7 @@ def test_refusals_name_the_layout_and_what_it_needs():
 
     def lowered_echo4(cfg):
         x = jax.ShapeDtypeStruct((2, 64 * 256 * 3 + 17), jnp.bfloat16)
-        return jax.jit(lambda v: fa.loopback_allreduce(v, echo4, cfg)).trace(x).lower(
+        return jax.jit(lambda v: fa.one_shot_loopback(v, echo4, cfg)).trace(x).lower(
             lowering_platforms=("cuda",)).as_text()
     assert lowered_echo4(three).count("taco_fused_allreduce") >= 1     # 3 × 70 KiB fit
     with pytest.raises(ValueError, match=r"per_sm=4, x_slots=1, out_store='registers'\): 4 "
@@ -336,7 +336,7 @@ def test_smem_bytes_is_what_the_lowering_allocates(monkeypatch, codec, dtype, cf
     the kernel takes, no more, no less."""
     codec = codecs.get(codec)
     x = jax.ShapeDtypeStruct((2, 64 * 256 * 3 + 17), dtype)
-    allocated = scratch_bytes(monkeypatch, lambda v: fa.loopback_allreduce(v, codec, cfg), x)
+    allocated = scratch_bytes(monkeypatch, lambda v: fa.one_shot_loopback(v, codec, cfg), x)
     assert allocated + 1024 == fa.smem_bytes(2, codec, dtype, cfg=cfg)
 
 
@@ -347,7 +347,7 @@ def test_reference_is_the_one_shot(dtype):
     x = jax.random.normal(jax.random.key(0), (2, 3, 700), jnp.float32).astype(dtype)
     want = per_device(lambda v: two_shot.one_shot(v.astype(jnp.bfloat16), "tp", TACO, 2,
                                                   False), x)
-    got = fa.fused_allreduce_reference(x, TACO)
+    got = fa.one_shot_reference(x, TACO)
     assert got.dtype == dtype and got.shape == x.shape[1:]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[0], np.float32),
                                rtol=1e-2, atol=1e-2)
@@ -363,7 +363,7 @@ def test_echo4_lowers_on_meshes_of_one_two_three_axes(shape, names, dtype):
     """The Remote form with echo4's tile math, peers addressed by axis name."""
     n = int(np.prod(shape))
     mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
-    f = jax.shard_map(lambda v: fa.fused_allreduce(v[0], "tp", 2, ECHO4)[None], mesh=mesh,
+    f = jax.shard_map(lambda v: fa.one_shot_allreduce(v[0], "tp", 2, ECHO4)[None], mesh=mesh,
                       in_specs=P(names), out_specs=P(names), check_vma=False)
     x = jax.ShapeDtypeStruct((n, 3, 5000), dtype, sharding=NamedSharding(mesh, P(names)))
     text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -373,7 +373,7 @@ def test_echo4_lowers_on_meshes_of_one_two_three_axes(shape, names, dtype):
 @cached
 def lowered_echo4_loopback(p, dtype, cfg=None, n=64 * 256 * 3 + 17):
     x = jax.ShapeDtypeStruct((p, n), dtype)
-    return jax.jit(lambda v: fa.loopback_allreduce(v, ECHO4, cfg)).trace(x).lower(
+    return jax.jit(lambda v: fa.one_shot_loopback(v, ECHO4, cfg)).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
@@ -424,13 +424,13 @@ def test_a_tile_codec_unchecked_on_gpu_is_not_selected(gpu_here, monkeypatch):
 @pytest.mark.parametrize("codec,match", [("int4-sym", "int4-sym"), ("tah4", "tah4")])
 def test_other_4bit_codecs_are_refused_by_name(codec, match):
     with pytest.raises(ValueError, match=match):
-        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get(codec))
+        fa.one_shot_loopback(jnp.ones((2, 512), jnp.bfloat16), codecs.get(codec))
 
 
 @pytest.mark.parametrize("p,dtype", [(3, jnp.bfloat16), (4, jnp.float32), (8, jnp.float16)])
 def test_two_shot_lowers_for_echo4(p, dtype):
     x = jax.ShapeDtypeStruct((p, 64 * 256 * 5 + 17), dtype)
-    text = jax.jit(lambda v: fts.loopback_two_shot(v, ECHO4)).trace(x).lower(
+    text = jax.jit(lambda v: fts.two_shot_loopback(v, ECHO4)).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("taco_fused_two_shot") >= 1 and text.count("custom_call") == 1
 
@@ -444,21 +444,21 @@ def test_echo4_reference_is_the_xla_one_shot(dtype):
     x = (jax.random.normal(k1, (2, 3, 700)) * jnp.exp(jax.random.normal(k2, (2, 1, 1))))
     x = x.astype(dtype)
     want = per_device(lambda v: two_shot.one_shot(v, "tp", ECHO4, 2, False), x)
-    got = fa.fused_allreduce_reference(x, ECHO4)
+    got = fa.one_shot_reference(x, ECHO4)
     assert got.dtype == dtype and got.shape == x.shape[1:]
     exact = np.sum(np.asarray(x, np.float64), axis=0)
     err = rel_l2(got, exact)
     assert 0.01 < err < 0.2                                   # 4-bit codes: a few percent
     assert rel_l2(got, want[0]) < 1e-2 * err
     if dtype == jnp.float32:        # encoded from f32: the bf16 rounding would move codes
-        via_bf16 = fa.fused_allreduce_reference(x.astype(jnp.bfloat16).astype(dtype), ECHO4)
+        via_bf16 = fa.one_shot_reference(x.astype(jnp.bfloat16).astype(dtype), ECHO4)
         assert not np.array_equal(np.asarray(got), np.asarray(via_bf16))
 
 
 def test_echo4_reference_keeps_non_finite_groups_nan():
     x = jax.random.normal(jax.random.key(1), (2, 64 * 256)).astype(jnp.bfloat16)
     x = x.at[0, 5].set(jnp.nan).at[1, 1000].set(-jnp.inf)
-    y = np.asarray(fa.fused_allreduce_reference(x, ECHO4), np.float32)
+    y = np.asarray(fa.one_shot_reference(x, ECHO4), np.float32)
     grp = np.arange(y.size) // 128
     bad = np.isin(grp, [0, 1000 // 128])
     assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
@@ -490,10 +490,10 @@ def test_own_from_smem_is_refused_where_it_has_no_meaning():
     with pytest.raises(ValueError, match="own_from_smem=1"):
         fa.FusedConfig(own_from_smem=1)
     with pytest.raises(ValueError, match="own_from_smem=True.*P=4"):
-        fa.loopback_allreduce(jnp.ones((4, 512), jnp.bfloat16), TACO,
+        fa.one_shot_loopback(jnp.ones((4, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(own_from_smem=True))
     with pytest.raises(ValueError, match="own_from_smem=True"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(own_from_smem=True))
 
 
@@ -528,9 +528,9 @@ def test_warp_specialized_is_refused_where_it_has_no_meaning():
     with pytest.raises(ValueError, match="per_sm=1"):
         dataclasses.replace(WS, per_sm=2)
     with pytest.raises(ValueError, match="float32 input"):
-        fa.loopback_allreduce(jnp.ones((2, 512), jnp.float32), TACO, WS)
+        fa.one_shot_loopback(jnp.ones((2, 512), jnp.float32), TACO, WS)
     with pytest.raises(ValueError, match="echo4"):
-        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
+        fa.one_shot_loopback(jnp.ones((2, 512), jnp.bfloat16), codecs.get("echo4"),
                               dataclasses.replace(WS, decode="per_source", store_parts=False))
 
 
@@ -538,7 +538,7 @@ def test_warp_specialized_is_refused_where_it_has_no_meaning():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_results_may_differ_from_the_reference_by_one_code_step_not_two(dtype):
     x = jax.random.normal(jax.random.key(5), (2, 64 * 256 + 300), jnp.float32).astype(dtype)
-    want = fa.fused_allreduce_reference(x, TACO)
+    want = fa.one_shot_reference(x, TACO)
     steps = fa.reference_steps(x, TACO)
     assert steps.shape == want.shape and bool(jnp.all(steps > 0))
     assert fa.reference_mismatch(want, x, TACO) is None
@@ -556,7 +556,7 @@ def test_results_may_differ_from_the_reference_by_one_code_step_not_two(dtype):
 
 def test_an_echo4_code_step_is_its_scale():
     x = jax.random.normal(jax.random.key(7), (2, 1024), jnp.float32)
-    want = fa.fused_allreduce_reference(x, ECHO4)
+    want = fa.one_shot_reference(x, ECHO4)
     steps = np.asarray(fa.reference_steps(x, ECHO4))
     v = np.asarray(x[0]).reshape(-1, 128)
     s0 = (np.maximum(v.max(1), 0) - np.minimum(v.min(1), 0)) / 15        # asym_params' s

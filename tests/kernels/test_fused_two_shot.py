@@ -55,7 +55,7 @@ def test_two_shot_lowers_on_meshes_of_one_two_three_axes(shape, names, vma):
                                        (8, jnp.float16, 64 * 256 * 8 * 35)])   # 35 tiles, 33 programs
 def test_two_shot_loopback_lowers_and_fits_shared_memory(p, dtype, n):
     x = jax.ShapeDtypeStruct((p, n), dtype)
-    text = jax.jit(lambda v: fts.loopback_two_shot(v, TACO)).trace(x).lower(
+    text = jax.jit(lambda v: fts.two_shot_loopback(v, TACO)).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("taco_fused_two_shot") >= 1
 
@@ -74,10 +74,10 @@ def test_the_collectives_select_the_two_shot_kernel_from_p3(gpu_here, shape, nam
 
 def test_two_shot_refuses_what_it_does_not_cover():
     with pytest.raises(ValueError, match="P=9"):
-        fts.loopback_two_shot(jnp.ones((9, 512), jnp.bfloat16), TACO)
+        fts.two_shot_loopback(jnp.ones((9, 512), jnp.bfloat16), TACO)
     with pytest.raises(ValueError, match="int32"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.int32), TACO)
-    assert fts.loopback_two_shot(jnp.ones((3, 0), jnp.bfloat16), TACO).shape == (3, 0)
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.int32), TACO)
+    assert fts.two_shot_loopback(jnp.ones((3, 0), jnp.bfloat16), TACO).shape == (3, 0)
 
 
 @pytest.mark.parametrize("p,dtype,codec", [(3, jnp.bfloat16, "taco"), (3, jnp.float32, "echo4")])
@@ -94,7 +94,7 @@ def test_two_shot_reference_is_the_two_shot_schedule_within_its_error(p, dtype, 
     want = per_device(lambda v: two_shot.two_shot(v, "tp", codec, p, False), x)
     assert got.dtype == dtype and got.shape == (n,)
     e_got, e_want = rel_l2(got, exact), rel_l2(want[0], exact)
-    one_shot_err = rel_l2(fa.fused_allreduce_reference(x, codec), exact)
+    one_shot_err = rel_l2(fa.one_shot_reference(x, codec), exact)
     assert 0 < e_got <= 1.1 * e_want and e_got > one_shot_err   # two quantizations, not one
     assert rel_l2(got, want[0]) < 2 * e_want
 
@@ -149,7 +149,7 @@ def test_two_shot_layout_counts_what_the_lowering_allocates(monkeypatch, codec, 
     codec = codecs.get(codec)
     x = jax.ShapeDtypeStruct((4, 64 * 256 * 4 * 3 + 17), dtype)
     got = fa.two_shot_layout(codec, dtype)
-    allocated = scratch_bytes(monkeypatch, lambda v: fts.loopback_two_shot(v, codec), x)
+    allocated = scratch_bytes(monkeypatch, lambda v: fts.two_shot_loopback(v, codec), x)
     assert allocated + 1024 == got["program_bytes"] <= got["room_bytes"]
 
 
@@ -157,15 +157,15 @@ def test_two_shot_refuses_a_launch_that_does_not_fit_or_is_not_its_own():
     with pytest.raises(ValueError, match="FusedConfig.ring=9"):
         fa.FusedConfig(ring=9)
     with pytest.raises(ValueError, match=r"ring=7\): a program needs \d+ KiB"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(per_sm=2, ring=7))
     with pytest.raises(ValueError, match="per_sm 1 or 2"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO, fa.FusedConfig(per_sm=3))
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.bfloat16), TACO, fa.FusedConfig(per_sm=3))
     with pytest.raises(ValueError, match="warp_specialized"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(own_from_smem=True, warp_specialized=True))
     with pytest.raises(ValueError, match="shared memory"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.float32), ECHO4, fa.FusedConfig(per_sm=2))
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.float32), ECHO4, fa.FusedConfig(per_sm=2))
 
 
 def test_two_shot_phase_knobs_leave_phases_out_and_belong_to_it():
@@ -176,15 +176,15 @@ def test_two_shot_phase_knobs_leave_phases_out_and_belong_to_it():
 
     def lowered(ablate):
         cfg = fa.FusedConfig(per_sm=2, ablate=ablate)
-        return jax.jit(lambda v: fts.loopback_two_shot(v, TACO, cfg)).trace(x).lower(
+        return jax.jit(lambda v: fts.two_shot_loopback(v, TACO, cfg)).trace(x).lower(
             lowering_platforms=("cuda",)).as_text()
     sizes = [len(lowered(a)) for a in ("scatter_only", "no_gather", "none")]
     assert sizes == sorted(sizes) and len(set(sizes)) == 3
     with pytest.raises(ValueError, match="two-shot kernel's measurement knob"):
-        fa.loopback_allreduce(jnp.ones((2, 512), jnp.bfloat16), TACO,
+        fa.one_shot_loopback(jnp.ones((2, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(ablate="no_gather"))
     with pytest.raises(ValueError, match="takes ablate none, scatter_only, no_gather"):
-        fts.loopback_two_shot(jnp.ones((3, 512), jnp.bfloat16), TACO,
+        fts.two_shot_loopback(jnp.ones((3, 512), jnp.bfloat16), TACO,
                               fa.FusedConfig(ablate="no_decode"))
 
 
@@ -192,7 +192,7 @@ def test_two_shot_ring_changes_the_kernel():
     x = jax.ShapeDtypeStruct((4, 64 * 256 * 9), jnp.bfloat16)
 
     def lowered(cfg):
-        return jax.jit(lambda v: fts.loopback_two_shot(v, ECHO4, cfg)).trace(x).lower(
+        return jax.jit(lambda v: fts.two_shot_loopback(v, ECHO4, cfg)).trace(x).lower(
             lowering_platforms=("cuda",)).as_text()
     assert lowered(fa.FusedConfig(per_sm=2, ring=4)) != lowered(fa.FusedConfig(per_sm=2, ring=7))
 

@@ -275,7 +275,7 @@ def test_impl_from_environment(monkeypatch):
 
 
 def test_defaults_are_known_impls():
-    assert set(dispatch.DEFAULT_IMPL) == set(dispatch.KERNELS)
+    assert set(dispatch.DEFAULT_IMPL) == set(dispatch.IMPL_KERNELS)
     assert set(dispatch.DEFAULT_IMPL.values()) <= {"triton", "mosaic"}
     assert dispatch.DEFAULT_IMPL["reduce"] == "triton"     # no Mosaic reduce kernel
 

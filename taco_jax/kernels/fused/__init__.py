@@ -8,20 +8,20 @@ from taco_jax.kernels.fused.config import (ABLATIONS, FP8_DECODE, SLIM_2_PER_SM,
                                            SMEM_RESERVED, TWO_SHOT_ABLATIONS, WARP_SPECIALIZED,
                                            FusedConfig)
 from taco_jax.kernels.fused.exchange import exchange_kernel
-from taco_jax.kernels.fused.one_shot import (default_config, fused_allreduce,
-                                             fused_allreduce_reference, loopback_allreduce,
+from taco_jax.kernels.fused.one_shot import (default_config, one_shot_allreduce,
+                                             one_shot_reference, one_shot_loopback,
                                              reference_mismatch, reference_steps, smem_bytes,
                                              unsupported)
 from taco_jax.kernels.fused.one_shot_ws import ws_unsupported
 from taco_jax.kernels.fused.peers import Loopback, Remote, signal_released
-from taco_jax.kernels.fused.two_shot import (loopback_two_shot, two_shot_allreduce,
+from taco_jax.kernels.fused.two_shot import (two_shot_loopback, two_shot_allreduce,
                                              two_shot_config, two_shot_layout,
                                              two_shot_reference)
 
 __all__ = ["ABLATIONS", "TWO_SHOT_ABLATIONS", "FP8_DECODE", "SLIM_2_PER_SM", "SMEM_PER_SM",
            "SMEM_RESERVED", "WARP_SPECIALIZED", "FusedConfig", "exchange_kernel",
-           "default_config", "fused_allreduce", "fused_allreduce_reference",
-           "loopback_allreduce", "reference_mismatch", "reference_steps", "smem_bytes",
+           "default_config", "one_shot_allreduce", "one_shot_reference",
+           "one_shot_loopback", "reference_mismatch", "reference_steps", "smem_bytes",
            "unsupported", "ws_unsupported", "Loopback", "Remote", "signal_released",
-           "loopback_two_shot", "two_shot_allreduce",
+           "two_shot_loopback", "two_shot_allreduce",
            "two_shot_config", "two_shot_layout", "two_shot_reference"]

@@ -318,7 +318,7 @@ def _tiles(flat):
     return flat.reshape(*flat.shape[:-1], n_rows, BLOCK)
 
 
-def fused_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
+def one_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
                     cfg: FusedConfig | None = None):
     """Σ over the P members of mesh axis `axis` of decode(encode(x_j)), in device order:
     the compressed one-shot all-reduce in one kernel. Call inside `jax.shard_map` on GPUs
@@ -335,7 +335,7 @@ def fused_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
       cfg: launch shape (`FusedConfig`; None: `default_config`).
     Returns: an array of x's shape and dtype, the same bits on every device.
     Raises: ValueError naming what is not covered."""
-    check(codec, p, x.dtype, "fused_allreduce")
+    check(codec, p, x.dtype, "one_shot_allreduce")
     cfg = cfg or default_config(codec, p, x.dtype)
     if x.size == 0:
         return x
@@ -346,12 +346,12 @@ def fused_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg"))
-def loopback_allreduce(xs, codec, cfg: FusedConfig | None = None):
+def one_shot_loopback(xs, codec, cfg: FusedConfig | None = None):
     """The same kernel on one GPU for P = xs.shape[0] virtual devices: xs[d] is device d's
     input; returns (P, …): row d is what device d computes (all rows equal when correct).
-    Raises ValueError as `fused_allreduce`."""
+    Raises ValueError as `one_shot_allreduce`."""
     p = xs.shape[0]
-    check(codec, p, xs.dtype, "loopback_allreduce")
+    check(codec, p, xs.dtype, "one_shot_loopback")
     cfg = cfg or default_config(codec, p, xs.dtype)
     if xs.size == 0:
         return xs
@@ -361,7 +361,7 @@ def loopback_allreduce(xs, codec, cfg: FusedConfig | None = None):
     return jax.vmap(lambda v: from_blocks(v, xs.shape[1:]))(y)
 
 
-def fused_allreduce_reference(xs, codec):
+def one_shot_reference(xs, codec):
     """Plain jnp: (P, …) → Σ_j decode(encode(xs[j])) in f32, j in order, in xs's dtype
     (what the kernel encodes: for the FP8 codecs f32 inputs from bf16, for echo4 as they
     are; its tile codec's `encoded`).
@@ -385,7 +385,7 @@ def fused_allreduce_reference(xs, codec):
 def reference_steps(xs, codec):
     """(P, …) → (…) f32: per element of the result, one code step of the codec in value
     terms, the largest over the P devices' blocks (its tile codec's `code_step` of each
-    device's wire, as `fused_allreduce_reference` encodes it)."""
+    device's wire, as `one_shot_reference` encodes it)."""
     tiles = tile_codec.for_codec(codec)
     steps = None
     for j in range(xs.shape[0]):
@@ -397,13 +397,13 @@ def reference_steps(xs, codec):
 
 def reference_mismatch(got, xs, codec, err_rtol: float = 0.01) -> str | None:
     """Does `got`, a result of the kernel on inputs xs (P, …), break its contract with
-    `fused_allreduce_reference` (None: it keeps it)? NaN where the reference has NaN,
+    `one_shot_reference` (None: it keeps it)? NaN where the reference has NaN,
     elsewhere |got − reference| at most one code step (`reference_steps`), and the error
     against the exact sum within err_rtol of the reference's (relative, root of the summed
     squares).
 
     Returns: None, or what breaks the contract (counts, the worst element)."""
-    want = np.asarray(fused_allreduce_reference(xs, codec))
+    want = np.asarray(one_shot_reference(xs, codec))
     got = np.asarray(got)
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"result {got.shape} {got.dtype}, reference {want.shape} {want.dtype}"

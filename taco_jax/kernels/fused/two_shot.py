@@ -1,5 +1,5 @@
 """The compressed two-shot all-reduce in one Pallas Mosaic GPU kernel (Hopper), for P ≥ 3
-(`two_shot_allreduce`, `loopback_two_shot`), for the codecs with a tile codec
+(`two_shot_allreduce`, `two_shot_loopback`), for the codecs with a tile codec
 (`kernels.tile_codec`: the FP8 codecs, echo4): x is cut into P segments of whole tiles;
 program b of every device takes every n-th tile of each segment, from a start that moves
 by the segment's remainder from one segment to the next (`_shares`: no program takes an
@@ -414,7 +414,7 @@ def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
     decodes the P sums. At most two quantizations per element; every device decodes the
     same bytes, so all get the same bits. A non-finite block decodes to NaN.
 
-    Args and Raises: as `fused_allreduce` (P = 2..8; meant for P ≥ 3).
+    Args and Raises: as `one_shot_allreduce` (P = 2..8; meant for P ≥ 3).
     Returns: an array of x's shape and dtype."""
     check(codec, p, x.dtype, "two_shot_allreduce")
     cfg = _two_shot_cfg(cfg, codec, x.dtype)
@@ -427,11 +427,11 @@ def two_shot_allreduce(x, axis: str, p: int, codec, *, out_mat=None,
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "cfg"))
-def loopback_two_shot(xs, codec, cfg: FusedConfig | None = None):
+def two_shot_loopback(xs, codec, cfg: FusedConfig | None = None):
     """`two_shot_allreduce` on one GPU for P = xs.shape[0] virtual devices (as
-    `loopback_allreduce`): returns (P, …), row d what device d computes."""
+    `one_shot_loopback`): returns (P, …), row d what device d computes."""
     p = xs.shape[0]
-    check(codec, p, xs.dtype, "loopback_two_shot")
+    check(codec, p, xs.dtype, "two_shot_loopback")
     cfg = _two_shot_cfg(cfg, codec, xs.dtype)
     if xs.size == 0:
         return xs
