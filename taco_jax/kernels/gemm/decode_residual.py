@@ -31,7 +31,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from taco_jax import _jax_private
 from taco_jax.kernels.gemm import encode_epilogue as ee
 from taco_jax.kernels.gemm.config import (IN_DTYPES, ROWS, SMEM_PER_SM, SMEM_RESERVED,
                                           TILE_N, buffer_bytes)
@@ -68,14 +67,6 @@ class DecodeConfig:
         cap = max(1, self.per_sm * registers.sm_count() // devices_here)
         want = cap if self.programs is None else min(self.programs, cap)
         return max(1, min(n_tiles, want))
-
-
-def swizzled(dtype) -> tuple:
-    """SMEM transforms of a (64, 256) tile of values stored in the value layout and sent by
-    TMA: (8, 128 / itemsize) tiles, 128-byte swizzle (the 16-byte vectors of a row spread
-    over the banks)."""
-    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
-            plgpu.SwizzleTransform(128))
 
 
 def smem_bytes(codec, dtype, cfg: DecodeConfig) -> int:
@@ -189,8 +180,8 @@ def _body(tiles, cfg: DecodeConfig, p: int, nprog: int, n_ops: int, batched: boo
                     cols = out.at[:, pl.ds(width * part, width)]
                     r = plgpu.load(cols, layout=registers.value_layout(dtype, parts),
                                    optimized=False).astype(jnp.float32)
-                    _jax_private.mgpu_store(
-                        cols, (tiles.finish(total, vec, parts) + r).astype(dtype))
+                    registers.store_part(out, part, parts,
+                                         (tiles.finish(total, vec, parts) + r).astype(dtype))
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out, out_view(y, i))
         plgpu.wait_smem_to_gmem(0)
@@ -239,7 +230,7 @@ def decode_launch(recv, residual, codec, cfg: DecodeConfig | None = None, out_ma
     lines = ROWS * tiles.row_bytes // LINE
     ops = tiles.operands(dtype)
     scratch = [plgpu.SMEM((cfg.ring, lines, LINE), jnp.uint8),
-               plgpu.SMEM((2, ROWS, TILE_N), dtype, transforms=swizzled(dtype)),
+               plgpu.SMEM((2, ROWS, TILE_N), dtype, transforms=registers.swizzled(dtype)),
                plgpu.Barrier(num_barriers=cfg.ring), plgpu.Barrier(num_barriers=2),
                plgpu.Barrier(num_barriers=max(len(ops), 1))]
     scratch += [plgpu.SMEM(a.shape, a.dtype, transforms=t) for a, t in ops]

@@ -239,9 +239,9 @@ def _launch(x, w, tiles, peers, cfg: GemmConfig, exchange: str = "all", mat=None
     body = _body(peers, tiles, cfg, len(operands), remote, tiles_m, tiles_n, dtype,
                  exchange)
     return pipeline.launch(body, (x, w, *operands), out_type=out,
-                         scratch=_scratch(tiles, dtype, cfg, peers.p, remote), cfg=cfg,
-                         nprog=peers.nprog, groups=1 if remote else peers.p,
-                         name="taco_gemm_encode")
+                           scratch=_scratch(tiles, dtype, cfg, peers.p, remote), cfg=cfg,
+                           nprog=peers.nprog, groups=1 if remote else peers.p,
+                           name="taco_gemm_encode")
 
 
 def wire_view(lines_ref, row_bytes: int):
@@ -280,9 +280,8 @@ def gemm_encode(x, w, codec, cfg: GemmConfig | None = None):
     cfg = cfg or default_config(x.shape[-2])
     _check("gemm_encode", codec, 1, x, w, cfg)
     tiles = tile_codec(codec)
-    m, n = x.shape[-2], w.shape[-1]
-    peers = Loopback(1, cfg.grid(pipeline.tile_grid(m, n, cfg)[0] *
-                                 pipeline.tile_grid(m, n, cfg)[1]), phases=cfg.wgs)
+    tiles_m, tiles_n = pipeline.tile_grid(x.shape[-2], w.shape[-1], cfg)
+    peers = Loopback(1, cfg.grid(tiles_m * tiles_n), phases=cfg.wgs)
     recv = _launch(x[None], w[None], tiles, peers, cfg)
     return _wire_rows(recv[0, 0], tiles.row_bytes)
 

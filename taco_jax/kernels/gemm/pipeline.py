@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from taco_jax.kernels.gemm.config import (COMPUTE_REGS, IN_DTYPES, MEMORY_REGS, ROWS,
                                           SMEM_PER_SM, SMEM_RESERVED, TILE_N, GemmConfig,
                                           buffer_bytes)
-from taco_jax.kernels.mosaic import registers, taco_tiles
+from taco_jax.kernels.mosaic import registers
 
 
 def operand_transforms(tile_k: int, dtype) -> tuple:
@@ -271,7 +271,7 @@ def matmul(x, w, cfg: GemmConfig | None = None):
         plgpu.wait_smem_to_gmem(0)
 
     scratch = pipeline_scratch(cfg, dtype) + [
-        plgpu.SMEM((cfg.wgs, ROWS, TILE_N), dtype, transforms=taco_tiles.swizzled(dtype))]
+        plgpu.SMEM((cfg.wgs, ROWS, TILE_N), dtype, transforms=registers.swizzled(dtype))]
     return launch(body, (x, w), out_type=jax.ShapeDtypeStruct((*lead, m, n), dtype),
                   scratch=scratch, cfg=cfg, nprog=nprog, groups=groups, name="taco_gemm")
 
