@@ -5,8 +5,8 @@ other's transpose.
     matmul_reduce_scatter(x, w)  = psum_scatter(x @ w, tiled=True)      (row-parallel)
 
 Each is P steps of one GEMM chunk and one `lax.ppermute` of codes, so XLA can run a step's
-collective-permute beside the next step's GEMM (DESIGN_NOTES §3a: inside `shard_map` the
-overlap is written by hand):
+collective-permute beside the next step's GEMM (inside `shard_map` XLA's own windowed
+einsum does not apply: the overlap is written by hand):
 
 - all_gather_matmul: each device encodes its shard once; the codes go round the ring, one
   hop a step, never re-encoded; at step s a device decodes the shard of device me − s (its
