@@ -3,7 +3,9 @@ projection for two GPUs.
 
     python -m bench.fused [--p 2 4 8] [--sizes 1KiB 1MiB+5 16MiB ...] [--dtypes bf16 f32 f16]
                           [--codec taco|echo4] [--time] [--out bench/results/fused_loopback.json]
-                          [--update] [--kernel two_shot] [--ablate [--variants ...]] [--fail-fast]
+                          [--update [--missing]] [--kernel two_shot] [--ablate [--variants ...]]
+                          [--fail-fast]
+    python -m bench.fused --write-checked
 
 P virtual devices are P groups of programs of the one-launch kernel
 (`kernels.fused.one_shot_loopback`): the kernel body, tile math and protocol of
@@ -34,8 +36,14 @@ rows "one_launch_two_shot") the same way, its error gated on its jnp reference's
 (`two_shot_reference`: the same segments and owners) within TWO_SHOT_SLACK, the xla
 transport's reported beside it. `--fail-fast` runs nothing more after a hang or crash.
 `--update` keeps the --out file's rows of what this run does not measure (another codec,
-P, size, dtype or config), so one file holds both codecs' rows; every row names its codec
-and commit.
+kernel, P, size, dtype or config), so one file holds both codecs' rows; every row names its
+codec, commit, library sources hash and kernel sources hash (`kernels.fused.checked`);
+`--missing` runs only what has no passing row at these kernel sources.
+
+`--write-checked` runs nothing: it writes the fused transport's checked table
+(taco_jax/kernels/fused/checked.py) from the loopback check rows of bench/results/fused*.json
+at the current kernel sources (`check_rows`, `checked_triples`): the collectives select a
+one-launch kernel for a codec and dtype only where those pass.
 
 `--ablate` times the one-shot kernel's VARIANTS side by side (P = 2, bf16, 16/64/256 MiB
 by default): measurement knobs (`FusedConfig.ablate`: a stage left out or done twice;
@@ -53,6 +61,7 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
+import glob
 import json
 import os
 import re
@@ -324,35 +333,48 @@ def locked(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def row_label(impl: str, kernel: str = "one_shot") -> str:
+    """A row's "kernel": what ran ("one_launch": the one-shot loopback on one GPU, "one_launch
+    on GPUs": the collectives over P GPUs, "emulated": the jnp model), "_two_shot" added
+    for the two-shot kernel."""
+    label = {"kernel": "one_launch", "mesh": "one_launch on GPUs"}.get(impl, "emulated")
+    return label + "_two_shot" if kernel == "two_shot" else label
+
+
 def row_key(r: dict) -> tuple:
     """(P, bytes, dtype name): what a row measured."""
     dt = DTYPES.get(r.get("dtype"))
     return r.get("p"), r.get("bytes"), jnp.dtype(dt).name if dt is not None else None
 
 
-def kept_rows(old: dict | None, codec: str, measured: set, config: str) -> list[dict]:
+def kept_rows(old: dict | None, codec: str, measured: set, config: str,
+              label: str | None = None) -> list[dict]:
     """--update: the rows of the earlier file `old` that this run has not measured again:
-    another codec (a row without one is the file's codec's), another --config, or a
-    `row_key` outside `measured` (what the run has measured so far, so a run cut short
-    keeps the earlier rows of what it did not reach)."""
+    another codec (a row without one is the file's codec's), another --config, another
+    kernel (`row_label`; label None: any), or a `row_key` outside `measured` (what the run
+    has measured so far, so a run cut short keeps the earlier rows of what it did not
+    reach)."""
     out = []
     for r in (old or {}).get("rows", []):
         r = {**r, "codec": r.get("codec", old.get("codec")),
              "commit": r.get("commit", old.get("commit"))}
         if r["codec"] != codec or r.get("config", "default") != config or \
-                row_key(r) not in measured:
+                row_key(r) not in measured or \
+                label is not None and r.get("kernel", label) != label:
             out.append(r)
     return out
 
 
-def passed_rows(old: dict | None, codec: str, config: str, sources: str,
-                calls: int) -> set:
-    """--missing: the `row_key`s of `old`'s rows of this codec and config that passed
-    their checks on at least `calls` calls with the library sources `sources`
-    (`common.sources_hash`)."""
+def passed_rows(old: dict | None, codec: str, config: str, kernel_sources: str,
+                calls: int, label: str | None = None) -> set:
+    """--missing: the `row_key`s of `old`'s rows of this codec, config and kernel
+    (`row_label`; None: any) that passed their checks on at least `calls` calls at the
+    kernel sources `kernel_sources` (`kernels.fused.checked.kernel_sources_hash`)."""
     return {row_key(r) for r in (old or {}).get("rows", [])
             if r.get("codec", old.get("codec")) == codec and r.get("ok") and
-            r.get("config", "default") == config and r.get("sources") == sources and
+            r.get("config", "default") == config and
+            r.get("kernel_sources") == kernel_sources and
+            (label is None or r.get("kernel") == label) and
             r.get("calls", 0) >= max(calls, 1)}
 
 
@@ -369,11 +391,10 @@ def run_config(a) -> dict:
     if two:
         from taco_jax.kernels import fused as fused_kernels
         model = jax.jit(lambda xs: fused_kernels.two_shot_reference(xs, codec))
-    label = {"kernel": "one_launch", "mesh": "one_launch on GPUs"}.get(a.impl, "emulated")
     row = {"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes, "dtype": a.one_dtype,
            "config": " ".join(a.config or ()) or "default",
            "variant": getattr(a, "variant", None) or "default",
-           "kernel": label + "_two_shot" if two else label}
+           "kernel": row_label(a.impl, kernel)}
     # a measurement knob makes the results wrong on purpose: such a variant is timed only
     checked = getattr(fused_config(a.config, codec, p, dtype, kernel), "ablate",
                       "none") == "none"
@@ -634,6 +655,96 @@ def ablation_table(rows: list[dict], base_variant: str = "default") -> list[dict
     return out
 
 
+# -- the fused transport's checked table (--write-checked) -----------------------------------
+CHECK_RESULTS = os.path.join(ROOT, "bench", "results", "fused*.json")
+CHECKED_PY = os.path.join(ROOT, "taco_jax", "kernels", "fused", "checked.py")
+TABLE_MARK = "# -- the table: written by `python -m bench.fused --write-checked`"
+KERNEL_OF_LABEL = {"one_launch": "one_shot", "one_launch_two_shot": "two_shot"}
+
+
+def check_rows(paths=None) -> list[dict]:
+    """The loopback checks among the results files (default: bench/results/fused*.json):
+    rows of the one-launch kernels run on a GPU (`row_label` "one_launch",
+    "one_launch_two_shot") at their default launch, checked (no measurement knob), each as
+    {kernel, codec, dtype (jnp name), p, ok, kernel_sources, file}."""
+    out = []
+    for path in sorted(glob.glob(CHECK_RESULTS)) if paths is None else paths:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or doc.get("platform") != "gpu":
+            continue
+        for r in doc.get("rows", []):
+            kernel = KERNEL_OF_LABEL.get(r.get("kernel"))
+            dt = DTYPES.get(r.get("dtype"))
+            if (kernel is None or dt is None or not r.get("checked", True)
+                    or r.get("config", doc.get("config", "default")) != "default"
+                    or r.get("variant", "default") != "default"):
+                continue
+            out.append({"kernel": kernel, "codec": r.get("codec", doc.get("codec")),
+                        "dtype": jnp.dtype(dt).name, "p": r.get("p"),
+                        "ok": bool(r.get("ok")) and r.get("calls", 0) >= 1,
+                        "kernel_sources": r.get("kernel_sources"),
+                        "file": os.path.basename(path)})
+    return out
+
+
+def checked_triples(rows, kernel_sources: str) -> frozenset:
+    """The (kernel, codec, dtype) whose check rows (`check_rows`) at `kernel_sources` all
+    pass, some at a P the collectives take that kernel at (the one-shot at 2, the two-shot
+    at 3 and above): what the fused transport may select."""
+    from taco_jax.collectives.fused import one_launch_kernel
+    groups: dict = {}
+    for r in rows:
+        if r["kernel_sources"] == kernel_sources and isinstance(r["p"], int) and r["p"] >= 2:
+            groups.setdefault((r["kernel"], r["codec"], r["dtype"]), []).append(r)
+    return frozenset(t for t, rs in groups.items() if all(r["ok"] for r in rs)
+                     and any(one_launch_kernel(r["p"]) == t[0] for r in rs))
+
+
+def table_text(sources: str, triples) -> str:
+    """checked.py's table as `write_checked` writes it."""
+    lines = [TABLE_MARK + " from the check rows", f'SOURCES = "{sources}"']
+    if not triples:
+        lines.append("CHECKED = frozenset()")
+    else:
+        lines.append("CHECKED = frozenset({")
+        lines += [f"    {t!r}," for t in sorted(triples)]
+        lines.append("})")
+    return "\n".join(lines) + "\n"
+
+
+def write_checked(path: str = CHECKED_PY, rows=None) -> frozenset:
+    """Rewrite the table at the end of checked.py (from TABLE_MARK on): SOURCES this
+    checkout's kernel sources hash, CHECKED the triples whose check rows pass at it
+    (`checked_triples` of `check_rows()`, or of `rows`). Prints and returns them."""
+    from taco_jax.kernels.fused import checked
+    here = checked.kernel_sources_hash()
+    rows = check_rows() if rows is None else rows
+    triples = checked_triples(rows, here)
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text[:text.index(TABLE_MARK)] + table_text(here, triples))
+    at = sum(r["kernel_sources"] == here for r in rows)
+    print(f"wrote {path}: {len(triples)} (kernel, codec, dtype) checked at kernel sources "
+          f"{here} ({at} of {len(rows)} check rows are at them)")
+    for t in sorted(triples):
+        print("  " + " ".join(t))
+    return triples
+
+
+def unselected(codec, ps, dtypes) -> list[str]:
+    """"kernel dtype" of the one-launch kernels that the collectives would take at these
+    P and dtypes (names of DTYPES) but do not select: their checks have not passed."""
+    from taco_jax.collectives.fused import one_launch_kernel
+    from taco_jax.kernels.fused import checked
+    return sorted({f"{one_launch_kernel(p)} {d}" for p in ps for d in dtypes
+                   if checked.unchecked(one_launch_kernel(p), codec, DTYPES[d]) is not None})
+
+
 # -- the driver -----------------------------------------------------------------------------
 def child_cmd(a, p, sizes, dtype) -> list[str]:
     cmd = [sys.executable, "-m", "bench.fused", "--one", str(p),
@@ -666,6 +777,7 @@ def run_children(a, configs, save=lambda rows: None) -> list[dict]:
     for (p, dtype), sizes in groups:
         if getattr(a, "fail_fast", False) and getattr(a, "_stopped", None):
             rows += [{"p": p, "mib": round(nb / MIB, 6), "bytes": nb, "dtype": dtype,
+                      "kernel": row_label(a.impl, a.kernel),
                       "variant": getattr(a, "variant", None) or "default", "ok": False,
                       "reason": f"not run: {a._stopped}"} for nb in sizes]
             continue
@@ -691,7 +803,8 @@ def run_children(a, configs, save=lambda rows: None) -> list[dict]:
         rows += got
         for nbytes in sizes[len(got):]:
             rows.append({"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes,
-                         "dtype": dtype, "variant": getattr(a, "variant", None) or "default",
+                         "dtype": dtype, "kernel": row_label(a.impl, a.kernel),
+                         "variant": getattr(a, "variant", None) or "default",
                          "ok": False, "reason": why or "no result"})
             print(f"P={p} {rows[-1]['mib']} MiB {dtype}: {rows[-1]['reason']}", flush=True)
         save(rows)                 # what is done survives a kill of the whole batch
@@ -745,6 +858,10 @@ def main(argv=None) -> int:
                     help="with --update: run only the configurations without a passing "
                          "row in --out from the same library sources (rows name them), so "
                          "a long matrix resumes where a run cut short left it")
+    ap.add_argument("--write-checked", action="store_true",
+                    help="run nothing: write the fused transport's checked table "
+                         "(taco_jax/kernels/fused/checked.py) from the check rows in "
+                         "bench/results/fused*.json at the current kernel sources")
     ap.add_argument("--one", nargs=3, metavar=("P", "BYTES,…", "DTYPE"), default=None,
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -756,18 +873,20 @@ def main(argv=None) -> int:
     if a.missing and (not a.update or a.ablate or a.time):
         raise SystemExit("bench.fused: --missing resumes checks: it needs --update and "
                          "takes neither --ablate nor --time")
+    if a.write_checked:
+        write_checked()
+        return 0
     from taco_jax import codecs
-    from taco_jax.kernels import tile_codec
-    tiles = tile_codec.for_codec(codecs.get(a.codec))
-    needed = {"one_shot" if p == 2 else "two_shot" for p in a.p}
-    if a.impl == "mesh" and not needed <= set(tiles.checked_on_gpu):
-        raise SystemExit(f"bench.fused: --impl mesh: the collectives do not select the "
-                         f"one-launch kernel for {a.codec} until its loopback checks pass "
-                         f"(--impl kernel on one GPU; not yet: "
-                         f"{', '.join(sorted(needed - set(tiles.checked_on_gpu)))})")
     if a.kernel == "two_shot" and a.impl == "mesh":
         raise SystemExit("bench.fused: --impl mesh runs the collectives, which take the "
                          "kernel for each P (the two-shot at P >= 3): leave --kernel out")
+    if a.impl == "mesh":
+        unchecked = unselected(codecs.get(a.codec), a.p, a.dtypes)
+        if unchecked:
+            raise SystemExit(f"bench.fused: --impl mesh: the collectives do not select the "
+                             f"one-launch kernel for {a.codec} until its loopback checks "
+                             f"pass at these kernel sources (--impl kernel on one GPU, then "
+                             f"--write-checked; not yet: {', '.join(unchecked)})")
     if a.ablate:
         a.time = True
         if a.kernel != "one_shot":
@@ -811,23 +930,26 @@ def main(argv=None) -> int:
     if a.missing:
         with locked(a.out):
             old = read_rows(a.out)
-        done = passed_rows(old, a.codec, config, facts["sources"], a.calls)
+        done = passed_rows(old, a.codec, config, facts["kernel_sources"], a.calls,
+                           row_label(a.impl, a.kernel))
         skip = [c for c in configs if row_key({"p": c[0], "bytes": c[1], "dtype": c[2]})
                 in done]
         configs = [c for c in configs if c not in skip]
-        print(f"--missing: {len(skip)} configurations already passed with these sources "
-              f"({facts['sources']}), {len(configs)} to run")
+        print(f"--missing: {len(skip)} configurations already passed at these kernel "
+              f"sources ({facts['kernel_sources']}), {len(configs)} to run")
         if not configs:
             return 0
 
     def payload(rows):
         rows = [{**r, "codec": r.get("codec", a.codec),
                  "commit": r.get("commit", facts["commit"]),
-                 "sources": r.get("sources", facts["sources"])} for r in rows]
+                 "sources": r.get("sources", facts["sources"]),
+                 "kernel_sources": r.get("kernel_sources", facts["kernel_sources"])}
+                for r in rows]
         # --update: the file as it is now (under `locked`), not as it was when this run
         # began, so the rows another run has written since stay
         kept = kept_rows(read_rows(a.out) if a.update else None, a.codec,
-                         {row_key(r) for r in rows}, config)
+                         {row_key(r) for r in rows}, config, row_label(a.impl, a.kernel))
         return {**facts, "impl": a.impl, "codec": a.codec, "calls": a.calls,
                 "config": config,
                 "link_gbps": LINK_GBPS, "fixed_us": FIXED_US,

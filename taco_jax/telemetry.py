@@ -62,7 +62,9 @@ class Site:
     compressed: bool
     reason: str          # why not compressed ("" when compressed)
     p: int = 1           # devices over the axes
-    transport: str = ""  # "xla" or "fused" when compressed
+    # when compressed: "xla", "fused" (one launch), "fused (separate kernels): <why>",
+    # under jax.vmap "fused (loopback)" or "fused (exchange emulated)"
+    transport: str = ""
     vma: bool = True     # traced under check_vma=True (False: psum's transpose all-reduces)
 
     @property

@@ -55,6 +55,15 @@ def h200(monkeypatch):
 
 
 @pytest.fixture
+def all_checked():
+    """The fused transport selects its one-launch kernels wherever they cover a call, as if
+    every loopback check had passed at these kernel sources (`fused_lowering`)."""
+    from fused_lowering import assumed_checked
+    with assumed_checked():
+        yield
+
+
+@pytest.fixture
 def gpu_here(monkeypatch):
     """The fused transport's platform check passes (what the fused-kernel tests lower is a
     CUDA program)."""

@@ -1,8 +1,11 @@
 """What the fused-kernel tests share: `lowered_psum` (taco_jax.psum over the fused transport
-on a mesh, lowered for CUDA, once per run), `scratch_bytes` (a Mosaic kernel's shared
-memory as the lowering allocates it) and `rel_l2` (the `gpu_here` fixture is in
-conftest.py)."""
+on a mesh, lowered for CUDA, once per run), `assumed_checked` (the one-launch kernels
+selected as if their GPU checks had passed), `scratch_bytes` (a Mosaic kernel's shared
+memory as the lowering allocates it) and `rel_l2` (the `gpu_here` and `all_checked`
+fixtures are in conftest.py)."""
+import contextlib
 import functools
+from unittest import mock
 
 import numpy as np
 
@@ -17,10 +20,34 @@ import taco_jax
 cached = functools.lru_cache(maxsize=None)
 
 
+# every (kernel, codec, dtype) the one-launch kernels cover
+COVERED = tuple((k, c, d) for k in ("one_shot", "two_shot")
+                for c in ("taco", "taco-e5m2", "taco-1scale", "echo4")
+                for d in ("bfloat16", "float16", "float32"))
+
+
+@contextlib.contextmanager
+def assumed_checked(triples=COVERED):
+    """The fused transport selects the one-launch kernels for `triples` ((kernel, codec name,
+    dtype name); default: every one they cover) as if their loopback checks had passed on
+    a GPU at these kernel sources: what a CPU test checks is the lowering the selection
+    leads to (the checks themselves run on a GPU, `python -m bench.fused`)."""
+    from taco_jax.kernels.fused import checked
+    with mock.patch.multiple(checked, SOURCES=checked.kernel_sources_hash(),
+                             CHECKED=frozenset(triples)):
+        yield
+
+
 @cached
-def lowered_psum(shape, names, axis, vma, dtype=jnp.bfloat16, codec="taco"):
+def lowered_psum(shape, names, axis, vma, dtype=jnp.bfloat16, codec="taco", checked=COVERED):
     """HLO text of taco_jax.psum(transport="fused") over `axis` of a mesh `names` → shape,
-    lowered for CUDA; every other axis shards the input too."""
+    lowered for CUDA; every other axis shards the input too. `checked`: the triples the
+    selection takes as checked (`assumed_checked`)."""
+    with assumed_checked(checked):
+        return _lowered_psum(shape, names, axis, vma, dtype, codec)
+
+
+def _lowered_psum(shape, names, axis, vma, dtype, codec):
     n = int(np.prod(shape))
     mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
     spec = P(names)

@@ -93,14 +93,22 @@ class Call:
         return route
 
     def _label(self, route: str, v) -> str:
-        """The transport as telemetry names it: under jax.vmap the fused transport runs its
-        one-launch kernels as their loopback, and its other kernels with the exchange left
-        to the vmap."""
-        if route != "fused" or not axes_lib.emulated(self.axes):
+        """The transport as telemetry names it: an all-reduce that the fused transport
+        cannot run in one launch says so and why (its separate kernels run); under
+        jax.vmap the one-launch kernels run as their loopback, and the other kernels with
+        the exchange left to the vmap."""
+        if route != "fused":
             return route
-        one_launch = (self.op in ("psum", "pvary")
-                      and fused.one_launch_reason(self.codec, self.p, v.dtype) is None)
-        return "fused (loopback)" if one_launch else "fused (exchange emulated)"
+        emulated = axes_lib.emulated(self.axes)
+        why = (fused.one_launch_reason(self.codec, self.p, v.dtype)
+               if self.op in ("psum", "pvary") else None)
+        if why is not None:
+            how = "separate kernels, exchange emulated" if emulated else "separate kernels"
+            return f"fused ({how}): {why}"
+        if not emulated:
+            return route
+        return "fused (loopback)" if self.op in ("psum", "pvary") else \
+            "fused (exchange emulated)"
 
     def _route(self, v, invariant: bool) -> tuple[str, str | None]:
         why = self.plain_reason(v, invariant)

@@ -9,20 +9,23 @@ a mesh with other axes (a (data, pipe, tp) mesh); Mosaic needs the mesh's device
 
 Schedules, by axis size P (`allreduce`):
   * one launch (`one_launch`), where its kernel covers the codec and dtype and its
-    loopback checks passed on a GPU: at P = 2 the one-shot (`kernels.fused.one_shot`:
+    loopback checks passed on a GPU at these kernel sources (`kernels.fused.checked`,
+    per kernel, codec and dtype): at P = 2 the one-shot (`kernels.fused.one_shot`:
     each device encodes its tiles, stores them into its own and the peer's receive
     buffers, signals per tile and decodes both contributions in device order; one
     quantization per element), at P ≥ 3 the two-shot (`kernels.fused.two_shot`: segments
     to their owners, the owners' sums encoded once and stored to every device; at most
     two quantizations). Every device decodes the same bytes: bit-identical results.
   * otherwise the schedules of `two_shot` with `exchange` (an all-gather or all-to-all by
-    remote stores) carrying the bytes between the compress and decode kernels; codec
-    "none" is the exact one-shot.
+    remote stores) carrying the bytes between the separate compress and decode kernels;
+    codec "none" is the exact one-shot. Telemetry names such an all-reduce's transport
+    "fused (separate kernels): <why not one launch>".
 Under `jax.vmap` (emulated tensor parallelism) on a GPU the one-launch kernels run as their
 loopback (`loopback`): the vmap members are the virtual devices of one launch, so an
 emulated step runs the same kernels and protocol; the other schedules keep their kernels
 and leave the exchange to the vmap (telemetry names the transport "fused (loopback)" and
-"fused (exchange emulated)").
+"fused (exchange emulated)", an all-reduce's "fused (separate kernels, exchange emulated):
+<why>").
 
 XLA zeroes a kernel's semaphores and runs a cross-device barrier before it (the kernels
 never set `skip_device_barrier`), so no store reaches a peer whose previous call is still
@@ -36,7 +39,8 @@ from jax import lax
 
 from taco_jax import telemetry
 from taco_jax.collectives import axes as axes_lib
-from taco_jax.kernels import fused as kernels, tile_codec
+from taco_jax.kernels import fused as kernels
+from taco_jax.kernels.fused import checked
 from taco_jax.kernels.fused.exchange import TILE_BYTES, exchange_kernel
 from taco_jax.kernels.mosaic import BLOCK, ROWS
 
@@ -83,18 +87,14 @@ def one_launch_kernel(p: int) -> str:
 
 
 def one_launch_reason(codec, p: int, dtype) -> str | None:
-    """Why `one_launch` does not cover this all-reduce (None: it does). A codec whose tile
-    math the kernel has but whose loopback checks have not passed on a GPU with that
-    kernel (`checked_on_gpu` of its tile codec) is not selected."""
+    """Why `one_launch` does not run this all-reduce (None: it does): its kernel does not
+    cover the codec, P or dtype (`kernels.fused.unsupported`), or does but its loopback
+    checks have not passed on a GPU for this kernel, codec and dtype at these kernel
+    sources (`kernels.fused.checked`)."""
     if p < 2:
         return f"P={p}"
     kernel = one_launch_kernel(p)
-    why = kernels.unsupported(codec, p, dtype)
-    if why is None and kernel not in tile_codec.for_codec(codec).checked_on_gpu:
-        why = (f"{codec.name}: the one-launch {kernel.replace('_', '-')} kernel's tile math "
-               f"for it is built and lowered, not yet checked on a GPU (python -m "
-               f"bench.fused --codec {codec.name} --kernel {kernel})")
-    return why
+    return kernels.unsupported(codec, p, dtype) or checked.unchecked(kernel, codec, dtype)
 
 
 def one_launch_wire_bytes(codec, p: int, n: int) -> int:

@@ -71,7 +71,7 @@ def test_worst_tiles_name_the_wrong_tile_and_its_segment():
     assert bench_fused.worst_tiles(gold, gold, exact, finite, p=4) == []
 
 
-def test_the_kernel_refuses_to_run_off_the_gpu(tmp_path):
+def test_the_kernel_refuses_to_run_off_the_gpu(tmp_path, all_checked):
     for impl in ("kernel", "mesh"):
         with pytest.raises(SystemExit, match="cannot run here"):
             bench_fused.main(["--impl", impl, "--out", str(tmp_path / "no.json")])
@@ -297,16 +297,72 @@ def test_echo4_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong):
     assert out.strip().splitlines()[-1].startswith("bench.fused: FAILED P=2")
 
 
-def test_unchecked_codecs_not_on_a_mesh(tmp_path, monkeypatch):
-    from taco_jax.kernels.mosaic import echo4 as mosaic_echo4
-    monkeypatch.setattr(mosaic_echo4.Echo4Tiles, "checked_on_gpu", frozenset({"one_shot"}))
-    with pytest.raises(SystemExit, match="not select the one-launch kernel for echo4.*two_shot"):
-        bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--p", "4", "--out",
-                          str(tmp_path / "no.json")])
-    monkeypatch.setattr(mosaic_echo4.Echo4Tiles, "checked_on_gpu", frozenset())
-    with pytest.raises(SystemExit, match="not select the one-launch kernel for echo4"):
+def test_unchecked_codecs_not_on_a_mesh(tmp_path):
+    """--impl mesh runs the collectives: it refuses a codec, P and dtype for which they do
+    not select the one-launch kernel (its checks have not passed at these kernel sources),
+    naming what is missing."""
+    from fused_lowering import assumed_checked
+    one_shot = [("one_shot", "echo4", "bfloat16"), ("one_shot", "echo4", "float32")]
+    with assumed_checked(one_shot):
+        with pytest.raises(SystemExit, match="not select the one-launch kernel for echo4.*"
+                                             "two_shot bf16, two_shot f32"):
+            bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--p", "4", "--out",
+                              str(tmp_path / "no.json")])
+        with pytest.raises(SystemExit, match="needs a Hopper GPU"):      # past the check
+            bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--p", "2", "--out",
+                              str(tmp_path / "no.json")])
+    with assumed_checked(()), pytest.raises(SystemExit, match="for echo4.*one_shot bf16"):
         bench_fused.main(["--codec", "echo4", "--impl", "mesh", "--out",
                           str(tmp_path / "no.json")])
+
+
+def check_row(kernel="one_launch", p=2, dtype="bf16", ok=True, sources="k1", **kw):
+    return {"kernel": kernel, "p": p, "dtype": dtype, "ok": ok, "calls": 5,
+            "kernel_sources": sources, "config": "default", "variant": "default", **kw}
+
+
+def test_checked_triples_are_those_whose_rows_at_the_sources_all_pass(tmp_path):
+    """A (kernel, codec, dtype) is checked where its loopback rows at the hash all pass and
+    one ran where the collectives take the kernel; rows of other sources, of the mesh, of
+    another launch, of a measurement knob or off the GPU do not count."""
+    rows = [check_row(codec="taco"), check_row(codec="taco", p=4),
+            check_row(codec="taco", dtype="f32"),
+            check_row(codec="taco", dtype="f32", p=8, ok=False),          # one failure
+            check_row(codec="echo4", p=4),                                  # not at P = 2
+            check_row("one_launch_two_shot", p=3, codec="echo4"),
+            check_row("one_launch_two_shot", p=3, codec="taco", sources="k0"),
+            check_row("one_launch on GPUs", codec="taco", dtype="f16"),     # the mesh
+            check_row(codec="taco", dtype="f16", config="parts=1"),
+            check_row(codec="taco", dtype="f16", variant="no_sync", checked=False)]
+    path = tmp_path / "fused_checks.json"
+    path.write_text(json.dumps({"platform": "gpu", "codec": "taco", "rows": rows}))
+    (tmp_path / "fused_cpu.json").write_text(json.dumps({"platform": "cpu", "rows": rows}))
+    got = bench_fused.check_rows([str(path), str(tmp_path / "fused_cpu.json")])
+    assert len(got) == 7 and {r["file"] for r in got} == {"fused_checks.json"}
+    assert bench_fused.checked_triples(got, "k1") == {
+        ("one_shot", "taco", "bfloat16"), ("two_shot", "echo4", "bfloat16")}
+    assert bench_fused.checked_triples(got, "k0") == {("two_shot", "taco", "bfloat16")}
+
+
+def test_write_checked_rewrites_the_table_only(tmp_path, capsys):
+    """--write-checked keeps checked.py up to its table and writes SOURCES (these kernel
+    sources) and CHECKED (the triples whose rows pass at them) after it."""
+    from taco_jax.kernels.fused import checked
+    path = tmp_path / "checked.py"
+    path.write_text(open(bench_fused.CHECKED_PY).read())
+    here = checked.kernel_sources_hash()
+    rows = [{"kernel": "two_shot", "codec": "echo4", "dtype": "float16", "p": 5, "ok": True,
+             "kernel_sources": here, "file": "x"}]
+    assert bench_fused.write_checked(str(path), rows) == {("two_shot", "echo4", "float16")}
+    text = path.read_text()
+    head = open(bench_fused.CHECKED_PY).read().split(bench_fused.TABLE_MARK)[0]
+    assert text.startswith(head) and text.endswith(bench_fused.table_text(
+        here, {("two_shot", "echo4", "float16")}))
+    scope = {}
+    exec(text.split(bench_fused.TABLE_MARK)[1].split("\n", 1)[1], scope)
+    assert scope["SOURCES"] == here
+    assert scope["CHECKED"] == {("two_shot", "echo4", "float16")}
+    assert "1 (kernel, codec, dtype) checked" in capsys.readouterr().out
 
 
 def test_echo4_two_shot_checks_pass_on_its_model(tmp_path, capsys):
@@ -349,7 +405,8 @@ def measured_rows(monkeypatch, rel_err: float = 0.1):
     def children(a, configs, save=lambda rows: None):
         rows = [{"p": p, "mib": round(n / bench_fused.MIB, 6), "bytes": n, "dtype": d,
                  "config": "default", "variant": "default", "ok": True, "reason": None,
-                 "calls": a.calls, "rel_err": rel_err} for p, n, d in configs]
+                 "kernel": bench_fused.row_label(a.impl, a.kernel), "calls": a.calls,
+                 "rel_err": rel_err} for p, n, d in configs]
         save(rows)
         return rows
     monkeypatch.setattr(bench_fused, "run_children", children)
@@ -414,8 +471,9 @@ def test_update_cut_short_keeps_the_rows_it_did_not_reach():
 
 def test_missing_runs_only_what_has_not_passed_with_these_sources(tmp_path, capsys,
                                                                   monkeypatch):
-    """--missing resumes a matrix: a configuration whose row passed with the same library
-    sources (and as many calls) is skipped; one from other sources runs again."""
+    """--missing resumes a matrix: a configuration whose row of the same kernel passed at
+    the same kernel sources (and as many calls) is skipped; one from other sources runs
+    again."""
     measured_rows(monkeypatch)
     out = tmp_path / "two.json"
     base = ["--kernel", "two_shot", "--p", "3", "--dtypes", "bf16", "--calls", "1",
@@ -424,11 +482,21 @@ def test_missing_runs_only_what_has_not_passed_with_these_sources(tmp_path, caps
     assert bench_fused.main(base) == 0
     doc = json.loads(out.read_text())
     assert [r["sources"] for r in doc["rows"]] == [doc["sources"]]
+    assert [r["kernel_sources"] for r in doc["rows"]] == [doc["kernel_sources"]]
     capsys.readouterr()
     assert bench_fused.main([*base, "--missing"]) == 0
     assert "1 configurations already passed" in capsys.readouterr().out
     assert json.loads(out.read_text()) == doc
     assert bench_fused.main([*base, "--missing", "--calls", "2"]) == 0      # more calls
+    assert "0 configurations already passed" in capsys.readouterr().out
+    assert bench_fused.main([*base[2:], "--missing"]) == 0                   # the one-shot
+    assert "0 configurations already passed" in capsys.readouterr().out
+    kernels = [r["kernel"] for r in json.loads(out.read_text())["rows"]]
+    assert sorted(kernels) == ["emulated", "emulated_two_shot"]             # both kept
+    doc = json.loads(out.read_text())
+    out.write_text(json.dumps({**doc, "rows": [{**r, "kernel_sources": "0" * 12}
+                                                for r in doc["rows"]]}))
+    assert bench_fused.main([*base, "--missing"]) == 0                       # other sources
     assert "0 configurations already passed" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--missing"):
         bench_fused.main([*base[:-1], "--missing"])                          # no --update

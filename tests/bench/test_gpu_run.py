@@ -109,6 +109,18 @@ def test_fused_p2_checks_the_default_then_times_it(tmp_path):
     assert "fused_loopback_checks_p2.json" in calls[0] and "fused_loopback.json" in calls[1]
 
 
+def test_fused_checks_runs_the_rows_the_checked_table_is_written_from(tmp_path):
+    """Per codec the one-shot at P = 2 and the two-shot from P = 3, every dtype, resumed
+    at these kernel sources, into one file."""
+    r, calls = run_fake(tmp_path, ["fused_checks"], "bench.fused")
+    assert r.returncode == 0 and len(calls) == 4
+    assert all("--missing" in c and "--update" in c and "fused_checks.json" in c
+               and "--dtypes bf16 f32 f16" in c and "--calls 5" in c for c in calls)
+    assert all("--kernel one_shot" in c and "--p 2 " in c for c in calls[::2])
+    assert all("--kernel two_shot" in c and "--p 3 4 8 " in c for c in calls[1::2])
+    assert "--codec taco" in calls[0] and "--codec echo4" in calls[2]
+
+
 def test_fused_echo4_own_checks_then_times_echo4_decoding_its_staging(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_echo4_own"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 2

@@ -156,6 +156,34 @@ def test_fused_schedules_with_lax_in_place_of_the_kernel(monkeypatch):
 
 
 
+def test_a_fused_all_reduce_on_the_separate_kernels_says_so_and_why(monkeypatch):
+    """Under transport "fused" an all-reduce the one-launch kernel does not run (its codec
+    has no tile math; or it has, but no passing checks at these kernel sources) takes the
+    separate kernels, and its site says so with the reason; one it runs reads "fused".
+    Traced, not run."""
+    from fused_lowering import assumed_checked
+    monkeypatch.setattr(fused, "unavailable_reason", lambda axes: None)
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    x = jax.ShapeDtypeStruct((2, 3, 300), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
+
+    def transport(codec):
+        f = jax.shard_map(lambda v: taco_jax.psum(v, "tp", codec=codec, min_bytes=0,
+                                                  transport="fused"),
+                          mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
+        _, found = telemetry.traced_sites(lambda: jax.jit(f).trace(x))
+        (site, _), = found
+        return site.transport
+
+    with assumed_checked([("one_shot", "taco", "bfloat16")]):
+        assert transport("taco") == "fused"
+        assert transport("taco-int8").startswith(
+            "fused (separate kernels): taco-int8: transform ash, codes int8")
+    with assumed_checked(()):
+        got = transport("taco")
+    assert got.startswith("fused (separate kernels): the one-launch one-shot kernel has no "
+                          "passing loopback checks on a GPU for taco, bfloat16")
+
+
 @pytest.mark.parametrize("p,gather", [(2, True), (2, False), (4, True), (4, False)])
 def test_exchange_kernel_lowers_for_cuda(p, gather):
     """The Mosaic GPU exchange kernel itself (not run: it needs 2+ GPUs) traces and lowers

@@ -16,8 +16,10 @@ import taco_jax
 from taco_jax import codecs, telemetry
 from taco_jax.collectives import fused
 from taco_jax.kernels import fused as kernels
+from taco_jax.kernels.fused import checked
 
 from codec_bounds import FACTOR, assert_blockwise_close, roundtrip_error
+from fused_lowering import COVERED
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -31,6 +33,8 @@ def loopback(monkeypatch):
     """On CPU: the loopback kernels' jnp models, each row what device d computes, and the
     platform check passed; records which kernel ran. On a GPU: the kernels, recorded."""
     ran = []
+    monkeypatch.setattr(checked, "SOURCES", checked.kernel_sources_hash())
+    monkeypatch.setattr(checked, "CHECKED", frozenset(COVERED))   # as if checked on a GPU
     models = {kernels.one_shot_loopback: kernels.one_shot_reference,
               kernels.two_shot_loopback: kernels.two_shot_reference}
     for kernel, model in models.items():
@@ -162,15 +166,17 @@ def test_what_the_loopback_does_not_cover_keeps_the_separate_kernels(loopback):
                                          transport="fused"), xs)
     g = emulated(lambda v: taco_jax.all_gather(v, "tp", min_bytes=0, transport="fused"), xs)
     assert loopback == []
-    assert {s.transport for s, _ in telemetry.sites() if s.compressed} == {
-        "fused (exchange emulated)"}
+    labels = {s.transport for s, _ in telemetry.sites() if s.compressed}
+    assert "fused (exchange emulated)" in labels and len(labels) == 2       # all_gather's
+    psum, = labels - {"fused (exchange emulated)"}
+    assert psum.startswith("fused (separate kernels, exchange emulated): taco-int8: ")
     y_xla = emulated(lambda v: taco_jax.psum(v, "tp", codec="taco-int8", min_bytes=0,
                                              transport="xla"), xs)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=0, atol=0)
     assert g.shape == (4, 4, 2, 512)
 
 
-def test_one_launch_covers_p2_one_shot_and_p3_to_8_two_shot_for_taco_and_echo4():
+def test_one_launch_covers_p2_one_shot_and_p3_to_8_two_shot_for_taco_and_echo4(all_checked):
     taco, echo4 = codecs.get("taco"), codecs.get("echo4")
     assert fused.one_launch_kernel(2) == "one_shot" and fused.one_launch_kernel(8) == "two_shot"
     for p in (2, 3, 4, 8):

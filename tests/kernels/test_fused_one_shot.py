@@ -7,6 +7,7 @@ one-GPU loopback for P = 2, 4, 8. Its numerics run on a Hopper GPU (`python -m
 bench.fused`); the reference it is checked against is tested here.
 """
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def test_one_launch_lowers_for_f32_and_f16(gpu_here, dtype):
 
 def test_uncovered_calls_take_the_three_launch_schedules(gpu_here):
     """An int8 codec (no tile codec) at P = 2 and 4: compress/exchange/decode kernels, never
-    a one-launch kernel; echo4 at P = 4 takes the two-shot (its checks passed on a GPU)."""
+    a one-launch kernel; echo4 at P = 4 takes the two-shot (where its checks passed)."""
     for p in (2, 4):
         text = lowered_psum((p,), ("tp",), "tp", False, codec="taco-int8")
         assert "taco_fused_allreduce" not in text and "taco_fused_two_shot" not in text
@@ -401,23 +402,35 @@ def test_echo4_and_taco_lower_to_different_kernels():
     assert tile_codec.for_codec(TACO).row_bytes == 264
 
 
-def test_echo4_is_selected_by_the_collectives(gpu_here):
-    """echo4's loopback checks have passed on a GPU: at P = 2 it takes the one-launch
-    kernel, like taco."""
+def test_echo4_is_selected_by_the_collectives(gpu_here, all_checked):
+    """Where echo4's loopback checks have passed, at P = 2 it takes the one-launch kernel,
+    like taco."""
     assert fused.one_launch_reason(ECHO4, 2, jnp.bfloat16) is None
     assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is None
     text = lowered_psum((2,), ("tp",), "tp", False, codec="echo4")
     assert "taco_fused_allreduce" in text and "taco_fused_exchange" not in text
 
 
-def test_a_tile_codec_unchecked_on_gpu_is_not_selected(gpu_here, monkeypatch):
-    """A codec whose tile math is built but not checked on a GPU takes the three-launch
-    schedule (compress, exchange, decode_sum), never the one-launch kernel."""
-    monkeypatch.setattr(mosaic.echo4.Echo4Tiles, "checked_on_gpu", frozenset())
-    why = fused.one_launch_reason(ECHO4, 2, jnp.bfloat16)
-    assert why is not None and "not yet checked on a GPU" in why
-    assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is None
-    text = lowered_psum.__wrapped__((2,), ("tp",), "tp", False, codec="echo4")
+def test_what_has_not_passed_its_checks_is_not_selected(gpu_here):
+    """Selection is per (kernel, codec, dtype) of the checked table, at these kernel
+    sources: a dtype, a codec of the same tile math, a codec's other configuration or a
+    table of other sources without passing checks takes the three-launch schedule
+    (compress, exchange, decode_sum), never the one-launch kernel."""
+    from fused_lowering import assumed_checked
+    from taco_jax.kernels.fused import checked
+    with assumed_checked([("one_shot", "taco", "bfloat16")]):
+        assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is None
+        for codec, dtype in [(TACO, jnp.float16), (codecs.get("taco-e5m2"), jnp.bfloat16),
+                             (ECHO4, jnp.bfloat16)]:
+            why = fused.one_launch_reason(codec, 2, dtype)
+            assert why is not None and "no passing loopback checks" in why, why
+        assert "two-shot" in fused.one_launch_reason(TACO, 4, jnp.bfloat16)
+        why = fused.one_launch_reason(codecs.get("taco", fmt="e5m2"), 2, jnp.bfloat16)
+        assert "not its registered configuration" in why
+        with mock.patch.object(checked, "SOURCES", "0" * 12):
+            assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is not None
+    text = lowered_psum((2,), ("tp",), "tp", False, codec="echo4",
+                        checked=(("one_shot", "taco", "bfloat16"),))
     assert "taco_fused_allreduce" not in text and "taco_fused_exchange" in text
 
 

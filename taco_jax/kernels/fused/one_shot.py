@@ -11,7 +11,8 @@ encoder's rounding (`mosaic.encode_tile` vs the Triton compress).
 One kernel body for every codec it covers, through the codec's tile codec
 (`kernels.tile_codec`: the Hadamard FP8 codecs' and echo4's), and for both ways to address a
 peer (`peers`: `Remote` over a mesh axis, `Loopback` on one GPU). The collectives select it
-only where its loopback checks have passed on a GPU (`collectives.fused.one_launch_reason`).
+only for the codecs and dtypes whose loopback checks passed on a GPU at these kernel
+sources (`checked`).
 
 Protocol, per program b (tiles b, b + n, b + 2n, … of this device; every device's
 program b handles the same tiles, so it talks only to the peers' programs b):

@@ -24,8 +24,9 @@ Each phase's buffers are scoped to it, so that two programs fit on a multiproces
 the largest phase allows (`two_shot_config`): one program's waits then hide behind the
 other's work. It shares the one-shot kernel's ways of addressing a peer (`peers.Remote`,
 `Loopback`), its tile codecs and its configuration (`FusedConfig`: `programs`, `per_sm`,
-`parts`, `x_slots`, `out_store`, `ring`). Its loopback checks pass on an H200 at P = 3..8
-for taco and echo4, bf16, f16 and f32, to 1 GiB (bench/results/fused_two_shot_checks.json);
+`parts`, `x_slots`, `out_store`, `ring`). Its loopback checks passed on an H200 at P = 3..8
+for taco and echo4, bf16, f16 and f32, to 1 GiB, at earlier kernel sources
+(bench/results/fused_two_shot_checks.json; what is selected now: `checked`);
 its time per device and how it spends it: docs/fused_kernels.md.
 """
 from __future__ import annotations

@@ -375,10 +375,6 @@ class Echo4Tiles:
     codec: object
 
     options = frozenset()
-    # its loopback checks pass on an H200 with the one-shot kernel (P = 2, 4, 8; bf16, f32;
-    # 1 KiB to 64 MiB; fused_echo4_checks.json) and the two-shot (P = 3..8; bf16, f16, f32;
-    # 1 KiB to 1 GiB; fused_two_shot_checks.json)
-    checked_on_gpu = frozenset({"one_shot", "two_shot"})
 
     @property
     def row_bytes(self) -> int:

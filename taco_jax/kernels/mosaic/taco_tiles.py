@@ -584,9 +584,6 @@ class TacoTiles:
     encode_parts: int = 1                  # FusedConfig.encode_parts: encode_tile's parts
 
     options = frozenset({"sum_first", "encode_parts", "warp_specialized"})
-    # the one-launch kernels whose loopback checks pass on a GPU with it, so that the
-    # collectives may select them
-    checked_on_gpu = frozenset({"one_shot", "two_shot"})
 
     @property
     def row_bytes(self) -> int:
