@@ -158,6 +158,12 @@
 #                  phases stall, per SASS line → bench/results/ncu_src_two_shot_<codec>.json
 #   ablation       python -m experiments.ablation (convergence per codec; ABL_* variables:
 #                  ABL_BUDGET seconds, ABL_VARIANTS, ABL_NAME, ABL_SET, ABL_WORKERS)
+#   echo4_variants python -m experiments.echo_variants on the TP8 fidelity protocol (fidelity
+#                  preset, emulated TP8 on one GPU, 800 steps, seeds ECHO_SEEDS, default 0-5,
+#                  each paired with bf16 of its seed, the whole validation split): the
+#                  variants ECHO_VARIANTS (default the two that docs/fidelity.md section 9
+#                  sends to the GPU); resumable, ECHO_BUDGET seconds a call (default 520:
+#                  18 runs take two calls) → bench/results/echo4_variants_tp8.json
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/jaxcache
@@ -404,6 +410,13 @@ for s in "$@"; do
                 --variants ${ABL_VARIANTS:-none@seed2 taco@seed2} \
                 --set train.progress=false train.ckpt_every=0 train.eval_every=250 \
                       train.eval_batches=32 ${ABL_SET:-} ;;
+    echo4_variants) step echo4_variants $(( ${ECHO_BUDGET:-520} + 60 )) python -m \
+                      experiments.echo_variants --preset fidelity --tp 8 \
+                      --seeds ${ECHO_SEEDS:-0 1 2 3 4 5} --eval-batches 0 --log-every 100 \
+                      --budget-s "${ECHO_BUDGET:-520}" \
+                      --variants none \
+                        ${ECHO_VARIANTS:-echo4+feedback,head=taco echo4-g64c+feedback} \
+                      --json bench/results/echo4_variants_tp8.json ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
