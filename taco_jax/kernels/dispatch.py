@@ -93,7 +93,7 @@ def kernel_impl(**impls: str) -> Iterator[dict]:
 def backend_for(codec) -> str:
     """'pallas', 'interpret' or 'reference' for this codec on this platform."""
     name = recipe.current().backend
-    if getattr(codec, "kernels", None) is None or name == "reference":
+    if codec.kernels is None or name == "reference":
         return "reference"
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
