@@ -201,7 +201,7 @@ def _measure(preset, variant, codecs, steps, extra, sites_out, overlap=False) ->
             "tp_overlap": cfg.model.tp_overlap,
             "temp_mib": round(memory["temp"] / 2**20, 2) if memory else None,
             "wire_mib_per_step": round(step_wire_bytes(sites) / 2**20, 3),
-            "compressed_sites": sum(n for s, n in sites if s.compressed),
+            "compressed_sites": sum(n for s, n in sites if s.encoded),
             "loss_after_warmup": round(float(m["loss"]), 4)}
 
 

@@ -71,9 +71,19 @@ class Site:
     def bytes_per_device(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
+    @property
+    def encoded(self) -> bool:
+        """Codes on the wire: compressed with a codec that is not the identity (a
+        collective matmul with codec "none" runs its steps, the values on the wire)."""
+        from taco_jax import codecs
+        return self.compressed and not codecs.get(self.codec).is_identity
+
     def describe(self) -> str:
-        route = (f"compressed ({self.codec}, {self.transport})" if self.compressed
-                 else f"plain: {self.reason}")
+        if self.compressed and not self.encoded:
+            route = f"uncompressed, in steps ({self.codec}, {self.transport})"
+        else:
+            route = (f"compressed ({self.codec}, {self.transport})" if self.compressed
+                     else f"plain: {self.reason}")
         axes = ",".join(map(str, self.axes))
         return (f"{self.op}[{axes}] {self.dtype}{list(self.shape)} "
                 f"{self.bytes_per_device / 2**20:.3g} MiB: {route}")

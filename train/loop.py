@@ -602,7 +602,7 @@ class _Loop:
                                                                    *batch)
         self.wire_bytes = step_wire_bytes(self.sites)
         self.memory = step_memory(self.prog.step, self.state, *batch)
-        if self.probe is not None and not any(s.compressed for s, _ in self.sites):
+        if self.probe is not None and not any(s.encoded for s, _ in self.sites):
             self.probe = None  # nothing compressed: no error to measure
         if self.lead:
             self.say(f"[train] taco_jax collectives of one train step "
@@ -680,7 +680,10 @@ def _summary(prog: Program, loop: _Loop, run_dir: Path, resumed_from: int | None
         "zero": 1 if prog.zero else 0, "codec_wd": cfg.recipe.wd_codec if prog.zero else None,
         "wire_bytes_per_step": loop.wire_bytes, "step_memory": loop.memory,
         "state_bytes": state_bytes(loop.state),
-        "sites": {"compressed": sum(n for s, n in sites if s.compressed),
+        "sites": {"compressed": sum(n for s, n in sites if s.encoded),
+                  # codec "none" through the collective matmuls: the values, in steps
+                  "uncompressed_steps": sum(n for s, n in sites
+                                            if s.compressed and not s.encoded),
                   "plain": sum(n for s, n in sites if not s.compressed)},
         "files": run_files(run_dir),
     }

@@ -406,6 +406,10 @@ def test_site_is_named_by_the_op_and_counts_what_its_permutes_send(op, codec):
     assert (site.op, site.shape, site.codec, site.compressed, site.transport, site.p) == (
         name, shape, codec, True, "xla", NP)
     assert site.describe().startswith(f"{name}[tp] bfloat16{list(shape)}")
+    # codec "none" runs the steps with the values: reported as such, not as compressed
+    assert site.encoded == (codec != "none")
+    assert site.describe().endswith("compressed (taco, xla)" if codec == "taco"
+                                    else "uncompressed, in steps (none, xla)")
     assert telemetry.wire_bytes(site) == permuted_bytes(lowered(fn, op))
     assert telemetry.wire_bytes(site, backward=True) == permuted_bytes(lowered(fn, op, grad=True))
 

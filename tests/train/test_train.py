@@ -232,7 +232,7 @@ def test_run_reports_what_compression_did(full_run_and_log):
     # (2, 32, 32) fp32 per device = 8 KiB, all compressed (tiny preset: recipe.min_bytes=0);
     # the data-parallel all-reduce of the gradients in two buckets (the TP-split and the
     # replicated parameters), exact (recipe.codec_dp=none)
-    assert full_run["sites"] == {"compressed": 5, "plain": 2}
+    assert full_run["sites"] == {"compressed": 5, "uncompressed_steps": 0, "plain": 2}
     assert log.count("taco_jax collectives of one train step") == 1
     assert re.search(r"2 × psum\[tp\] float32\[2, 32, 32\] .*compressed \(taco\b", log), log
     assert re.search(r"3 × pvary\[tp\] float32\[2, 32, 32\] .*compressed \(taco\b", log), log
