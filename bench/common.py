@@ -90,6 +90,24 @@ def write_json(path: str, payload: dict) -> str:
     return path
 
 
+def child_rows(cmd: list[str], limit: float, cwd) -> tuple[list[dict], str | None]:
+    """Run one isolated child under a timeout -> (the `ROW {json}` lines it printed, why it
+    failed or None). A hang or a crash costs only that child; what it printed before
+    stopping is kept."""
+    why = None
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=limit, cwd=cwd)
+        text = proc.stdout
+        if proc.returncode != 0:
+            why = f"exit {proc.returncode}: " + " | ".join(
+                text.strip().splitlines()[-3:])[-300:]
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        why = f"timed out after {limit:.0f} s"
+    return [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")], why
+
+
 def print_table(rows: list[dict], cols: list[str]) -> None:
     widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in cols]
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))

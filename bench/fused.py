@@ -65,15 +65,13 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import env_facts, print_table, write_json
+from bench.common import child_rows, env_facts, print_table, write_json
 
 MIB = 1 << 20
 DEFAULT_SIZES = ["1KiB", "1MiB+5", "16MiB", "64MiB", "256MiB", "1024MiB"]
@@ -782,19 +780,7 @@ def run_children(a, configs, save=lambda rows: None) -> list[dict]:
                       "reason": f"not run: {a._stopped}"} for nb in sizes]
             continue
         limit = a.timeout * len(sizes)
-        got, why = [], None
-        try:
-            proc = subprocess.run(child_cmd(a, p, sizes, dtype), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, timeout=limit,
-                                  cwd=ROOT)
-            text = proc.stdout
-            if proc.returncode != 0:
-                why = f"exit {proc.returncode}: " + " | ".join(
-                    text.strip().splitlines()[-3:])[-300:]
-        except subprocess.TimeoutExpired as e:
-            text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            why = f"timed out after {limit:.0f} s"
-        got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
+        got, why = child_rows(child_cmd(a, p, sizes, dtype), limit, ROOT)
         if why:
             a._stopped = f"P={p} {dtype} {why}"[:200]
         for r in got:

@@ -55,14 +55,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import device_time, env_facts, print_table, write_json
+from bench.common import child_rows, device_time, env_facts, print_table, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = ["350m.attn_out", "350m.mlp_out", "comm_heavy.attn_out", "comm_heavy.mlp_out",
@@ -389,18 +388,7 @@ def run_children(a, groups, save=lambda rows: None) -> list[dict]:
             why = None
         else:
             limit = a.timeout * len(a.shapes) * len(a.exchanges)
-            try:
-                proc = subprocess.run(child_cmd(a, p), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, timeout=limit,
-                                      cwd=ROOT)
-                text, why = proc.stdout, None
-                if proc.returncode != 0:
-                    why = f"exit {proc.returncode}: " + " | ".join(
-                        text.strip().splitlines()[-3:])[-300:]
-            except subprocess.TimeoutExpired as e:
-                text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-                why = f"timed out after {limit:.0f} s"
-            got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
+            got, why = child_rows(child_cmd(a, p), limit, ROOT)
         done = {(r["exchange"], r["shape"]) for r in got if r["kind"] == "check"}
         got += [{"kind": "check", "kernel": "gemm_encode", "codec": codec_name, "p": p,
                  "dtype": DTYPE, "shape": s, "exchange": e, "config": describe(a),
