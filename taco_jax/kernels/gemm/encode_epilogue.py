@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from taco_jax import _jax_private
 from taco_jax.kernels import tile_codec as tile_codec_lib
 from taco_jax.kernels.fused.peers import Loopback, Remote
 from taco_jax.kernels.gemm import pipeline
@@ -191,7 +192,9 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
             xs, ws = xs_smem.at[g], ws_smem.at[g]
             # the staging was last read by the previous tile's wire stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            xs[...] = acc.astype(dtype)
+            # an untiled tile (echo4's, read back by plain loads) takes plain stores of
+            # the WGMMA layout, which jax 0.12's transfer planning would refuse
+            _jax_private.mgpu_store(xs, acc.astype(dtype))
             plgpu.commit_smem()
             wire = tiles.encode(xs, consts)
             plgpu.commit_smem()             # every warp is past its reads of xs, which ws overlays
