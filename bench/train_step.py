@@ -219,6 +219,17 @@ def mesh_overrides(mesh: str, tp: int | None) -> list[str]:
     return out
 
 
+def misfit(preset: str, n: int, extra: list[str]) -> str | None:
+    """Why the preset's model cannot split over tp = n (its heads, widths or sequence), or
+    None: such a (preset, n) is skipped rather than recorded as error rows."""
+    cfg = config_lib.load_config(preset, ["train.progress=false", *extra])  # bad ones raise
+    try:
+        cfg.model.validate(n)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def emulated_row(preset: str, n: int, variant: str, plain: str, transport, codecs,
                  steps: int, extra: list[str]) -> dict:
     """One variant at emulate_tp=n: measure's row with the step's sites, or its error."""
@@ -269,9 +280,14 @@ def main(argv=None):
         plain, transport = split_transport(v)
         plans.append((v, plain, transport, variant_codecs(
             split_variant(plain)[0], args.codec_tp, args.codec_pp, args.codec_dp)))
-    rows = []
+    rows, skipped = [], set()
     for preset in args.presets:
         for n in args.emulate_tp or [None]:
+            why = misfit(preset, n, extra) if n is not None else None
+            if why is not None:
+                print(f"[train_step] {preset} at emulated tp={n}: skipped ({why})")
+                skipped.add((preset, n))
+                continue
             base = None
             for variant, plain, transport, codecs in plans:
                 if n is None:
@@ -295,7 +311,7 @@ def main(argv=None):
     payload = {**env_facts(), "rows": rows}
     out = args.out or (EMULATED_OUT if args.emulate_tp else OUT)
     if args.emulate_tp and args.update:
-        rows = kept_rows(out, {(r["preset"], r["emulate_tp"]) for r in rows}) + rows
+        rows = kept_rows(out, {(r["preset"], r["emulate_tp"]) for r in rows} | skipped) + rows
     if args.emulate_tp:
         payload = {**env_facts(), "mode": "emulated tensor parallelism (parallel.emulate_tp)",
                    "emulate_tp": args.emulate_tp, "presets": args.presets,
@@ -305,8 +321,9 @@ def main(argv=None):
 
 
 def kept_rows(path: str, measured: set) -> list[dict]:
-    """--update: the rows of `path` whose (preset, emulate_tp) this run did not measure,
-    each naming the commit it was measured at ("measured_at")."""
+    """--update: the rows of `path` whose (preset, emulate_tp) this run did not measure
+    (nor skip: a model that cannot split there keeps no rows), each naming the commit it
+    was measured at ("measured_at")."""
     try:
         with open(path) as f:
             old = json.load(f)

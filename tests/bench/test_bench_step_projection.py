@@ -361,6 +361,23 @@ def test_train_step_emulated_rows(tmp_path):
         assert all(s["bytes"] == 4 * 32 * 32 * 4 for s in taco["sites"])      # f32 on CPU
 
 
+def test_train_step_skips_a_preset_that_cannot_split(tmp_path, capsys):
+    """small's 12 heads do not split over 8: that (preset, N) is skipped with a line saying
+    why, and --update drops its old rows rather than keeping error rows (nothing compiles)."""
+    from bench import train_step
+    assert train_step.misfit("tiny", 2, []) is None
+    assert "n_head=12" in train_step.misfit("small", 8, [])
+    out = tmp_path / "emulated.json"
+    old = [{"preset": "small", "emulate_tp": 8, "variant": "none", "error": "ValueError"},
+           {"preset": "small", "emulate_tp": 2, "variant": "none", "step_ms": 1.0}]
+    out.write_text(json.dumps({"commit": "abc", "rows": old}))
+    train_step.main(["--presets", "small", "--mesh", "1,1,1", "--emulate-tp", "8",
+                     "--variants", "none", "--update", "--out", str(out)])
+    assert "small at emulated tp=8: skipped (model.n_head=12" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["preset"], r["emulate_tp"]) for r in rows] == [("small", 2)]
+
+
 def test_train_step_transport_names(monkeypatch, tmp_path):
     from bench import train_step
     assert train_step.split_transport("taco:fused@default") == ("taco@default", "fused")
