@@ -42,6 +42,13 @@ class Codec(Protocol):
 _REGISTRY: dict[str, Callable[..., Codec]] = {}
 
 
+def family(codec: Codec) -> str | None:
+    """The name of the codec's kernel family (its provider's `name`: "taco", "echo4"), or
+    None for a codec without kernels. The kernels check the codecs they are given by it, so
+    they need not import the providers that load them."""
+    return None if codec.kernels is None else codec.kernels.name
+
+
 def register(name: str, factory: Callable[..., Codec]) -> None:
     """Make `get(name, **overrides)` return `factory(**overrides)`."""
     _REGISTRY[name] = factory

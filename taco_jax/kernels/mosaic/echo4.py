@@ -66,7 +66,7 @@ from jaxlib.mlir.dialects import arith, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
 from taco_jax import _jax_private
-from taco_jax.kernels import providers
+from taco_jax.codec_registry import family
 from taco_jax.kernels.mosaic import registers
 from taco_jax.numerics import int4, quant
 
@@ -86,7 +86,7 @@ def unsupported(codec) -> str | None:
     B = 128 only (int4-sym and tah4 have other grids)."""
     # the 4-bit codecs with kernels (echo4, int4-sym; not tah4) name this provider, and
     # echo4 is the one without the symmetric grid (`codecs.Echo.symmetric`)
-    if codec.kernels is not providers.ECHO4 or codec.symmetric:
+    if family(codec) != "echo4" or codec.symmetric:
         return f"{codec.name}: not echo4 (the 4-bit tile math is echo4's)"
     if codec.block_size != GROUP:
         return f"echo4 with block size {codec.block_size} (the tile math has B = {GROUP})"

@@ -85,7 +85,7 @@ from jaxlib.mlir.dialects import arith, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
 from taco_jax import _jax_private
-from taco_jax.kernels import providers
+from taco_jax.codec_registry import family
 from taco_jax.kernels.mosaic.registers import (BLOCK, FACTOR, ROWS, elem, f32_const,
                                                pallas_layout, ptx_f32, scale_tiled,
                                                value_layout, value_vec, wire_tiled)
@@ -123,7 +123,7 @@ def unsupported(kind: str, codec, shape, dtype) -> str | None:
         return f"no Mosaic GPU {kind} kernel"
     # the TACO codecs with per-block scales name this provider; the fields read below are
     # theirs (`codecs.BlockCodec`)
-    if codec.kernels is not providers.TACO:
+    if family(codec) != "taco":
         return f"{codec.name}: not a per-block TACO codec (no per-block kernel)"
     if codec.block_size != BLOCK:
         return f"block size {codec.block_size} (the Mosaic kernels have B = {BLOCK})"

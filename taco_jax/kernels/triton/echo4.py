@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from taco_jax.kernels import providers
+from taco_jax.codec_registry import family
 from taco_jax.kernels.triton import tiling
 from taco_jax.numerics import int4, quant
 from taco_jax.numerics.blocks import check_float
@@ -60,8 +60,8 @@ SMALL_ELEMENTS = tiling.SMALL_ELEMENTS  # 16 MiB of bf16: up to it, looped one-w
 
 def covers(codec) -> bool:
     """Do these kernels implement `codec`'s wire format? (echo4 and int4-sym, any B: the
-    codecs that name these kernels' provider, `providers.ECHO4`; tah4 names none.)"""
-    return codec.kernels is providers.ECHO4
+    codecs whose kernel family is "echo4", `providers.ECHO4`; tah4 has none.)"""
+    return family(codec) == "echo4"
 
 
 def default_tiling(block_size: int, kernel: str, n_rows: int | None = None
