@@ -360,7 +360,7 @@ def bf16_allreduce(mib: float, p: int, gbps: float, fixed_us: float,
 # Three uncompressed all-reduces a tensor-parallel step can run (docs/design.md, "The
 # yardstick"): the serial ring at the link rate; serial NVLS (NVLink SHARP), NCCL's default
 # on 8 GPUs of one NVSwitch system, about 480 GB/s bus (275 GB/s algorithm) against the
-# ring's 365-370 GB/s bus (nccl-tests issue 212, nccl issue 1455), no gain at 2-4 GPUs;
+# ring's 365-370 GB/s bus (NVIDIA/nccl-tests#212, NVIDIA/nccl#1455), no gain at 2-4 GPUs;
 # and collective matmul, Megatron-SP's all-gather / reduce-scatter hidden under the paired
 # GEMM (bench.step_projection prices it: it needs the step's GEMMs).
 BASELINES = ("ring", "nvls", "overlap")
