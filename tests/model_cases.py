@@ -3,6 +3,8 @@ relative errors the tests compare with, and the comparison of two programs' loss
 import jax
 import numpy as np
 
+import taco_jax
+from models import parallel
 from models.gpt import GPTConfig
 
 from codec_bounds import FACTOR
@@ -40,3 +42,21 @@ def _within_codec_error(got, ref, exact):
     for a, b, e in zip(o1, o0, oe):       # logits
         assert np.abs(a - b).max() <= FACTOR * np.abs(b - e).max() + 1e-5, (
             np.abs(a - b).max(), np.abs(b - e).max())
+
+
+def tp_sites_since(before: dict) -> set:
+    """{(op, codec, compressed)} of the "tp" sites traced since the `before` counts."""
+    return {(s.op, s.codec, s.compressed) for s, n in taco_jax.telemetry.sites()
+            if n > before.get(s, 0) and s.axes == ("tp",)}
+
+
+def traced_tp_sites(cfg, tp: int = 2) -> set:
+    """The "tp" sites of one loss-and-gradient step of `cfg` at data x tp = 1 x tp, from an
+    abstract trace (nothing compiles), under the recipe in effect."""
+    mesh = parallel.make_mesh(1, tp)
+    x = jax.ShapeDtypeStruct((BATCH, cfg.seq_len), np.int32,
+                             sharding=jax.sharding.NamedSharding(mesh, parallel.BATCH_SPEC))
+    model = parallel.shard_gpt(cfg, mesh)
+    before = dict(taco_jax.telemetry.sites())
+    jax.eval_shape(model.loss_and_grad_fn(), model.abstract_params(), x, x)
+    return tp_sites_since(before)

@@ -10,7 +10,7 @@ import pytest
 import taco_jax
 from models import parallel
 from models.gpt import GPTConfig
-from model_cases import BATCH, CFG, _max_rel_err, _rel, _tokens
+from model_cases import BATCH, CFG, _max_rel_err, _rel, _tokens, traced_tp_sites
 
 # Odd sizes on purpose: head_dim 6, d_ff 40, vocab 68 (divisible by 4, not a power of two).
 def _loss_and_grads(cfg, data, tp, seed=0, pinned=False):
@@ -138,17 +138,7 @@ def test_default_codecs_follow_the_recipe():
     assert loss_recipe == loss_named
     jax.tree.map(np.testing.assert_array_equal, grads_recipe, grads_named)
     # which sites compress, from an abstract trace (nothing compiles)
-    mesh = parallel.make_mesh(1, 2)
-    x = jax.ShapeDtypeStruct((BATCH, CFG.seq_len), np.int32,
-                             sharding=jax.sharding.NamedSharding(mesh, parallel.BATCH_SPEC))
-
-    def sites(cfg):
-        model = parallel.shard_gpt(cfg, mesh)
-        before = dict(taco_jax.telemetry.sites())
-        jax.eval_shape(model.loss_and_grad_fn(), model.abstract_params(), x, x)
-        return {(s.op, s.codec, s.compressed) for s, n in taco_jax.telemetry.sites()
-                if n > before.get(s, 0) and s.axes == ("tp",)}
-
+    sites = traced_tp_sites
     with taco_jax.config(codec="taco", min_bytes=0):
         assert sites(default) == {("psum", "taco", True), ("pvary", "taco", True)}
         assert sites(CFG) == {("psum", "none", False), ("pvary", "none", False)}
@@ -167,8 +157,7 @@ def test_default_codecs_follow_the_recipe():
         feedback.validate(recipe=taco_jax.Recipe(codec="echo4"))
         # ... until the model is traced under it
         with pytest.raises(ValueError, match="model.feedback=True needs a compressing"):
-            model = parallel.shard_gpt(feedback, mesh)
-            jax.eval_shape(model.loss_and_grad_fn(), model.abstract_params(), x, x)
+            traced_tp_sites(feedback)
 
 
 def test_bad_meshes_fail_clearly():

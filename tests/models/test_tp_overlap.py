@@ -7,23 +7,17 @@ the option needs sequence parallelism."""
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 
 import taco_jax
 from models import parallel
-from model_cases import BATCH, CFG, _max_rel_err, _tokens, _within_codec_error
+from model_cases import (CFG, _max_rel_err, _tokens, _within_codec_error, tp_sites_since,
+                         traced_tp_sites)
 
 # one block: each fused op is P steps of matmul and ppermute, unrolled, forward and backward
 SP = dataclasses.replace(CFG, n_layer=1, sequence_parallel=True, min_bytes=0)
 TACO = dataclasses.replace(SP, codec_fwd="taco", codec_bwd="taco")
 FUSED = {"all_gather_matmul", "matmul_reduce_scatter", "all_gather"}  # + the LM head's gather
-
-
-def _tp_sites(before) -> set:
-    """{(op, codec, compressed)} of the "tp" sites traced since the `before` counts."""
-    return {(s.op, s.codec, s.compressed) for s, n in taco_jax.telemetry.sites()
-            if n > before.get(s, 0) and s.axes == ("tp",)}
 
 
 def _run(cfg):
@@ -33,7 +27,7 @@ def _run(cfg):
     x, y = (parallel.put_batch(a, mesh) for a in _tokens(cfg))
     before = dict(taco_jax.telemetry.sites())
     loss, grads = jax.jit(model.loss_and_grad_fn())(model.init(0), x, y)
-    return float(loss), jax.device_get(grads), _tp_sites(before)
+    return float(loss), jax.device_get(grads), tp_sites_since(before)
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +63,7 @@ def test_fused_sites_take_the_split_ones_codecs():
     """codec_bwd at the all-gather (the column-parallel input), codec_fwd at the
     reduce-scatter, each left None: the recipe's; min_bytes as the split sites' (abstract
     trace: nothing compiles)."""
-    mesh = parallel.make_mesh(1, 2)
-    x = jax.ShapeDtypeStruct((BATCH, SP.seq_len), np.int32,
-                             sharding=jax.sharding.NamedSharding(mesh, parallel.BATCH_SPEC))
-
-    def sites(cfg):
-        model = parallel.shard_gpt(cfg, mesh)
-        before = dict(taco_jax.telemetry.sites())
-        jax.eval_shape(model.loss_and_grad_fn(), model.abstract_params(), x, x)
-        return _tp_sites(before)
-
+    sites = traced_tp_sites
     default = dataclasses.replace(SP, codec_fwd=None, codec_bwd=None, min_bytes=None,
                                   tp_overlap=True)
     with taco_jax.config(codec="fp8", min_bytes=1 << 30):        # above every site here
