@@ -89,8 +89,6 @@ from taco_jax.codec_registry import family
 from taco_jax.kernels.mosaic.registers import (BLOCK, FACTOR, ROWS, elem, f32_const,
                                                pallas_layout, ptx_f32, scale_tiled,
                                                value_layout, value_vec, wire_tiled)
-# the stores of decoded value tiles, with the tile API (module docstring)
-from taco_jax.kernels.mosaic.registers import store_part, store_values, swizzled  # noqa: F401
 from taco_jax.numerics import hadamard, quant
 
 SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
