@@ -15,7 +15,6 @@ import jax
 # The host timer is the library's (calibration uses it too): calls back to back in
 # straight-line code, each on its own input buffer.
 from taco_jax.calibrate import host_us, jit_calls, time_calls, warm_calls  # noqa: F401
-from taco_jax.kernels.fused import checked
 
 
 def load_rows_doc(path: str, what: str, missing: str = "") -> dict:
@@ -36,9 +35,8 @@ def load_rows_doc(path: str, what: str, missing: str = "") -> dict:
 def sources_hash() -> str:
     """12 hex digits of sha256 over the taco_jax package's Python sources (paths and
     bytes): two runs with the same hash ran the same library, whatever else the commits
-    between them changed (docs, benchmarks, results). `env_facts` records it beside the
-    hash of the fused kernels' sources alone (`kernels.fused.checked.kernel_sources_hash`),
-    which the fused transport's checked table is keyed by."""
+    between them changed (docs, benchmarks, results). (The fused transport's checked table
+    is keyed by what the kernels emit instead: `kernels.fused.checked.fingerprint`.)"""
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "taco_jax")
     h = hashlib.sha256()
@@ -62,7 +60,6 @@ def env_facts() -> dict:
     return {"device": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
             "n_devices": jax.device_count(), "jax": jax.__version__,
             "commit": commit, "sources": sources_hash(),
-            "kernel_sources": checked.kernel_sources_hash(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 

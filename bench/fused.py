@@ -37,13 +37,14 @@ rows "one_launch_two_shot") the same way, its error gated on its jnp reference's
 transport's reported beside it. `--fail-fast` runs nothing more after a hang or crash.
 `--update` keeps the --out file's rows of what this run does not measure (another codec,
 kernel, P, size, dtype or config), so one file holds both codecs' rows; every row names its
-codec, commit, library sources hash and kernel sources hash (`kernels.fused.checked`);
-`--missing` runs only what has no passing row at these kernel sources.
+codec, commit and library sources hash, and a loopback check row at the default launch the
+fingerprint of the module it ran (`kernels.fused.checked.fingerprint`); `--missing` runs only
+what has no passing row at the current fingerprint.
 
 `--write-checked` runs nothing: it writes the fused transport's checked table
 (taco_jax/kernels/fused/checked.py) from the loopback check rows of bench/results/fused*.json
-at the current kernel sources (`check_rows`, `checked_triples`): the collectives select a
-one-launch kernel for a codec and dtype only where those pass.
+whose fingerprints are the modules this checkout emits (`check_rows`, `checked_table`): the
+collectives select a one-launch kernel for a codec and dtype only where those pass.
 
 `--ablate` times the one-shot kernel's VARIANTS side by side (P = 2, bf16, 16/64/256 MiB
 by default): measurement knobs (`FusedConfig.ablate`: a stage left out or done twice;
@@ -363,17 +364,29 @@ def kept_rows(old: dict | None, codec: str, measured: set, config: str,
     return out
 
 
-def passed_rows(old: dict | None, codec: str, config: str, kernel_sources: str,
+def passed_rows(old: dict | None, codec: str, config: str, fingerprints: dict,
                 calls: int, label: str | None = None) -> set:
     """--missing: the `row_key`s of `old`'s rows of this codec, config and kernel
     (`row_label`; None: any) that passed their checks on at least `calls` calls at the
-    kernel sources `kernel_sources` (`kernels.fused.checked.kernel_sources_hash`)."""
+    fingerprint that `fingerprints` gives for their (P, dtype name) (`row_fingerprint`;
+    None, for what has none, matches a row without one)."""
     return {row_key(r) for r in (old or {}).get("rows", [])
             if r.get("codec", old.get("codec")) == codec and r.get("ok") and
             r.get("config", "default") == config and
-            r.get("kernel_sources") == kernel_sources and
+            r.get("fingerprint") == fingerprints.get((r.get("p"), r.get("dtype"))) and
             (label is None or r.get("kernel") == label) and
             r.get("calls", 0) >= max(calls, 1)}
+
+
+def row_fingerprint(impl: str, kernel: str, codec, p: int, dtype: str,
+                    config=None) -> str | None:
+    """The fingerprint of the module a loopback check row runs (`kernels.fused.checked.
+    fingerprint`; dtype a name of DTYPES): for the kernel on a GPU (--impl kernel) at its
+    default launch; None for anything else (a --config, the mesh, the jnp model)."""
+    if impl != "kernel" or config:
+        return None
+    from taco_jax.kernels.fused import checked
+    return checked.fingerprint(kernel, codec, DTYPES[dtype], p)
 
 
 def run_config(a) -> dict:
@@ -397,6 +410,9 @@ def run_config(a) -> dict:
     checked = getattr(fused_config(a.config, codec, p, dtype, kernel), "ablate",
                       "none") == "none"
     row["checked"] = checked
+    fp = row_fingerprint(a.impl, kernel, codec, p, a.one_dtype, a.config) if checked else None
+    if fp is not None:
+        row["fingerprint"] = fp
     if not checked:
         row.update(ok=True, reason=None, calls=0)
         row.update(time_config(fn, p, n, dtype, codec, separate=None) if a.time else {})
@@ -664,7 +680,7 @@ def check_rows(paths=None) -> list[dict]:
     """The loopback checks among the results files (default: bench/results/fused*.json):
     rows of the one-launch kernels run on a GPU (`row_label` "one_launch",
     "one_launch_two_shot") at their default launch, checked (no measurement knob), each as
-    {kernel, codec, dtype (jnp name), p, ok, kernel_sources, file}."""
+    {kernel, codec, dtype (jnp name), p, ok, fingerprint (None: the row has none), file}."""
     out = []
     for path in sorted(glob.glob(CHECK_RESULTS)) if paths is None else paths:
         try:
@@ -684,54 +700,70 @@ def check_rows(paths=None) -> list[dict]:
             out.append({"kernel": kernel, "codec": r.get("codec", doc.get("codec")),
                         "dtype": jnp.dtype(dt).name, "p": r.get("p"),
                         "ok": bool(r.get("ok")) and r.get("calls", 0) >= 1,
-                        "kernel_sources": r.get("kernel_sources"),
+                        "fingerprint": r.get("fingerprint"),
                         "file": os.path.basename(path)})
     return out
 
 
-def checked_triples(rows, kernel_sources: str) -> frozenset:
-    """The (kernel, codec, dtype) whose check rows (`check_rows`) at `kernel_sources` all
-    pass, some at a P the collectives take that kernel at (the one-shot at 2, the two-shot
-    at 3 and above): what the fused transport may select."""
+def current_fingerprints(rows) -> dict:
+    """{(kernel, codec, dtype, p): the fingerprint this checkout emits} for every
+    configuration of `rows` (`check_rows`) that has a fingerprint and a registered codec."""
+    from taco_jax import codecs
+    from taco_jax.kernels.fused import checked
+    keys = {(r["kernel"], r["codec"], r["dtype"], r["p"]) for r in rows
+            if r["fingerprint"] and r["codec"] in codecs.names() and isinstance(r["p"], int)
+            and r["p"] >= 2}
+    return {k: checked.fingerprint(k[0], codecs.get(k[1]), k[2], k[3]) for k in sorted(keys)}
+
+
+def checked_table(rows, current: dict) -> dict:
+    """{(kernel, codec, dtype): ((P, fingerprint), ...)} of the triples whose check rows
+    (`check_rows`) at the fingerprints `current` gives (`current_fingerprints`) all pass,
+    some at a P the collectives take that kernel at (the one-shot at 2, the two-shot at 3
+    and above): what the fused transport may select, with the modules it was checked at."""
     from taco_jax.collectives.fused import one_launch_kernel
     groups: dict = {}
     for r in rows:
-        if r["kernel_sources"] == kernel_sources and isinstance(r["p"], int) and r["p"] >= 2:
-            groups.setdefault((r["kernel"], r["codec"], r["dtype"]), []).append(r)
-    return frozenset(t for t, rs in groups.items() if all(r["ok"] for r in rs)
-                     and any(one_launch_kernel(r["p"]) == t[0] for r in rs))
+        key = (r["kernel"], r["codec"], r["dtype"], r["p"])
+        if r["fingerprint"] is not None and current.get(key) == r["fingerprint"]:
+            groups.setdefault(key[:3], []).append(r)
+    return {t: tuple(sorted({(r["p"], r["fingerprint"]) for r in rs}))
+            for t, rs in sorted(groups.items()) if all(r["ok"] for r in rs)
+            and any(one_launch_kernel(r["p"]) == t[0] for r in rs)}
 
 
-def table_text(sources: str, triples) -> str:
+def table_text(jax_version: str, table: dict) -> str:
     """checked.py's table as `write_checked` writes it."""
-    lines = [TABLE_MARK + " from the check rows", f'SOURCES = "{sources}"']
-    if not triples:
-        lines.append("CHECKED = frozenset()")
+    lines = [TABLE_MARK + " from the check rows", f'JAX = "{jax_version}"']
+    if not table:
+        lines.append("CHECKED = {}")
     else:
-        lines.append("CHECKED = frozenset({")
-        lines += [f"    {t!r}," for t in sorted(triples)]
-        lines.append("})")
+        lines.append("CHECKED = {")
+        lines += [f"    {t!r}: {pairs!r}," for t, pairs in sorted(table.items())]
+        lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def write_checked(path: str = CHECKED_PY, rows=None) -> frozenset:
-    """Rewrite the table at the end of checked.py (from TABLE_MARK on): SOURCES this
-    checkout's kernel sources hash, CHECKED the triples whose check rows pass at it
-    (`checked_triples` of `check_rows()`, or of `rows`). Prints and returns them."""
-    from taco_jax.kernels.fused import checked
-    here = checked.kernel_sources_hash()
+def write_checked(path: str = CHECKED_PY, rows=None) -> dict:
+    """Rewrite the table at the end of checked.py (from TABLE_MARK on): JAX the installed
+    jax, CHECKED the triples whose check rows pass at the fingerprints this checkout emits
+    with it (`checked_table` of `check_rows()`, or of `rows`). Prints and returns it."""
     rows = check_rows() if rows is None else rows
-    triples = checked_triples(rows, here)
+    current = current_fingerprints(rows)
+    table = checked_table(rows, current)
     with open(path) as f:
         text = f.read()
     with open(path, "w") as f:
-        f.write(text[:text.index(TABLE_MARK)] + table_text(here, triples))
-    at = sum(r["kernel_sources"] == here for r in rows)
-    print(f"wrote {path}: {len(triples)} (kernel, codec, dtype) checked at kernel sources "
-          f"{here} ({at} of {len(rows)} check rows are at them)")
-    for t in sorted(triples):
-        print("  " + " ".join(t))
-    return triples
+        f.write(text[:text.index(TABLE_MARK)] + table_text(jax.__version__, table))
+    at = sum(r["fingerprint"] is not None and
+             current.get((r["kernel"], r["codec"], r["dtype"], r["p"])) == r["fingerprint"]
+             for r in rows)
+    print(f"wrote {path}: {len(table)} (kernel, codec, dtype) checked as jax "
+          f"{jax.__version__} emits them ({at} of {len(rows)} check rows are at the "
+          f"fingerprints emitted now)")
+    for t, pairs in sorted(table.items()):
+        print("  " + " ".join(t) + "  " + " ".join(f"P={p}:{fp}" for p, fp in pairs))
+    return table
 
 
 def unselected(codec, ps, dtypes) -> list[str]:
@@ -847,7 +879,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write-checked", action="store_true",
                     help="run nothing: write the fused transport's checked table "
                          "(taco_jax/kernels/fused/checked.py) from the check rows in "
-                         "bench/results/fused*.json at the current kernel sources")
+                         "bench/results/fused*.json at the fingerprints emitted now")
     ap.add_argument("--one", nargs=3, metavar=("P", "BYTES,…", "DTYPE"), default=None,
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -871,7 +903,7 @@ def main(argv=None) -> int:
         if unchecked:
             raise SystemExit(f"bench.fused: --impl mesh: the collectives do not select the "
                              f"one-launch kernel for {a.codec} until its loopback checks "
-                             f"pass at these kernel sources (--impl kernel on one GPU, then "
+                             f"pass as it is emitted now (--impl kernel on one GPU, then "
                              f"--write-checked; not yet: {', '.join(unchecked)})")
     if a.ablate:
         a.time = True
@@ -916,21 +948,21 @@ def main(argv=None) -> int:
     if a.missing:
         with locked(a.out):
             old = read_rows(a.out)
-        done = passed_rows(old, a.codec, config, facts["kernel_sources"], a.calls,
-                           row_label(a.impl, a.kernel))
+        fps = {(p, d): row_fingerprint(a.impl, a.kernel, codec, p, d, a.config)
+               for p in a.p for d in a.dtypes}
+        done = passed_rows(old, a.codec, config, fps, a.calls, row_label(a.impl, a.kernel))
         skip = [c for c in configs if row_key({"p": c[0], "bytes": c[1], "dtype": c[2]})
                 in done]
         configs = [c for c in configs if c not in skip]
-        print(f"--missing: {len(skip)} configurations already passed at these kernel "
-              f"sources ({facts['kernel_sources']}), {len(configs)} to run")
+        print(f"--missing: {len(skip)} configurations already passed at the fingerprints "
+              f"emitted now, {len(configs)} to run")
         if not configs:
             return 0
 
     def payload(rows):
         rows = [{**r, "codec": r.get("codec", a.codec),
                  "commit": r.get("commit", facts["commit"]),
-                 "sources": r.get("sources", facts["sources"]),
-                 "kernel_sources": r.get("kernel_sources", facts["kernel_sources"])}
+                 "sources": r.get("sources", facts["sources"])}
                 for r in rows]
         # --update: the file as it is now (under `locked`), not as it was when this run
         # began, so the rows another run has written since stay

@@ -12,6 +12,7 @@ Contents:
   tiled_layout           a canonical Mosaic GPU TiledLayout from a non-canonical spec
   mgpu_store             `ref[...] = value` in a Mosaic GPU kernel, lowered the same on
                          every checked version
+  mosaic_gpu_modules     the Mosaic GPU kernels of a lowered computation, as MLIR text
 """
 from __future__ import annotations
 
@@ -151,3 +152,51 @@ def mgpu_store(ref, value) -> None:
         ref[...] = value
     else:
         store(ref, value, optimized=False)
+
+
+def mosaic_gpu_modules(lowered) -> list[str]:
+    """The Mosaic GPU kernels of a computation lowered for CUDA (`jax.jit(f).trace(...)
+    .lower(lowering_platforms=("cuda",))`), each as its module's MLIR text without source
+    locations or its dump file name: what the kernel computes, and nothing of where or in
+    which process it was lowered. jax serializes each kernel into its custom call's backend
+    config (`module`, MLIR bytecode); this reads it back in a context with the Mosaic GPU
+    dialect registered.
+
+    Raises:
+      JaxInternalsError: the custom calls no longer carry their module as taco_jax expects.
+    """
+    import re
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.lib.mlir import ir
+        from jax.experimental.mosaic.gpu import dialect
+    except ImportError as e:
+        raise _broken("Mosaic GPU's MLIR dialect and context", e) from None
+    stablehlo = lowered.compiler_ir("stablehlo")
+    blobs = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region:
+                for inner in block:
+                    if inner.name == "stablehlo.custom_call" and ir.StringAttr(
+                            inner.attributes["call_target_name"]).value.startswith(
+                                "mosaic_gpu"):
+                        try:
+                            config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                            blobs.append(ir.StringAttr(config["module"]).value_bytes)
+                        except (KeyError, ValueError) as e:
+                            raise _broken("the Mosaic GPU custom call's backend_config "
+                                          "module", e) from None
+                    walk(inner)
+    walk(stablehlo.operation)
+    ctx = mlir.make_ir_context()
+    dialect.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
+    texts = []
+    with ctx:
+        for blob in blobs:
+            text = ir.Module.parse(blob).operation.get_asm(enable_debug_info=False)
+            # the dump file name counts the kernels lowered so far in this process
+            texts.append(re.sub(r'mosaic_gpu\.dump_basename = "[^"]*",? ?', "", text))
+    return texts

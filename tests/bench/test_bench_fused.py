@@ -316,21 +316,23 @@ def test_unchecked_codecs_not_on_a_mesh(tmp_path):
                           str(tmp_path / "no.json")])
 
 
-def check_row(kernel="one_launch", p=2, dtype="bf16", ok=True, sources="k1", **kw):
+def check_row(kernel="one_launch", p=2, dtype="bf16", ok=True, fp="f1", **kw):
     return {"kernel": kernel, "p": p, "dtype": dtype, "ok": ok, "calls": 5,
-            "kernel_sources": sources, "config": "default", "variant": "default", **kw}
+            "fingerprint": fp, "config": "default", "variant": "default", **kw}
 
 
-def test_checked_triples_are_those_whose_rows_at_the_sources_all_pass(tmp_path):
-    """A (kernel, codec, dtype) is checked where its loopback rows at the hash all pass and
-    one ran where the collectives take the kernel; rows of other sources, of the mesh, of
-    another launch, of a measurement knob or off the GPU do not count."""
-    rows = [check_row(codec="taco"), check_row(codec="taco", p=4),
+def test_checked_table_holds_the_triples_whose_rows_at_the_fingerprints_all_pass(tmp_path):
+    """A (kernel, codec, dtype) is checked where its loopback rows at the fingerprints
+    emitted now all pass and one ran where the collectives take the kernel; rows of other
+    fingerprints or none, of the mesh, of another launch, of a measurement knob or off the
+    GPU do not count. The table keeps each P's fingerprint."""
+    rows = [check_row(codec="taco"), check_row(codec="taco", p=4, fp="f4"),
             check_row(codec="taco", dtype="f32"),
             check_row(codec="taco", dtype="f32", p=8, ok=False),          # one failure
             check_row(codec="echo4", p=4),                                  # not at P = 2
             check_row("one_launch_two_shot", p=3, codec="echo4"),
-            check_row("one_launch_two_shot", p=3, codec="taco", sources="k0"),
+            check_row("one_launch_two_shot", p=3, codec="taco", fp="f0"),
+            check_row("one_launch_two_shot", p=4, codec="taco", fp=None),   # before prints
             check_row("one_launch on GPUs", codec="taco", dtype="f16"),     # the mesh
             check_row(codec="taco", dtype="f16", config="parts=1"),
             check_row(codec="taco", dtype="f16", variant="no_sync", checked=False)]
@@ -338,30 +340,42 @@ def test_checked_triples_are_those_whose_rows_at_the_sources_all_pass(tmp_path):
     path.write_text(json.dumps({"platform": "gpu", "codec": "taco", "rows": rows}))
     (tmp_path / "fused_cpu.json").write_text(json.dumps({"platform": "cpu", "rows": rows}))
     got = bench_fused.check_rows([str(path), str(tmp_path / "fused_cpu.json")])
-    assert len(got) == 7 and {r["file"] for r in got} == {"fused_checks.json"}
-    assert bench_fused.checked_triples(got, "k1") == {
-        ("one_shot", "taco", "bfloat16"), ("two_shot", "echo4", "bfloat16")}
-    assert bench_fused.checked_triples(got, "k0") == {("two_shot", "taco", "bfloat16")}
+    assert len(got) == 8 and {r["file"] for r in got} == {"fused_checks.json"}
+    now = {(r["kernel"], r["codec"], r["dtype"], r["p"]): "f1" for r in got}
+    assert bench_fused.checked_table(got, now) == {
+        ("one_shot", "taco", "bfloat16"): ((2, "f1"),),
+        ("two_shot", "echo4", "bfloat16"): ((3, "f1"),)}
+    now[("one_shot", "taco", "bfloat16", 4)] = "f4"          # both of taco's rows current
+    now[("two_shot", "taco", "bfloat16", 3)] = "f0"
+    assert bench_fused.checked_table(got, now) == {
+        ("one_shot", "taco", "bfloat16"): ((2, "f1"), (4, "f4")),
+        ("two_shot", "echo4", "bfloat16"): ((3, "f1"),),
+        ("two_shot", "taco", "bfloat16"): ((3, "f0"),)}
+    now[("one_shot", "taco", "bfloat16", 2)] = "changed"      # its module changed since:
+    assert ("one_shot", "taco", "bfloat16") not in bench_fused.checked_table(got, now)
 
 
-def test_write_checked_rewrites_the_table_only(tmp_path, capsys):
-    """--write-checked keeps checked.py up to its table and writes SOURCES (these kernel
-    sources) and CHECKED (the triples whose rows pass at them) after it."""
+def test_write_checked_rewrites_the_table_only(tmp_path, capsys, monkeypatch):
+    """--write-checked keeps checked.py up to its table and writes JAX (the installed jax)
+    and CHECKED (the triples whose rows pass at the fingerprints emitted now) after it."""
+    import jax
     from taco_jax.kernels.fused import checked
+    monkeypatch.setattr(checked, "fingerprint", lambda k, c, d, p: f"{k}-{c.name}-{d}-{p}")
     path = tmp_path / "checked.py"
     path.write_text(open(bench_fused.CHECKED_PY).read())
-    here = checked.kernel_sources_hash()
     rows = [{"kernel": "two_shot", "codec": "echo4", "dtype": "float16", "p": 5, "ok": True,
-             "kernel_sources": here, "file": "x"}]
-    assert bench_fused.write_checked(str(path), rows) == {("two_shot", "echo4", "float16")}
+             "fingerprint": "two_shot-echo4-float16-5", "file": "x"},
+            {"kernel": "two_shot", "codec": "taco", "dtype": "float16", "p": 5, "ok": True,
+             "fingerprint": "stale", "file": "x"}]
+    table = {("two_shot", "echo4", "float16"): ((5, "two_shot-echo4-float16-5"),)}
+    assert bench_fused.write_checked(str(path), rows) == table
     text = path.read_text()
     head = open(bench_fused.CHECKED_PY).read().split(bench_fused.TABLE_MARK)[0]
     assert text.startswith(head) and text.endswith(bench_fused.table_text(
-        here, {("two_shot", "echo4", "float16")}))
+        jax.__version__, table))
     scope = {}
     exec(text.split(bench_fused.TABLE_MARK)[1].split("\n", 1)[1], scope)
-    assert scope["SOURCES"] == here
-    assert scope["CHECKED"] == {("two_shot", "echo4", "float16")}
+    assert scope["JAX"] == jax.__version__ and scope["CHECKED"] == table
     assert "1 (kernel, codec, dtype) checked" in capsys.readouterr().out
 
 
@@ -469,11 +483,11 @@ def test_update_cut_short_keeps_the_rows_it_did_not_reach():
     assert bench_fused.kept_rows(None, "taco", done, "default") == []
 
 
-def test_missing_runs_only_what_has_not_passed_with_these_sources(tmp_path, capsys,
+def test_missing_runs_only_what_has_not_passed_at_these_fingerprints(tmp_path, capsys,
                                                                   monkeypatch):
     """--missing resumes a matrix: a configuration whose row of the same kernel passed at
-    the same kernel sources (and as many calls) is skipped; one from other sources runs
-    again."""
+    the same fingerprint (none for the jnp model) and as many calls is skipped; one at
+    another fingerprint runs again."""
     measured_rows(monkeypatch)
     out = tmp_path / "two.json"
     base = ["--kernel", "two_shot", "--p", "3", "--dtypes", "bf16", "--calls", "1",
@@ -482,7 +496,7 @@ def test_missing_runs_only_what_has_not_passed_with_these_sources(tmp_path, caps
     assert bench_fused.main(base) == 0
     doc = json.loads(out.read_text())
     assert [r["sources"] for r in doc["rows"]] == [doc["sources"]]
-    assert [r["kernel_sources"] for r in doc["rows"]] == [doc["kernel_sources"]]
+    assert "fingerprint" not in doc["rows"][0]           # the jnp model emits no module
     capsys.readouterr()
     assert bench_fused.main([*base, "--missing"]) == 0
     assert "1 configurations already passed" in capsys.readouterr().out
@@ -494,9 +508,9 @@ def test_missing_runs_only_what_has_not_passed_with_these_sources(tmp_path, caps
     kernels = [r["kernel"] for r in json.loads(out.read_text())["rows"]]
     assert sorted(kernels) == ["emulated", "emulated_two_shot"]             # both kept
     doc = json.loads(out.read_text())
-    out.write_text(json.dumps({**doc, "rows": [{**r, "kernel_sources": "0" * 12}
+    out.write_text(json.dumps({**doc, "rows": [{**r, "fingerprint": "0" * 12}
                                                 for r in doc["rows"]]}))
-    assert bench_fused.main([*base, "--missing"]) == 0                       # other sources
+    assert bench_fused.main([*base, "--missing"]) == 0                  # another module
     assert "0 configurations already passed" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--missing"):
         bench_fused.main([*base[:-1], "--missing"])                          # no --update

@@ -1,53 +1,144 @@
-"""What the fused transport selects is what was checked: its table of (kernel, codec, dtype)
-(taco_jax/kernels/fused/checked.py) holds what the committed loopback check rows
-(bench/results/fused*.json) show passing at its kernel sources hash, and whatever the
-selection admits has passing rows at this library's kernel sources. CPU, no kernel runs."""
-import shutil
-
+"""What the fused transport selects is what was checked: its table (taco_jax/kernels/fused/
+checked.py) holds the (kernel, codec, dtype) whose committed loopback check rows
+(bench/results/fused*.json) passed on a GPU at the fingerprints of the modules this checkout
+emits; a change that emits another module leaves the table stale and this file says which
+configuration and which GPU step re-checks it; one that emits the same modules keeps the
+fused path selected. CPU: the kernels are lowered for CUDA, never run. The two-shot's
+fingerprints are recomputed in test_fused_checked_two_shot.py (beside this file, so the
+two halves lower in parallel)."""
+import jax
 import jax.numpy as jnp
+import pytest
 
 from bench import fused as bench_fused
 from taco_jax import codecs
-from taco_jax.kernels.fused import checked
+from taco_jax.collectives import fused
+from taco_jax.kernels.fused import checked, one_shot
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+ON_THE_TABLES_JAX = jax.__version__ == checked.JAX
+other_jax = pytest.mark.skipif(
+    ON_THE_TABLES_JAX, reason=f"the table's fingerprints are jax {checked.JAX}'s lowering")
+tables_jax = pytest.mark.skipif(
+    not ON_THE_TABLES_JAX, reason=f"the table's fingerprints are jax {checked.JAX}'s lowering, "
+                                  f"not jax {jax.__version__}'s")
 
 
-def test_what_the_selection_admits_passed_its_checks_at_these_sources():
-    here = checked.kernel_sources_hash()
-    passed = bench_fused.checked_triples(bench_fused.check_rows(), here)
-    admitted = {(k, name, jnp.dtype(d).name) for k in checked.KERNELS
-                for name in codecs.names() for d in DTYPES
-                if checked.unchecked(k, codecs.get(name), d) is None}
-    assert admitted <= passed, f"selected without passing check rows at {here}: " \
-                               f"{sorted(admitted - passed)}"
+def fresh():
+    """Forget every lowering of this process (checked's and jax's own caches), as a new
+    process would after a code change."""
+    jax.clear_caches()
+    checked._fingerprint.cache_clear()
 
 
-def test_the_table_is_what_the_rows_give_at_its_sources():
+def stale_lines(kernel: str) -> list[str]:
+    """`checked.stale` of the table's rows of one kernel."""
+    return checked.stale({t: pairs for t, pairs in checked.CHECKED.items() if t[0] == kernel})
+
+
+def unbacked(table: dict) -> set:
+    """The triples that the selection admits with `table` as its checked table but that no
+    passing check rows at the fingerprints emitted now back (`bench.fused.checked_table`)."""
+    rows = bench_fused.check_rows()
+    passed = bench_fused.checked_table(rows, bench_fused.current_fingerprints(rows))
+    saved = checked.CHECKED
+    checked.CHECKED = table
+    try:
+        admitted = {(k, name, jnp.dtype(d).name) for k in checked.KERNELS
+                    for name in codecs.names() for d in DTYPES
+                    if checked.unchecked(k, codecs.get(name), d) is None}
+    finally:
+        checked.CHECKED = saved
+    return admitted - set(passed)
+
+
+@tables_jax
+def test_every_one_shot_module_the_table_claims_is_the_one_emitted_now():
+    lines = stale_lines("one_shot")
+    assert not lines, "the checked table claims modules this checkout no longer emits:\n" + \
+        "\n".join(lines)
+
+
+@tables_jax
+def test_the_table_is_what_the_rows_give_at_the_fingerprints_emitted_now():
     """`python -m bench.fused --write-checked` writes it; this keeps it so."""
     rows = bench_fused.check_rows()
-    assert checked.CHECKED == bench_fused.checked_triples(rows, checked.SOURCES)
-    path = bench_fused.CHECKED_PY
-    assert open(path).read().endswith(bench_fused.table_text(checked.SOURCES, checked.CHECKED))
+    table = bench_fused.checked_table(rows, bench_fused.current_fingerprints(rows))
+    assert checked.CHECKED == table, f"run {checked.RECHECK.split(', then ')[1]}"
+    assert open(bench_fused.CHECKED_PY).read().endswith(
+        bench_fused.table_text(checked.JAX, checked.CHECKED))
 
 
-def test_the_hash_is_the_kernel_sources(tmp_path):
-    """Any byte of a kernel source changes it; the table's own file does not."""
-    root = checked._PACKAGE
-    files = checked.kernel_source_files()
-    names = {f.relative_to(root).as_posix() for f in files}
-    assert {"kernels/tile_codec.py", "kernels/fused/one_shot.py", "kernels/fused/body.py",
-            "kernels/mosaic/taco_tiles.py", "kernels/mosaic/echo4.py",
-            "codecs/taco.py", "numerics/quant.py"} <= names
-    assert "kernels/fused/checked.py" not in names
-    for f in files + [root / "kernels/fused/checked.py"]:
-        dst = tmp_path / f.relative_to(root)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(f, dst)
-    base = checked.kernel_sources_hash(tmp_path)
-    assert base == checked.kernel_sources_hash()
-    (tmp_path / "kernels/fused/checked.py").write_text("CHECKED = frozenset()\n")
-    assert checked.kernel_sources_hash(tmp_path) == base
-    one = tmp_path / "kernels/mosaic/echo4.py"
-    one.write_bytes(one.read_bytes() + b" ")
-    assert checked.kernel_sources_hash(tmp_path) != base
+@tables_jax
+def test_what_the_selection_admits_has_passing_rows():
+    """Whatever the committed table holds, and for a table that admits a triple without
+    passing rows (constructed), which this check must catch."""
+    assert unbacked(checked.CHECKED) == set()
+    made_up = {("one_shot", "taco-1scale", "float16"): ((2, "0" * 12),)}
+    rows = bench_fused.check_rows()
+    backed = bench_fused.checked_table(rows, bench_fused.current_fingerprints(rows))
+    if ("one_shot", "taco-1scale", "float16") in backed:
+        made_up = {("two_shot", "taco-1scale", "float16"): ((3, "0" * 12),)}
+        assert set(made_up) - set(backed), "every triple is backed: pick another"
+    assert unbacked({**checked.CHECKED, **made_up}) == set(made_up)
+
+
+@tables_jax
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("codec", ["taco", "echo4"])
+def test_the_library_selects_the_one_launch_kernels_on_a_gpu_mesh(p, codec, gpu_here):
+    """taco and echo4 in bf16 and f32 take the one-launch kernel at P = 2, 4 and 8 (the
+    selection asked as on a GPU, nothing run)."""
+    for dtype in (jnp.bfloat16, jnp.float32):
+        why = fused.one_launch_reason(codecs.get(codec), p, dtype)
+        assert why is None, f"{codec} {jnp.dtype(dtype).name} P={p} is not selected: {why}"
+
+
+@other_jax
+def test_on_another_jax_nothing_is_selected_and_telemetry_says_why():
+    for (kernel, name, dt) in checked.CHECKED:
+        why = checked.unchecked(kernel, codecs.get(name), dt)
+        assert why is not None and f"checked as jax {checked.JAX} lowers it" in why, why
+
+
+def test_a_changed_kernel_changes_its_fingerprint_and_the_table_goes_stale(monkeypatch):
+    """The one-shot's decode done twice (its measurement knob, patched in as a code change
+    would make it) emits another module: the table of the unchanged kernel's fingerprint is
+    stale, and the line names the configuration and the GPU step."""
+    codec = codecs.get("echo4")
+    fresh()
+    before = checked.fingerprint("one_shot", codec, jnp.bfloat16, 2)
+    table = {("one_shot", "echo4", "bfloat16"): ((2, before),)}
+    assert checked.stale(table) == []
+    original = one_shot.sum_tiles
+
+    def decode_twice(load, r, bar, tiles, consts, n, vec, parts, ablate="none", **kw):
+        return original(load, r, bar, tiles, consts, n, vec, parts, "decode_twice", **kw)
+    monkeypatch.setattr(one_shot, "sum_tiles", decode_twice)
+    fresh()
+    try:
+        lines = checked.stale(table)
+    finally:
+        monkeypatch.undo()
+        fresh()
+    assert len(lines) == 1 and lines[0].startswith("one_shot echo4 bfloat16 P=2: emits ")
+    assert "bench/gpu_run.sh fused_checks" in lines[0] and before in lines[0]
+
+
+def test_a_refactor_that_emits_the_same_module_keeps_the_fingerprint(monkeypatch):
+    """The same kernel reached through other Python (a wrapper around the decode-and-sum),
+    lowered again in another place: the fingerprint holds, locations and kernel counts
+    left out."""
+    codec = codecs.get("echo4")
+    fresh()
+    before = checked.fingerprint("one_shot", codec, jnp.float32, 2)
+    original = one_shot.sum_tiles
+    monkeypatch.setattr(one_shot, "sum_tiles", lambda *a, **k: original(*a, **k))
+    fresh()
+    try:
+        assert checked.fingerprint("one_shot", codec, jnp.float32, 2) == before
+    finally:
+        monkeypatch.undo()
+        fresh()
+    assert checked.fingerprint("one_shot", codec, jnp.bfloat16, 2) != before   # a dtype
+    assert checked.fingerprint("two_shot", codec, jnp.float32, 3) != before    # a kernel

@@ -412,9 +412,9 @@ def test_echo4_is_selected_by_the_collectives(gpu_here, all_checked):
 
 
 def test_what_has_not_passed_its_checks_is_not_selected(gpu_here):
-    """Selection is per (kernel, codec, dtype) of the checked table, at these kernel
-    sources: a dtype, a codec of the same tile math, a codec's other configuration or a
-    table of other sources without passing checks takes the three-launch schedule
+    """Selection is per (kernel, codec, dtype) of the checked table, as this jax lowers
+    them: a dtype, a codec of the same tile math, a codec's other configuration or a
+    table of another jax's modules without passing checks takes the three-launch schedule
     (compress, exchange, decode_sum), never the one-launch kernel."""
     from fused_lowering import assumed_checked
     from taco_jax.kernels.fused import checked
@@ -427,8 +427,9 @@ def test_what_has_not_passed_its_checks_is_not_selected(gpu_here):
         assert "two-shot" in fused.one_launch_reason(TACO, 4, jnp.bfloat16)
         why = fused.one_launch_reason(codecs.get("taco", fmt="e5m2"), 2, jnp.bfloat16)
         assert "not its registered configuration" in why
-        with mock.patch.object(checked, "SOURCES", "0" * 12):
-            assert fused.one_launch_reason(TACO, 2, jnp.bfloat16) is not None
+        with mock.patch.object(checked, "JAX", "0.0.0"):     # fingerprints of another jax
+            why = fused.one_launch_reason(TACO, 2, jnp.bfloat16)
+            assert why is not None and "checked as jax 0.0.0 lowers it" in why, why
     text = lowered_psum((2,), ("tp",), "tp", False, codec="echo4",
                         checked=(("one_shot", "taco", "bfloat16"),))
     assert "taco_fused_allreduce" not in text and "taco_fused_exchange" in text

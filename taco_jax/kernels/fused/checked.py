@@ -1,85 +1,98 @@
 """What the fused transport selects: a one-launch kernel ("one_shot", "two_shot") for a codec
-and input dtype only where its loopback checks passed on a GPU at this library's kernel
-sources.
+and input dtype only where its loopback checks passed on a GPU for the kernel it emits now.
 
-`CHECKED` holds the (kernel, codec name, dtype name) triples whose checks passed and
-`SOURCES` the kernel sources hash they ran at (`kernel_sources_hash`: the files that
-determine what the one-launch kernels compute, `KERNEL_SOURCES`). A call is admitted where
-its triple is in CHECKED, SOURCES is this library's hash and the codec is its name's
-registered configuration; elsewhere the fused transport runs the separate kernels
-(`collectives.fused`), and telemetry names the transport "fused (separate kernels): why".
-Any change to a kernel source leaves nothing checked until a GPU checks it again.
+A configuration (kernel, codec, dtype, P) is known by the fingerprint of what it emits
+(`fingerprint`): the Mosaic GPU module of its loopback kernel at its default launch, lowered
+for CUDA on any machine (a CPU does), hashed without source locations or names. Two
+lowerings with the same fingerprint run the same code, whatever the sources that made them.
+
+`CHECKED` maps each checked (kernel, codec name, dtype name) to the (P, fingerprint) pairs
+whose check rows passed on a GPU, and `JAX` names the jax whose lowering the fingerprints
+are of. A call is admitted where its triple is in CHECKED, the codec is its name's
+registered configuration and the installed jax is JAX; elsewhere the fused transport runs
+the separate kernels (`collectives.fused`), and telemetry names the transport "fused
+(separate kernels): why". The CPU test `tests/kernels/test_fused_checked.py` recomputes
+every fingerprint of the table (`stale`) and fails, naming the configuration, when a change
+to the code changes a module the table still claims as checked; a change that emits the
+same modules keeps the fused path selected.
 
 Both constants are written by `python -m bench.fused --write-checked` from the committed
-check rows (bench/results/fused*.json), each row naming the kernel sources hash it ran at;
-a GPU run of `bash bench/gpu_run.sh fused_checks` adds the rows at the current hash. A
-triple is checked where the loopback check rows of that kernel, codec and dtype at the
-hash, at the kernel's default launch, all pass and some ran at a P the collectives take the
-kernel at (the one-shot at P = 2, the two-shot at P ≥ 3: `bench.fused.checked_triples`)."""
+check rows (bench/results/fused*.json), each row naming the fingerprint it ran at; a GPU run
+of `bash bench/gpu_run.sh fused_checks` adds rows at the current fingerprints. A triple is
+checked where every row of it at a current fingerprint passed, and some ran at a P the
+collectives take the kernel at (the one-shot at P = 2, the two-shot at P ≥ 3:
+`bench.fused.checked_table`)."""
 from __future__ import annotations
 
 import functools
 import hashlib
-from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from taco_jax import codec_registry
 
 KERNELS = ("one_shot", "two_shot")
-# What determines the one-launch kernels' results, relative to the taco_jax package: their
-# bodies and launch, the tile math and its registers, the codecs' parameters and numerics,
-# the private jax calls; this file excepted (it holds the hash).
-KERNEL_SOURCES = ("kernels/fused", "kernels/mosaic", "kernels/tile_codec.py",
-                  "kernels/providers.py", "codecs/taco.py", "codecs/echo.py", "numerics",
-                  "_jax_private.py")
-_PACKAGE = Path(__file__).resolve().parents[2]
-_THIS = "kernels/fused/checked.py"
+# The size a fingerprint lowers each device's input at: odd, so the last tile is padded.
+FINGERPRINT_ELEMENTS = (1 << 20) + 5
+RECHECK = "bash bench/gpu_run.sh fused_checks, then python -m bench.fused --write-checked"
 
 
-def kernel_source_files(root: Path = _PACKAGE) -> list[Path]:
-    """The files of KERNEL_SOURCES under the package directory `root`, sorted."""
-    files = []
-    for entry in KERNEL_SOURCES:
-        path = root / entry
-        files += path.rglob("*.py") if path.is_dir() else [path]
-    return sorted(f for f in files if f.relative_to(root).as_posix() != _THIS)
-
-
-def kernel_sources_hash(root: Path | None = None) -> str:
-    """12 hex digits of sha256 over the kernel sources' paths and bytes (`KERNEL_SOURCES`)
-    under the package directory `root` (None: this library's, read once): two check runs
-    with the same hash checked the same kernels."""
-    return _library_hash() if root is None else _hash(Path(root))
+def fingerprint(kernel: str, codec, dtype, p: int) -> str:
+    """12 hex digits of sha256 over the Mosaic GPU module(s) that `kernel`'s loopback at its
+    default launch emits for P devices, this codec and input dtype
+    (`_jax_private.mosaic_gpu_modules`: no locations, no names of dump files), lowered for
+    CUDA with the installed jax. Takes a second or two on a CPU; cached per process."""
+    return _fingerprint(kernel, codec, jnp.dtype(dtype).name, int(p))
 
 
 @functools.cache
-def _library_hash() -> str:
-    return _hash(_PACKAGE)
-
-
-def _hash(root: Path) -> str:
+def _fingerprint(kernel: str, codec, dtype: str, p: int) -> str:
+    from taco_jax import _jax_private
+    from taco_jax.kernels.fused import one_shot, two_shot
+    fn = {"one_shot": one_shot.one_shot_loopback,
+          "two_shot": two_shot.two_shot_loopback}[kernel]
+    xs = jax.ShapeDtypeStruct((p, FINGERPRINT_ELEMENTS), jnp.dtype(dtype))
+    lowered = jax.jit(lambda v: fn(v, codec)).trace(xs).lower(lowering_platforms=("cuda",))
+    modules = _jax_private.mosaic_gpu_modules(lowered)
+    if not modules:
+        raise RuntimeError(f"{kernel} {codec.name} {dtype} P={p} lowered no Mosaic GPU kernel")
     h = hashlib.sha256()
-    for path in kernel_source_files(root):
-        h.update(path.relative_to(root).as_posix().encode() + b"\0")
-        h.update(path.read_bytes() + b"\0")
+    for text in modules:
+        h.update(text.encode() + b"\0")
     return h.hexdigest()[:12]
 
 
 def unchecked(kernel: str, codec, dtype) -> str | None:
     """Why the collectives do not select `kernel` for this codec and input dtype (None: its
-    loopback checks passed on a GPU at these kernel sources)."""
+    loopback checks passed on a GPU for the modules in `CHECKED`, lowered by this jax)."""
     name, dt = codec.name, jnp.dtype(dtype).name
     known = name in codec_registry.names() and codec == codec_registry.get(name)
-    here = kernel_sources_hash()
-    if known and SOURCES == here and (kernel, name, dt) in CHECKED:
-        return None
     what = f"{name}" if known else f"{name} (not its registered configuration)"
+    if known and (kernel, name, dt) in CHECKED:
+        if jax.__version__ == JAX:
+            return None
+        return (f"the one-launch {kernel.replace('_', '-')} kernel for {name}, {dt} was "
+                f"checked as jax {JAX} lowers it, not jax {jax.__version__}")
     return (f"the one-launch {kernel.replace('_', '-')} kernel has no passing loopback "
-            f"checks on a GPU for {what}, {dt} at these kernel sources ({here}; python -m "
-            f"bench.fused --codec {name} --kernel {kernel}, then --write-checked)")
+            f"checks on a GPU for {what}, {dt} as it is emitted now ({RECHECK})")
+
+
+def stale(table: dict | None = None) -> list[str]:
+    """The configurations of `table` (default CHECKED) whose module this checkout emits
+    differs from the one checked, one line each naming it and the GPU step that re-checks
+    it; [] where every fingerprint matches. Lowers each configuration (a second or two)."""
+    out = []
+    for (kernel, name, dt), pairs in sorted((CHECKED if table is None else table).items()):
+        codec = codec_registry.get(name)
+        for p, checked_fp in pairs:
+            now = fingerprint(kernel, codec, dt, p)
+            if now != checked_fp:
+                out.append(f"{kernel} {name} {dt} P={p}: emits {now}, checked {checked_fp}; "
+                           f"re-check it on a GPU: {RECHECK}")
+    return out
 
 
 # -- the table: written by `python -m bench.fused --write-checked` from the check rows
-SOURCES = "c3d0b1ac2e3e"
-CHECKED = frozenset()
+JAX = "0.11.2"
+CHECKED = {}

@@ -1,0 +1,15 @@
+"""The two-shot's half of test_fused_checked.py: every module the checked table claims for
+the one-launch two-shot is the one this checkout emits (lowered for CUDA on CPU)."""
+import jax
+import pytest
+
+from taco_jax.kernels.fused import checked
+
+
+@pytest.mark.skipif(jax.__version__ != checked.JAX,
+                    reason=f"the table's fingerprints are jax {checked.JAX}'s lowering")
+def test_every_two_shot_module_the_table_claims_is_the_one_emitted_now():
+    lines = checked.stale({t: pairs for t, pairs in checked.CHECKED.items()
+                           if t[0] == "two_shot"})
+    assert not lines, "the checked table claims modules this checkout no longer emits:\n" + \
+        "\n".join(lines)
