@@ -38,8 +38,10 @@ def _top_level(tree):
             todo += node.finalbody
 
 
-def imports(name: str, path: Path, known: dict) -> set:
-    """The taco_jax modules that importing `name` runs first (see the module docstring)."""
+def imports(name: str, path: Path, known: dict, nested: bool = False) -> set:
+    """The taco_jax modules that importing `name` runs first (see the module docstring);
+    nested: also those its functions and classes import when they run (what a call of it
+    can reach)."""
     is_pkg = path.name == "__init__.py"
     package = name if is_pkg else name.rpartition(".")[0]
     ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
@@ -55,7 +57,8 @@ def imports(name: str, path: Path, known: dict) -> set:
             if mod in known and mod not in ancestors:
                 deps.add(mod)
 
-    for node in _top_level(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in (ast.walk(tree) if nested else _top_level(tree)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 load(alias.name)
@@ -76,9 +79,10 @@ def imports(name: str, path: Path, known: dict) -> set:
     return deps
 
 
-def import_graph() -> dict:
+def import_graph(nested: bool = False) -> dict:
+    """Module → the taco_jax modules it imports (`imports`)."""
     known = modules()
-    return {name: imports(name, path, known) for name, path in known.items()}
+    return {name: imports(name, path, known, nested) for name, path in known.items()}
 
 
 def cycles(graph: dict) -> list:
@@ -130,6 +134,8 @@ def test_the_graph_sees_package_inits_and_relative_imports(tmp_path):
     assert graph["taco_jax.a.x"] == {"taco_jax.a.y", "taco_jax.a"}   # f: the __init__'s name
     assert graph["taco_jax.b"] == {"taco_jax.a", "taco_jax.a.y"}     # a's __init__ runs first
     assert graph["taco_jax.a.y"] == {"taco_jax.b"}                   # not g's import
+    assert imports("taco_jax.a.x", known["taco_jax.a.x"], known, nested=True) == {
+        "taco_jax.a.y", "taco_jax.a", "taco_jax.b"}                     # g's import too
     assert cycles(graph) == [["taco_jax.a", "taco_jax.a.x", "taco_jax.a.y", "taco_jax.b"]]
 
 

@@ -4,7 +4,6 @@ it, their pipeline, tile order and exchange run by the Mosaic GPU interpreter wi
 stand-in tile codec (the interpreter has no inline_mgpu, which the real tile math is made
 of), their jnp references against the codecs' own, and the wrappers' errors. Their numerics
 with the real tile codecs run on a Hopper GPU (`python -m bench.gemm_codec`)."""
-import pathlib
 import re
 
 import numpy as np
@@ -25,7 +24,9 @@ from taco_jax.kernels.gemm.config import SMEM_PER_SM, SMEM_RESERVED, GemmConfig
 from taco_jax.kernels.mosaic import registers
 from taco_jax.numerics.blocks import to_blocks
 
+from codec_bounds import roundtrip_error
 from fused_lowering import rel_l2, scratch_bytes
+from test_import_graph import import_graph
 
 TACO, ECHO4 = codecs.get("taco"), codecs.get("echo4")
 # (M, K, N): 350m's row-parallel GEMM with its 16k tokens cut to 256 (K = N = d_model), and
@@ -68,19 +69,50 @@ def test_kernels_lower_and_fit_shared_memory(monkeypatch, codec):
     assert got + 1024 == need and cfg.per_sm * (need + SMEM_RESERVED) <= SMEM_PER_SM
 
 
+def launches(text):
+    """The Mosaic GPU launches of a lowered module, in order: (kernel, operand shapes, result
+    shapes, whether it addresses other devices' buffers: XLA's collective metadata, which a
+    kernel's peer stores and semaphores translate their addresses through)."""
+    out = []
+    for line in text.splitlines():
+        if "@mosaic_gpu_v2" not in line:
+            continue
+        kernel = [k for k in ("taco_gemm_encode", "taco_decode_residual", "taco_gemm")
+                  if k in line][0]
+        ins, outs = line[line.rindex(" : (") + 4:].split(") -> ")
+        shapes = lambda s: [tuple(int(d) for d in t.split("x")[:-1])    # noqa: E731
+                            for t in re.findall(r"tensor<([^>]*)>", s)]
+        peers = re.search(r"uses_xla_collective_metadata = (true|false)", line).group(1)
+        out.append((kernel, shapes(ins), shapes(outs), peers == "true"))
+    return out
+
+
+def lines(codec, m, n, p=1):
+    """TMA lines of (M, N)'s wire, or of one owner's rows of P."""
+    return m * n // 256 * ee.tile_codec(codec).row_bytes // 256 // p
+
+
 def test_loopback_kernels_lower_at_an_odd_shape():
-    """4 virtual devices, one compute warpgroup (M = 192), 5 K steps, 3 column tiles."""
-    m, _, n = ODD
-    text = lower(lambda x, w: gemm.loopback_gemm_encode(x, w, TACO), *operands(4, ODD))
-    assert text.count("taco_gemm_encode") >= 1 and text.count("custom_call") == 1
-    text = lower(lambda r, s: gemm.decode_sum_residual(r, s, ECHO4),
-                 wires(ECHO4, 4, m, n, (4,)), jax.ShapeDtypeStruct((4, m, n), jnp.bfloat16))
-    assert text.count("taco_decode_residual") >= 1
+    """4 virtual devices, one compute warpgroup (M = 192), 5 K steps, 3 column tiles: one
+    launch of the GEMM for all of them, its result the (P, P, …) receive buffers, nothing
+    addressed outside this device; the decode one launch over the (P, P, …) buffers."""
+    m, k, n = ODD
+    (gemm_launch,) = launches(lower(lambda x, w: gemm.loopback_gemm_encode(x, w, TACO),
+                                    *operands(4, ODD)))
+    assert gemm_launch[0] == "taco_gemm_encode" and not gemm_launch[3]
+    assert gemm_launch[1][:2] == [(4, m, k), (4, k, n)]
+    assert gemm_launch[2][0] == (4, 4, lines(TACO, m, n), 256)
+    (dec,) = launches(lower(lambda r, s: gemm.decode_sum_residual(r, s, ECHO4),
+                            wires(ECHO4, 4, m, n, (4,)),
+                            jax.ShapeDtypeStruct((4, m, n), jnp.bfloat16)))
+    assert dec[0] == "taco_decode_residual" and not dec[3]
+    assert dec[1][:2] == [(4, 4, lines(ECHO4, m, n), 256), (4, m, n)] and dec[2] == [(4, m, n)]
 
 
 def test_the_row_parallel_all_reduce_lowers_on_a_mesh():
-    """Inside shard_map (check_vma) over 2 devices the wire goes to the peer by remote
-    stores: two launches, the GEMM with its epilogue and the decode with the residual."""
+    """Inside shard_map (check_vma) over 2 devices: two launches, the GEMM with its epilogue
+    (its result every device's wire, (P, lines, 256), written through addresses of the
+    peers' buffers), then the decode with the residual on this device's buffer alone."""
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
     m, k, n = ODD
 
@@ -90,13 +122,18 @@ def test_the_row_parallel_all_reduce_lowers_on_a_mesh():
     f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=P())
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
             for s, spec in [((2, m, k), P("tp")), ((2, k, n), P("tp")), ((m, n), P())]]
-    text = lower(f, *args)
-    assert "taco_gemm_encode" in text and "taco_decode_residual" in text
+    enc, dec = launches(lower(f, *args))
+    recv = (2, lines(ECHO4, m, n), 256)
+    assert enc[0] == "taco_gemm_encode" and enc[3] and enc[1][:2] == [(m, k), (k, n)]
+    assert enc[2][0] == recv
+    assert dec[0] == "taco_decode_residual" and not dec[3]
+    assert dec[1][:2] == [recv, (m, n)] and dec[2] == [(m, n)]
 
 
 def test_the_reduce_scatter_lowers_on_a_mesh():
-    """Megatron-SP's form: each tile's wire to the owner of its rows only, the owner
-    decoding its rows with its residual shard."""
+    """Megatron-SP's form over 4 devices: two launches; the GEMM's receive buffer holds one
+    owner's rows (P slots of M·N/(256·P) wire rows, a quarter of the all-reduce's), and the
+    decode turns it and the residual's shard into the device's M/P rows."""
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
     m, k, n = SHAPE_350M
 
@@ -106,12 +143,17 @@ def test_the_reduce_scatter_lowers_on_a_mesh():
                       out_specs=P("tp"), check_vma=False)
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
             for s in [(4, m, k // 4), (4, k // 4, n), (m, n)]]
-    text = lower(f, *args)
-    assert "taco_gemm_encode" in text and "taco_decode_residual" in text
+    enc, dec = launches(lower(f, *args))
+    recv = (4, lines(TACO, m, n, 4), 256)
+    assert enc[0] == "taco_gemm_encode" and enc[3] and enc[2][0] == recv
+    assert dec[0] == "taco_decode_residual" and not dec[3]
+    assert dec[1][:2] == [recv, (m // 4, n)] and dec[2] == [(m // 4, n)]
 
 
-def test_plain_gemm_lowers():
-    assert "taco_gemm" in lower(lambda x, w: gemm.matmul(x[0], w[0]), *operands(1, SHAPE_350M))
+def test_plain_gemm_lowers_to_one_launch():
+    m, k, n = SHAPE_350M
+    (launch,) = launches(lower(lambda x, w: gemm.matmul(x[0], w[0]), *operands(1, SHAPE_350M)))
+    assert launch[0] == "taco_gemm" and launch[2] == [(m, n)] and not launch[3]
 
 
 # -- the pipeline, tile order and exchange, run by the Mosaic GPU interpreter ------------------
@@ -310,8 +352,11 @@ def test_unsupported_gives_a_reason_for_a_dispatcher():
 
 def test_no_library_path_selects_the_gemm_kernels():
     """The checked-selection rule: until their GPU checks pass, only explicit calls (and
-    the bench) reach them; no module of the library outside kernels/gemm imports them."""
-    root = pathlib.Path(gemm.__file__).resolve().parents[2]
-    users = [p for p in root.rglob("*.py") if "kernels/gemm" not in p.as_posix()
-             and re.search(r"kernels(\.|\s+import\s+)gemm|from \.+gemm", p.read_text())]
+    the bench) reach them: no taco_jax module outside kernels/gemm imports them, at module
+    level or inside a function, in any spelling (tests/test_import_graph.py's graph)."""
+    graph = import_graph(nested=True)
+    kernels = {m for m in graph if m == "taco_jax.kernels.gemm"
+               or m.startswith("taco_jax.kernels.gemm.")}
+    assert "taco_jax.kernels.gemm.encode_epilogue" in kernels
+    users = sorted(m for m, deps in graph.items() if m not in kernels and deps & kernels)
     assert users == []
