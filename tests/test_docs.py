@@ -256,7 +256,8 @@ CLAIMS = [
         *[_kernel("taco", k, m) for m in (256, 16) for k in ("compress", "decompress")])),
     ("README.md", "kernels_tilings_small.json", lambda: _fmt(
         "XLA's bf16 `x + 1` reaches {:.2f}", _row(_json("kernels_tilings_small.json")["rows"],
-                                              kernel="x + 1", mib=16.0, round=0)["device_fraction"])),
+                                              kernel="x + 1", mib=16.0,
+                                              round=0)["device_fraction"])),
     ("README.md", "kernels.json", lambda: _fmt(
         "compress {:.2f}, decompress {:.2f}, reduce {:.2f}, decode_sum {:.2f} of the roofline "
         "at 256 MiB", *[_kernel("echo4", k, 256)
