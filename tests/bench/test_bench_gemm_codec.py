@@ -1,6 +1,8 @@
-"""bench.gemm_codec on CPU: its checks pass on the jnp reference standing in for the
-kernels and fail, with a non-zero exit and a one-line reason, on a deliberately wrong
-exchange; its shapes come from the presets; the kernels refuse to run off the GPU."""
+"""bench.gemm_codec on CPU: its plumbing with the jnp reference standing in for the kernels
+(the kernels' own checks run on a GPU: tests/kernels/test_gpu_gemm_codec.py, or the bench
+there); its checks fail, with a non-zero exit and a one-line reason, on a deliberately wrong
+exchange, and the NaN-row check on a result whose NaN went elsewhere; its shapes come from
+the presets; the kernels refuse to run off the GPU."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,10 @@ def run(tmp_path, capsys, *extra):
     return rc, json.loads(out.read_text()), capsys.readouterr().out
 
 
-def test_checks_pass_on_the_reference(tmp_path, capsys):
+def test_plumbing_with_the_reference_standing_in_for_the_kernels(tmp_path, capsys):
+    """The bench's plumbing, not the kernels: --impl emulated runs the jnp reference, so its
+    error equals the reference's by construction; what is checked is that both exchanges
+    run, and the rows carry their fields and verdicts."""
     rc, res, _ = run(tmp_path, capsys)
     assert rc == 0 and {"device", "jax", "commit", "sources", "rows"} <= set(res)
     rows = {r["exchange"]: r for r in res["rows"]}
@@ -42,6 +47,33 @@ def test_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong, exchange, reas
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"bench.gemm_codec: FAILED echo4 P=2 {exchange}")
     assert re.search(reason, last)
+
+
+@pytest.mark.parametrize("fault", ["lost", "spread", "partial"])
+def test_the_nan_row_check_fails_where_the_nan_goes_elsewhere(fault):
+    """check_call on a result whose NaN row is wrong: the NaN lost (an encoder that sends a
+    NaN block as zeros), spread to another row, or only part of its row NaN."""
+    import jax
+    import jax.numpy as jnp
+    from taco_jax import codecs
+    from taco_jax.kernels import gemm
+    echo4 = codecs.get("echo4")
+    xs, ws, res, row = gemm_codec.make_inputs(jax.random.key(0), 2, 128, 64, 256)
+
+    def reference(xs, ws, r):
+        return gemm.gemm_allreduce_reference(xs, ws, r, echo4)
+
+    def wrong(xs, ws, r):
+        y = reference(xs, ws, r)
+        y = {"lost": jnp.nan_to_num(y),
+             "spread": y.at[row + 1, 0].set(jnp.nan),
+             "partial": jnp.where(jnp.isnan(y), 0.0, y).at[row, 0].set(jnp.nan)}[fault]
+        return jnp.stack([y, y])                    # the same on both virtual devices
+    figures, why = gemm_codec.check_call(wrong, reference, xs, ws, res, row)
+    assert figures["same_on_every_device"] and not figures["nan_rows_ok"]
+    assert why.startswith("NaN outside the row")
+    right = lambda xs, ws, r: jnp.stack([reference(xs, ws, r)] * 2)     # noqa: E731
+    assert gemm_codec.check_call(right, reference, xs, ws, res, row)[1] is None
 
 
 def test_shapes_are_the_presets_row_parallel_gemms():

@@ -3,7 +3,8 @@ for CUDA (one device, the loopback, a mesh), their shared memory as the lowering
 it, their pipeline, tile order and exchange run by the Mosaic GPU interpreter with a
 stand-in tile codec (the interpreter has no inline_mgpu, which the real tile math is made
 of), their jnp references against the codecs' own, and the wrappers' errors. Their numerics
-with the real tile codecs run on a Hopper GPU (`python -m bench.gemm_codec`)."""
+with the real tile codecs run on a Hopper GPU (tests/kernels/test_gpu_gemm_codec.py, `-k gpu`;
+`python -m bench.gemm_codec`)."""
 import re
 
 import numpy as np
