@@ -58,13 +58,16 @@
 #                  fused_loopback.json (~190 s): what a change to the kernel needs first
 #   fused_checks   the loopback checks the fused transport's selection is written from
 #                  (taco_jax/kernels/fused/checked.py): per codec of FUSED_CHECK_CODECS
-#                  (default taco echo4) the one-shot at P = 2 and the two-shot at P = 3, 4,
-#                  8 (FUSED_CHECK_P3), bf16, f32 and f16, 1 KiB, 1 MiB + 5 B, 16, 64,
-#                  256 MiB, 5 calls; only what has not passed at these kernel sources
-#                  (--missing), so a call cut short by its limit (FUSED_CHECK_S, default
-#                  270 s a kernel) resumes → bench/results/fused_checks.json. With the
-#                  results back in the checkout, `python -m bench.fused --write-checked`
-#                  writes the table (the collectives select what it holds)
+#                  (default taco echo4 taco-e5m2 taco-1scale) the one-shot at P = 2 and the
+#                  two-shot at P = 3, 4, 8 (FUSED_CHECK_P3), bf16, f32 and f16, 1 KiB,
+#                  1 MiB + 5 B, 16, 64, 256 MiB, 5 calls; each row names the fingerprint of
+#                  the module it ran. The (codec, kernel) runs go side by side (compiling is
+#                  most of a check's time; memory taken as needed), each under
+#                  FUSED_CHECK_S (default 520 s); only what has not passed at the
+#                  fingerprints emitted now runs (--missing), so a call cut short resumes
+#                  → bench/results/fused_checks.json. With the results back in the
+#                  checkout, `python -m bench.fused --write-checked` writes the table (the
+#                  collectives select what it holds)
 #   fused_echo4_own  python -m bench.fused --codec echo4 --config own_from_smem=true: echo4's
 #                  P = 2 loopback checks (bf16, f32, 1 KiB … 256 MiB, 5 calls) and timing
 #                  (bf16, 16 / 64 / 256 MiB) with this device's tile decoded from its
@@ -291,16 +294,18 @@ for s in "$@"; do
       wait ;;
     fused_p2) loopback_checks 2 && loopback_time ;;
     fused_checks)
-      for codec in ${FUSED_CHECK_CODECS:-taco echo4}; do
+      for codec in ${FUSED_CHECK_CODECS:-taco echo4 taco-e5m2 taco-1scale}; do
         for kernel in one_shot two_shot; do
           ps=2
           [ "$kernel" = two_shot ] && ps=${FUSED_CHECK_P3:-3 4 8}
-          step "fused_checks_${codec}_$kernel" "${FUSED_CHECK_S:-270}" python -m bench.fused \
+          XLA_PYTHON_CLIENT_PREALLOCATE=false step "fused_checks_${codec}_$kernel" \
+            "${FUSED_CHECK_S:-520}" python -m bench.fused \
             --kernel "$kernel" --codec "$codec" --p $ps --dtypes bf16 f32 f16 \
             --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --calls 5 --isolate group --timeout 90 \
-            --fail-fast --update --missing --out bench/results/fused_checks.json
+            --fail-fast --update --missing --out bench/results/fused_checks.json &
         done
-      done ;;
+      done
+      wait ;;
     fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
                        --p 2 --isolate group --calls 5 --timeout 60 \
                        --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --config own_from_smem=true \

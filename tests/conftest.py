@@ -57,7 +57,7 @@ def h200(monkeypatch):
 @pytest.fixture
 def all_checked():
     """The fused transport selects its one-launch kernels wherever they cover a call, as if
-    every loopback check had passed at these kernel sources (`fused_lowering`)."""
+    every loopback check had passed for the modules emitted now (`fused_lowering`)."""
     from fused_lowering import assumed_checked
     with assumed_checked():
         yield

@@ -9,7 +9,7 @@ a mesh with other axes (a (data, pipe, tp) mesh); Mosaic needs the mesh's device
 
 Schedules, by axis size P (`allreduce`):
   * one launch (`one_launch`), where its kernel covers the codec and dtype and its
-    loopback checks passed on a GPU at these kernel sources (`kernels.fused.checked`,
+    loopback checks passed on a GPU for the module it emits now (`kernels.fused.checked`,
     per kernel, codec and dtype): at P = 2 the one-shot (`kernels.fused.one_shot`:
     each device encodes its tiles, stores them into its own and the peer's receive
     buffers, signals per tile and decodes both contributions in device order; one
@@ -89,8 +89,8 @@ def one_launch_kernel(p: int) -> str:
 def one_launch_reason(codec, p: int, dtype) -> str | None:
     """Why `one_launch` does not run this all-reduce (None: it does): its kernel does not
     cover the codec, P or dtype (`kernels.fused.unsupported`), or does but its loopback
-    checks have not passed on a GPU for this kernel, codec and dtype at these kernel
-    sources (`kernels.fused.checked`)."""
+    checks have not passed on a GPU for this kernel, codec and dtype as it is emitted now
+    (`kernels.fused.checked`)."""
     if p < 2:
         return f"P={p}"
     kernel = one_launch_kernel(p)

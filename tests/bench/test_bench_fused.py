@@ -299,7 +299,7 @@ def test_echo4_checks_fail_on_a_wrong_exchange(tmp_path, capsys, wrong):
 
 def test_unchecked_codecs_not_on_a_mesh(tmp_path):
     """--impl mesh runs the collectives: it refuses a codec, P and dtype for which they do
-    not select the one-launch kernel (its checks have not passed at these kernel sources),
+    not select the one-launch kernel (its checks have not passed for the modules it emits now),
     naming what is missing."""
     from fused_lowering import assumed_checked
     one_shot = [("one_shot", "echo4", "bfloat16"), ("one_shot", "echo4", "float32")]

@@ -110,15 +110,18 @@ def test_fused_p2_checks_the_default_then_times_it(tmp_path):
 
 
 def test_fused_checks_runs_the_rows_the_checked_table_is_written_from(tmp_path):
-    """Per codec the one-shot at P = 2 and the two-shot from P = 3, every dtype, resumed
-    at these kernel sources, into one file."""
+    """Per codec (the four with tile math) the one-shot at P = 2 and the two-shot from
+    P = 3, every dtype, resumed at the fingerprints emitted now, into one file (the runs
+    side by side, so in any order)."""
     r, calls = run_fake(tmp_path, ["fused_checks"], "bench.fused")
-    assert r.returncode == 0 and len(calls) == 4
+    assert r.returncode == 0 and len(calls) == 8
     assert all("--missing" in c and "--update" in c and "fused_checks.json" in c
                and "--dtypes bf16 f32 f16" in c and "--calls 5" in c for c in calls)
-    assert all("--kernel one_shot" in c and "--p 2 " in c for c in calls[::2])
-    assert all("--kernel two_shot" in c and "--p 3 4 8 " in c for c in calls[1::2])
-    assert "--codec taco" in calls[0] and "--codec echo4" in calls[2]
+    runs = {(re.search(r"--codec (\S+)", c).group(1), re.search(r"--kernel (\S+)", c).group(1),
+             re.search(r"--p ([\d ]+?) --", c).group(1)) for c in calls}
+    assert runs == {(codec, kernel, ps) for codec in ("taco", "echo4", "taco-e5m2",
+                                                      "taco-1scale")
+                    for kernel, ps in (("one_shot", "2"), ("two_shot", "3 4 8"))}
 
 
 def test_fused_echo4_own_checks_then_times_echo4_decoding_its_staging(tmp_path):

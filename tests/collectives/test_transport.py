@@ -158,7 +158,7 @@ def test_fused_schedules_with_lax_in_place_of_the_kernel(monkeypatch):
 
 def test_a_fused_all_reduce_on_the_separate_kernels_says_so_and_why(monkeypatch):
     """Under transport "fused" an all-reduce the one-launch kernel does not run (its codec
-    has no tile math; or it has, but no passing checks at these kernel sources) takes the
+    has no tile math; or it has, but no passing checks for the module it emits now) takes the
     separate kernels, and its site says so with the reason; one it runs reads "fused".
     Traced, not run."""
     from fused_lowering import assumed_checked

@@ -4,7 +4,7 @@ the fused transport's exchange kernel: `config` (FusedConfig, the measured prese
 (Remote, Loopback), `body` (the decode-and-sum and staging the bodies share), `launch`,
 one file per kernel body (`one_shot`, `one_shot_ws`, `two_shot`, `exchange`), and
 `checked` (what the fused transport selects: the kernels, codecs and dtypes whose GPU
-checks passed at these kernel sources). The names below are their public face."""
+checks passed for the modules they emit now). The names below are their public face."""
 from taco_jax.kernels.fused.config import (ABLATIONS, FP8_DECODE, SLIM_2_PER_SM, SMEM_PER_SM,
                                            SMEM_RESERVED, TWO_SHOT_ABLATIONS, WARP_SPECIALIZED,
                                            FusedConfig)
