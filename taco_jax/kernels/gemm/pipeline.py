@@ -72,13 +72,23 @@ def program_tiles(n_tiles: int, nprog: int, b):
 
 
 def mainloop(x_gmem, w_gmem, a_smem, b_smem, full, consumed, turn, *, cfg: GemmConfig,
-             count, tile, n_cols: int, epilogue, after=None):
+             count, tile, n_cols: int, epilogue, after=None, before=None, load_a=None,
+             k_steps: int | None = None):
     """The warp-specialized GEMM of one program over its `count` tiles (step i → program
     tile index `tile(i)`, row-major over (M / tile_m, n_cols) tiles); x_gmem (M, K),
     w_gmem (K, N) this device's operands. Warpgroups 0 … wgs − 1 compute, wgs loads.
     epilogue(i, (r, tn), g, acc) runs in compute warpgroup g (traced index) with its (64,
     256) f32 accumulator (WGMMA layout) of output rows 64r …, columns 256·tn …; after(g),
-    if given, in compute warpgroup g once its tiles are done.
+    if given, in compute warpgroup g once its tiles are done; before(g) before its first.
+
+    load_a (the producer hook; None: the memory warpgroup copies x's slices by TMA) fills
+    the x slots in a warpgroup of its own, wgs + 1 (launch `wgs + 2` warpgroups), at the
+    compute warpgroups' registers: a producer that computes its operand (decodes it) needs
+    more than the memory warpgroup's 40. For every step s it is called, once the slot is
+    free, as load_a(s, (row tile, column tile), k, slot_ref, full_barrier), k the step's K
+    slice; it must arrive on full_barrier once slot_ref (tile_m, tile_k) holds the
+    slice (plgpu.commit_smem() first: the wgmma reads through the async proxy). x_gmem is
+    then unused, and k_steps (K / tile_k) must be given.
 
     Cooperative: every step's slot holds (64·wgs, tile_k) of x, each warpgroup its 64 rows.
     Ping-pong: tile i is warpgroup i % 2's, its steps in that warpgroup's ring (local step
@@ -86,7 +96,7 @@ def mainloop(x_gmem, w_gmem, a_smem, b_smem, full, consumed, turn, *, cfg: GemmC
     the turns take, so no ring waits on the other."""
     wg = lax.axis_index("wg")
     tk, tm, slots, wgs = cfg.tile_k, cfg.tile_m, cfg.steps, cfg.wgs
-    k_steps = x_gmem.shape[-1] // tk
+    k_steps = x_gmem.shape[-1] // tk if k_steps is None else k_steps
 
     def where(i):
         t = tile(i)
@@ -105,10 +115,10 @@ def mainloop(x_gmem, w_gmem, a_smem, b_smem, full, consumed, turn, *, cfg: GemmC
     def slot_of(r, u):
         return r * slots + u % slots               # the barrier index of a ring's slot
 
-    @pl.when(wg == wgs)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
-
+    def producer_loop(load):
+        """load(s, r, u, (row, col), k) for every step s once its slot is free, then the
+        last slots' releases: every phase of a barrier is observed before the program
+        ends (the interpreter checks it), and no producer outlives the compute."""
         @pl.loop(0, count * k_steps)
         def _(s):
             r, u = ring_step(s)
@@ -116,16 +126,8 @@ def mainloop(x_gmem, w_gmem, a_smem, b_smem, full, consumed, turn, *, cfg: GemmC
             @pl.when(u >= slots)
             def _():
                 plgpu.barrier_wait(consumed.at[slot_of(r, u)])   # its step u − steps is done
-            row, col = where(s // k_steps)
-            ks = pl.ds((s % k_steps) * tk, tk)
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row * tm, tm), ks],
-                                    a_smem.at[r, u % slots], full.at[slot_of(r, u)])
-            plgpu.copy_gmem_to_smem(w_gmem.at[ks, pl.ds(col * TILE_N, TILE_N)],
-                                    b_smem.at[r, u % slots], full.at[slot_of(r, u)])
+            load(s, r, u, where(s // k_steps), s % k_steps)
 
-        # the last slots' releases too: every phase of a barrier is observed before the
-        # program ends (the interpreter checks it), and the memory warpgroup outlives none
-        # of the compute
         for r in range(cfg.rings):
             steps = ring_tiles(r) * k_steps
 
@@ -133,11 +135,34 @@ def mainloop(x_gmem, w_gmem, a_smem, b_smem, full, consumed, turn, *, cfg: GemmC
             def _(u):
                 plgpu.barrier_wait(consumed.at[slot_of(r, u)])
 
+    @pl.when(wg == wgs)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+
+        def copy(s, r, u, at, k):
+            row, col = at
+            ks = pl.ds(k * tk, tk)
+            if load_a is None:
+                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row * tm, tm), ks],
+                                        a_smem.at[r, u % slots], full.at[slot_of(r, u)])
+            plgpu.copy_gmem_to_smem(w_gmem.at[ks, pl.ds(col * TILE_N, TILE_N)],
+                                    b_smem.at[r, u % slots], full.at[slot_of(r, u)])
+        producer_loop(copy)
+
+    if load_a is not None:
+        @pl.when(wg == wgs + 1)
+        def _producer():
+            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+            producer_loop(lambda s, r, u, at, k: load_a(s, at, k, a_smem.at[r, u % slots],
+                                                        full.at[slot_of(r, u)]))
+
     @pl.when(wg < wgs)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGS, action="increase")
         r = wg if cfg.pingpong else 0
         rows = pl.ds(0, ROWS) if cfg.pingpong else pl.ds(wg * ROWS, ROWS)
+        if before is not None:
+            before(wg)
 
         @pl.loop(wg if cfg.pingpong else 0, count, step=wgs if cfg.pingpong else 1)
         def _(i):
@@ -174,11 +199,13 @@ def mainloop(x_gmem, w_gmem, a_smem, b_smem, full, consumed, turn, *, cfg: GemmC
 
 
 def launch(body, operands, *, out_type, scratch, cfg: GemmConfig, nprog: int,
-           groups: int, name: str):
-    """plgpu.kernel over groups × nprog programs of wgs + 1 warpgroups each."""
+           groups: int, name: str, producer: bool = False):
+    """plgpu.kernel over groups × nprog programs of wgs + 1 warpgroups each (wgs + 2 with
+    a producer warpgroup: `mainloop`'s load_a)."""
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(groups * nprog,),
-        grid_names=("prog",), num_threads=cfg.wgs + 1, thread_name="wg", kernel_name=name,
+        grid_names=("prog",), num_threads=cfg.wgs + 1 + int(producer), thread_name="wg",
+        kernel_name=name,
         compiler_params=plgpu.CompilerParams(lowering_semantics=registers.LANE))
     return kernel(*operands)
 
