@@ -145,6 +145,13 @@
 #                  beside the other's mainloop) with 2 × 2 slots of tile_k 64 and 2 × 3 of
 #                  32, each checked then timed (≤ 180 s each) → bench/results/
 #                  gemm_codec_levers_checks.json, gemm_codec_levers.json
+#   gather_gemm    python -m bench.gather_gemm: the column-parallel GEMM with its all-gather
+#                  compressed, one launch, on one GPU for P = 2, 4, 8 virtual devices (of
+#                  GATHER_GEMM_P), per codec of GATHER_GEMM_CODECS (default taco echo4), at
+#                  350m's QKV and FC1 and an odd shape: checks (the same bits on every
+#                  device, the NaN row, error ≤ 1.05 × the jnp reference's), then device time
+#                  beside the plain GEMM of the gathered shape and XLA's all_gather + dot
+#                  → bench/results/gather_gemm_checks.json, gather_gemm_loopback.json
 #   train3d        python -m bench.train_step on (data, pipe, tp) meshes of 2 GPUs: pipeline
 #                  hand-offs and data-parallel buckets, plain and compressed
 #   fidelity       python -m experiments.fidelity on `small`: codec error on real TP tensors
@@ -364,6 +371,10 @@ for s in "$@"; do
                       --calls 3 --timeout 100 --update
                   done
                 done ;;
+    gather_gemm) for codec in ${GATHER_GEMM_CODECS:-taco echo4}; do
+                   step "gather_gemm_$codec" 540 python -m bench.gather_gemm --codecs "$codec" \
+                     --p ${GATHER_GEMM_P:-2 4 8} --calls 3 --timeout 100 --update
+                 done ;;
     gemm_codec_levers)
       k=0
       for cfg in "" "pingpong=true steps=2" "pingpong=true tile_k=32 steps=3"; do
