@@ -313,6 +313,15 @@ def test_loopback_lowers_to_one_launch_at_an_odd_shape():
     assert outs == [(p, p * mp, n), (p, p, lines, 256), (p * p * mp // 64,)]
 
 
+def test_one_device_still_waits_for_its_bands():
+    """At P = 1 the band semaphores stay (another program of the device encodes the band
+    a program decodes): the launch takes its (bands,) semaphore array."""
+    (launch,) = kernel_launches(lower(lambda x, w: gemm.loopback_gather_gemm(x, w, ECHO4),
+                                      jax.ShapeDtypeStruct((1, 128, 256), jnp.bfloat16),
+                                      jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)))
+    assert launch[0][-1] == (2,)
+
+
 def test_lowers_on_a_mesh_addressing_the_peers():
     """Inside shard_map (check_vma) over 4 devices, echo4: one launch on each device's shard,
     w's columns and its band semaphores (one per source and band, passed through), its

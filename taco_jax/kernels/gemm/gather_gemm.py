@@ -179,7 +179,8 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, stages: str, bands: int, kt
         me, b = peers.ids()
         wg = lax.axis_index("wg")
         recv_mine = peers.local(recv_gmem, me)
-        sems = _Bands(peers, bands, tiles_n) if sync and p > 1 else None
+        # at P = 1 too: the programs that decode a band are not the one that encodes it
+        sems = _Bands(peers, bands, tiles_n) if sync else None
 
         @pl.when(wg == 0)
         def _():
