@@ -262,7 +262,9 @@ def wire_bytes(site: Site, backward: bool = False) -> int:
 
     backward: also what the call's transpose sends when the function is differentiated (a
     training step): ppermute's reverse send, all_gather's reduce-scatter of the gathered
-    cotangent, psum_scatter's all-gather of its part, all through the site's codec; psum's
+    cotangent, psum_scatter's all-gather of its part, all through the site's codec;
+    all_gather_matmul's second gather of x for dw too (unless its site's transport says
+    it kept the gathered x, GATHERED_KEPT); psum's
     all-reduce of the cotangent where it was traced under check_vma=False (or jax.vmap),
     where JAX transposes psum to psum. Under check_vma=True psum's transpose sends nothing
     and pvary counts its one all-reduce, which runs in the backward pass (under
@@ -278,6 +280,9 @@ def wire_bytes(site: Site, backward: bool = False) -> int:
     # all_gather ↔ psum_scatter the same segments of n (resp. n/P) values each way
     back = 2 if backward and (site.op in SENDS_BACK or (site.op in PSUM_OPS and not site.vma)
                               ) else 1
+    if backward and site.op == "all_gather_matmul" and site.compressed and \
+            site.transport != GATHERED_KEPT:
+        back = 3
     op = MATMUL_SENDS.get(site.op, site.op)
     # a collective matmul with codec "none" sends the values themselves, as lax's would
     if not site.compressed or (op != site.op and codecs.get(site.codec).is_identity):
@@ -294,6 +299,8 @@ def wire_bytes(site: Site, backward: bool = False) -> int:
     return back * halves * (p - 1) * seg_rows * c.row_bytes
 
 
+# all_gather_matmul's transport where its backward keeps the gathered x (no second gather)
+GATHERED_KEPT = "xla, gathered x kept"
 # the ops whose transpose is a send of its own through the same codec (`wire_bytes`)
 SENDS_BACK = ("ppermute", "all_gather", "psum_scatter", "all_gather_matmul",
               "matmul_reduce_scatter")

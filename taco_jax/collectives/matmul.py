@@ -20,8 +20,15 @@ einsum does not apply: the overlap is written by hand):
 Codec "none" runs the same steps with the values themselves on the wire (the overlapped
 bf16 baseline). The pair's `custom_vjp`s close over each other: the gradient of
 all_gather_matmul is a matmul_reduce_scatter (dx) and a GEMM with the gathered x the
-forward multiplied (dw); the gradient of matmul_reduce_scatter an all_gather_matmul (dx)
-that also hands back the gathered cotangent (dw = xᵀ @ it).
+forward multiplied (dw), which the backward gathers again beside the dx GEMM from this
+device's x, as Megatron-SP does (`keep`: or from the forward's codes, or the gathered x
+kept); the gradient of matmul_reduce_scatter an all_gather_matmul (dx) that also hands back
+the gathered cotangent (dw = xᵀ @ it).
+
+Under `jax.vmap(axis_name=...)` (tensor parallelism emulated on one device) the steps take
+the members' form of `members`: the ring's hops, each device's chunk of x and its place in
+the result are static slices of the members' arrays laid side by side, where the offsets
+a device computes from its index would make gathers and scatters over every member.
 """
 from __future__ import annotations
 
@@ -32,17 +39,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import codecs, routes, telemetry
-from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives import axes as axes_lib, members
 from taco_jax.collectives.call import DEFAULT_MIN_BYTES, Call
 from taco_jax.kernels import dispatch
 
 # why the ops take no fused transport (their error message)
 NO_FUSED = ("the fused transport's one-launch kernels carry a whole all-reduce, not the P "
             "collective-permutes a collective matmul interleaves with its GEMMs")
-
-
-def _ring(p: int, shift: int) -> tuple:
-    return tuple((i, (i + shift) % p) for i in range(p))
 
 
 def _encode(v, codec):
@@ -58,55 +61,64 @@ def _decode(wire, codec, shape, dtype):
     return codecs.from_blocks(dispatch.decompress(wire, codec, dtype), shape)
 
 
-def _gather_matmul(x, w, axis, codec, p: int, dim: int):
-    """(all_gather(x) @ w, the gathered x it multiplied), gathered along `dim`."""
-    me = lax.axis_index(axis)
-    n = x.shape[dim]
-    gathered = (*x.shape[:dim], p * n, *x.shape[dim + 1:])
-    xg = jnp.zeros(gathered, x.dtype)
-    out = jax.eval_shape(jnp.matmul, xg, w)
-    y = jnp.zeros(out.shape, out.dtype)
-    wire = _encode(x, codec)
+def _gather_matmul(x, w, axis, codec, p: int, dim: int, want_x: bool, wire=None):
+    """(all_gather(x) @ w, the gathered x it multiplied), gathered along `dim`; the first
+    None where w is None (a gather alone), the second unless `want_x`. `wire`: x's codes
+    (the forward's, kept for the backward; x then gives only its shape and dtype, and
+    telemetry records nothing: the forward recorded these codes' error), else x is encoded
+    here."""
+    report = telemetry.enabled() and wire is None
+    axes = axes_lib.as_tuple(axis)
+    wire = _encode(x, codec) if wire is None else wire
     sent = (p - 1) * _nbytes(wire)
+    keep_x = want_x or report
+    ys, xs = [], []
     for s in range(p):
         # the hop for the next step is issued before this step's GEMM: independent of it,
         # so the two can run side by side
-        nxt = lax.ppermute(wire, axis, _ring(p, 1)) if s < p - 1 else None
+        nxt = members.shift(wire, axes, p, 1) if s < p - 1 else None
         part = _decode(wire, codec, x.shape, x.dtype)                # device me − s's x
-        at = ((me - s) % p) * n
-        xg = lax.dynamic_update_slice_in_dim(xg, part, at, dim)
-        y = lax.dynamic_update_slice_in_dim(y, jnp.matmul(part, w), at, dim)
+        if w is not None:
+            ys.append(jnp.matmul(part, w))
+        if keep_x:
+            xs.append(part)
         wire = nxt
-    if telemetry.enabled():    # against the exact gather of the same tensor, in f32
+    at = lambda me, s: (me - s) % p                                  # noqa: E731
+    y = members.place(ys, axes, p, at, dim) if w is not None else None
+    xg = members.place(xs, axes, p, at, dim) if keep_x else None
+    if report:                 # against the exact gather of the same tensor, in f32
         exact = lax.all_gather(x.astype(jnp.float32), axis, axis=dim, tiled=True)
         telemetry.report_send("all_gather_matmul", exact, xg, axis, codec,
                               wire_bytes=sent,
                               bf16_bytes=2 * (p - 1) * x.size)
-    return y, xg
+    return y, (xg if want_x else None)
 
 
 def _matmul_scatter(x, w, extra, axis, codec, p: int, dim: int):
-    """psum_scatter(x @ w + extra) along `dim`; `extra` (x @ w's shape, or None) is the
-    cotangent of the gathered output when all_gather_matmul's backward calls this."""
-    me = lax.axis_index(axis)
+    """psum_scatter(x @ w + extra) along `dim` (x itself where w is None); `extra` (x @ w's
+    shape, or None) is the cotangent of the gathered output when all_gather_matmul's
+    backward calls this."""
+    axes = axes_lib.as_tuple(axis)
     m = x.shape[dim] // p
 
-    def chunk(j):                          # the rows of x @ w (+ extra) that device j owns
-        c = jnp.matmul(lax.dynamic_slice_in_dim(x, j * m, m, dim), w)
-        return c if extra is None else c + lax.dynamic_slice_in_dim(extra, j * m, m, dim)
+    def chunk(j):              # the rows of x @ w (+ extra) that device j(me) owns
+        rows = lambda v: members.take(v, axes, lambda me: j(me) * m, m, dim)  # noqa: E731
+        c = rows(x) if w is None else jnp.matmul(rows(x), w)
+        return c if extra is None else c + rows(extra)
 
     total, sent = None, 0
     for s in range(1, p):
         # the peers' chunks first, so their codes travel while the later GEMMs run
-        c = chunk((me + s) % p)
+        c = chunk(lambda me, s=s: (me + s) % p)
         wire = _encode(c, codec)
         sent += _nbytes(wire)
-        got = _decode(lax.ppermute(wire, axis, _ring(p, s)), codec, c.shape, jnp.float32)
+        got = _decode(members.shift(wire, axes, p, s), codec, c.shape, jnp.float32)
         total = got if total is None else total + got                # from device me − s
-    own = chunk(me)
+    own = chunk(lambda me: me)
     out = (own.astype(jnp.float32) + total).astype(own.dtype)
     if telemetry.enabled():    # against the exact reduce-scatter, in f32
-        z = jnp.matmul(x, w) if extra is None else jnp.matmul(x, w) + extra
+        z = x if w is None else jnp.matmul(x, w)
+        z = z if extra is None else z + extra
         exact = lax.psum_scatter(z.astype(jnp.float32), axis, scatter_dimension=dim, tiled=True)
         telemetry.report_send("matmul_reduce_scatter", exact, out, axis, codec,
                               wire_bytes=sent, bf16_bytes=2 * (p - 1) * own.size)
@@ -123,24 +135,54 @@ def _contract_leading(a, b):
     return jnp.tensordot(a, b, axes=(lead, lead))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _ag_mm(x, w, axis, codec, p, dim):
-    return _gather_matmul(x, w, axis, codec, p, dim)
+# What all_gather_matmul's backward keeps of x for dw = (gathered x)ᵀ @ dy.
+KEEP = ("shard", "codes", "gathered")
+# the site's transport where the backward keeps the gathered x (and sends no second gather)
+KEPT_LABEL = telemetry.GATHERED_KEPT
 
 
-def _ag_mm_fwd(x, w, axis, codec, p, dim):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _ag_mm(x, w, axis, codec, p, dim, want_x, keep):
+    """all_gather(x) @ w, with the gathered x too where `want_x`; w None: the gathered x
+    alone (the backward's second gather)."""
+    y, xg = _gather_matmul(x, w, axis, codec, p, dim, want_x)
+    if w is None:
+        return xg
+    return (y, xg) if want_x else y
+
+
+def _ag_mm_fwd(x, w, axis, codec, p, dim, want_x, keep):
     # the custom_vjp itself (not _gather_matmul): under higher-order AD JAX differentiates
     # this rule, and the integer codes would give a zero derivative
-    y, xg = _ag_mm(x, w, axis, codec, p, dim)
-    return (y, xg), (xg, w)
+    like = jnp.zeros((0, *x.shape), x.dtype)             # x's shape and dtype, no bytes
+    if w is None:
+        return _ag_mm(x, w, axis, codec, p, dim, want_x, keep), (like, None)
+    if keep == "gathered":
+        y, xg = _ag_mm(x, w, axis, codec, p, dim, True, keep)
+        return ((y, xg) if want_x else y), (like, xg, w)
+    out = _ag_mm(x, w, axis, codec, p, dim, want_x, keep)
+    # "shard": x itself, gathered again by the backward (its codes are re-made from it:
+    # the same bytes); "codes": the forward's codes of x
+    return out, (like, x if keep == "shard" else _encode(x, codec), w)
 
 
-def _ag_mm_bwd(axis, codec, p, dim, res, cts):
-    xg, w = res
-    dy, dxg = cts
+def _ag_mm_bwd(axis, codec, p, dim, want_x, keep, res, cts):
+    like, *res = res
     with axes_lib.bound(axes_lib.as_tuple(axis), p):
+        if res[0] is None:                                  # the gather alone
+            dx = _mm_rs(cts, None, None, axis, codec, p, dim)
+            return dx.astype(like.dtype), None
+        kept, w = res
+        dy, dxg = cts if want_x else (cts, None)
         dx = _mm_rs(dy, w.T, dxg, axis, codec, p, dim)
-    return dx.astype(xg.dtype), _contract_leading(xg, dy).astype(w.dtype)
+        if keep == "shard":   # x gathered again beside the dx GEMM, by a custom_vjp op:
+            xg = _ag_mm(kept, None, axis, codec, p, dim, True, keep)  # twice differentiable
+        elif keep == "codes":
+            xg = _gather_matmul(jnp.zeros(like.shape[1:], like.dtype), None, axis, codec, p,
+                                dim, True, wire=kept)[1]
+        else:
+            xg = kept
+    return dx.astype(like.dtype), _contract_leading(xg, dy).astype(w.dtype)
 
 
 _ag_mm.defvjp(_ag_mm_fwd, _ag_mm_bwd)
@@ -152,18 +194,23 @@ def _mm_rs(x, w, extra, axis, codec, p, dim):
 
 
 def _mm_rs_fwd(x, w, extra, axis, codec, p, dim):
-    # a third residual, a scalar of extra's dtype, when there is an `extra` to give a
-    # cotangent to
-    res = (x, w) if extra is None else (x, w, jnp.zeros((), extra.dtype))
+    # the dtypes of x and of extra (when there is one to give a cotangent to), no bytes
+    like = (jnp.zeros((0,), x.dtype), None if extra is None else jnp.zeros((0,), extra.dtype))
+    res = (like, x if w is not None else None, w)
     return _mm_rs(x, w, extra, axis, codec, p, dim), res
 
 
 def _mm_rs_bwd(axis, codec, p, dim, res, dz):
-    x, w = res[:2]
+    (x_like, extra_like), x, w = res
     with axes_lib.bound(axes_lib.as_tuple(axis), p):
-        dx, dzg = _ag_mm(dz, w.T, axis, codec, p, dim)
-    dw = _contract_leading(x, dzg).astype(w.dtype)
-    return dx.astype(x.dtype), dw, (None if len(res) == 2 else dzg.astype(res[2].dtype))
+        if w is None:                                        # the reduce-scatter alone
+            dx = dzg = _ag_mm(dz, None, axis, codec, p, dim, True, "shard")
+            dw = None
+        else:
+            dx, dzg = _ag_mm(dz, w.T, axis, codec, p, dim, True, "shard")
+            dw = _contract_leading(x, dzg).astype(w.dtype)
+    return (dx.astype(x_like.dtype), dw,
+            None if extra_like is None else dzg.astype(extra_like.dtype))
 
 
 _mm_rs.defvjp(_mm_rs_fwd, _mm_rs_bwd)
@@ -189,10 +236,10 @@ def _check(name: str, x, w, dim: int, what: str):
     return dim % x.ndim
 
 
-def _route(op: Call, v, x, w) -> str:
-    """"lax" or "xla" for the communicated tensor v (a shape and dtype), noted as the site.
-    As the other ops decide, except that codec "none" keeps the decomposition: it is the
-    overlapped baseline, not lax's collective."""
+def _route(op: Call, v, x, w, label: str = "xla") -> str:
+    """"lax" or "xla" for the communicated tensor v (a shape and dtype), noted as the site
+    (its transport `label` where not "lax"). As the other ops decide, except that codec
+    "none" keeps the decomposition: it is the overlapped baseline, not lax's collective."""
     nbytes = v.size * v.dtype.itemsize
     if op.p == 1:
         why = "axis of size 1"
@@ -208,10 +255,9 @@ def _route(op: Call, v, x, w) -> str:
         else:
             threshold = DEFAULT_MIN_BYTES if op.min_bytes is None else op.min_bytes
             why = f"{nbytes} B < min_bytes={threshold}" if nbytes < threshold else None
-    route = "lax" if why is not None else "xla"
-    telemetry.note_site(op.op, v.shape, v.dtype, op.axes, op.codec.name, why, op.p, route,
-                        op.vma)
-    return route
+    telemetry.note_site(op.op, v.shape, v.dtype, op.axes, op.codec.name, why, op.p,
+                        "lax" if why is not None else label, op.vma)
+    return "lax" if why is not None else "xla"
 
 
 def _operands(op: Call, x, w):
@@ -239,7 +285,8 @@ def _operands(op: Call, x, w):
 
 
 def all_gather_matmul(x, w, axis_name, *, axis: int = 0, codec=None,
-                      min_bytes: int | None = None, transport: str | None = None):
+                      min_bytes: int | None = None, transport: str | None = None,
+                      keep: str = "shard"):
     """`all_gather(x, axis_name, axis=axis, tiled=True) @ w`, its all-gather compressed and
     overlapped with the GEMM: Megatron-SP's column-parallel GEMM (x this device's part of
     the sequence, w its block of columns).
@@ -264,6 +311,14 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, codec=None,
       transport: "xla" or "auto" (the same here: the codes move by `lax.ppermute`); None
         (default): the recipe's, whose "fused" means "xla" for this op. "fused" given here
         is an error: the fused transport's one-launch kernels cannot interleave with GEMMs.
+      keep: what the backward pass keeps of x for dw = (gathered x)ᵀ @ dy.
+        "shard" (default, as Megatron-SP): this device's x; the backward gathers it again
+        beside its dx GEMM, re-encoding it to the forward's codes (the same bytes), so dw
+        multiplies exactly what the forward multiplied. "codes": the forward's codes of x
+        (for taco 0.515 of x's bf16 bytes), which the backward sends round again; its dw
+        has no derivative through x (codes are integers): not for higher-order AD.
+        "gathered": the decoded gathered x itself, P times x: no second gather, for where
+        memory is plentiful.
 
     Returns:
       The gathered x times w: x's shape with dimension `axis` P times longer and the last
@@ -274,18 +329,21 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, codec=None,
     Raises:
       UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
       ValueError: w not 2-D; x below 2-D or empty (or w empty); x.shape[-1] != w.shape[0];
-        `axis` out of range or the last dimension; transport="fused"; an unknown codec
-        name, a bad `axis_name`, `min_bytes` or `transport` (as `taco_jax.psum`).
+        `axis` out of range or the last dimension; `keep` not one of "shard", "codes",
+        "gathered"; transport="fused"; an unknown codec name, a bad `axis_name`,
+        `min_bytes` or `transport` (as `taco_jax.psum`).
       TypeError: a codec that is neither a name nor a Codec.
     """
     op = Call.make("all_gather_matmul", axis_name, codec, min_bytes, transport,
                    xla_only=NO_FUSED)
+    if keep not in KEEP:
+        raise ValueError(f"taco_jax.all_gather_matmul: keep={keep!r} must be one of {KEEP}")
     x, w = jnp.asarray(x), jnp.asarray(w)
     dim = _check(op.op, x, w, axis, "axis")
-    if _route(op, x, x, w) == "lax":
+    if _route(op, x, x, w, "xla" if keep != "gathered" else KEPT_LABEL) == "lax":
         return jnp.matmul(lax.all_gather(x, op.axis, axis=dim, tiled=True), w)
     x, w = _operands(op, x, w)
-    return _ag_mm(x, w, op.axis, op.codec, op.p, dim)[0]
+    return _ag_mm(x, w, op.axis, op.codec, op.p, dim, False, keep)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=None,

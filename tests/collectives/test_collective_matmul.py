@@ -159,14 +159,17 @@ def _members(op, x, w, ct):
             ct.reshape(2, NP, 8, 64).transpose(1, 0, 2, 3))
 
 
+@pytest.mark.parametrize("codec", ["none", "taco"])
 @pytest.mark.parametrize("op", ["agm", "mrs"])
-def test_vmap_emulation_equals_the_mesh(op):
+def test_vmap_emulation_equals_the_mesh(op, codec):
     """Under jax.vmap(axis_name="tp") on one device: the mesh's y, dx and dw (check_vma=
-    False), within a small part of the codec's error (two programs may round a value on a
-    code boundary differently)."""
+    False). Codec "none" bit for bit: the same slices, products and sums in the same
+    order. taco within a small part of the codec's error: the members' encodes run as one
+    batched op, which XLA:CPU rounds differently in the last bits of a few scales, so a
+    value on a code boundary may land on the other side."""
     x, w, ct = inputs(op)
     xm, wm, ctm = _members(op, x, w, ct)
-    f = jax.vmap(lambda a, b: OURS[op](a, b, min_bytes=0), axis_name="tp")
+    f = jax.vmap(lambda a, b: OURS[op](a, b, codec=codec, min_bytes=0), axis_name="tp")
 
     def run(a, b, c):
         y, vjp = jax.vjp(f, a, b)
@@ -176,10 +179,41 @@ def test_vmap_emulation_equals_the_mesh(op):
     def as_members(y, dx, dw):
         dx, dw, y = _members(op, dx, dw, y)
         return y, dx, dw
-    mesh, exact = as_members(*results(op, True, False)), as_members(*results(op, False, False))
+    mesh = as_members(*results(op, True, False, codec))
+    exact = as_members(*results(op, False, False))
     for name, a, b, e in zip(("y", "dx", "dw"), got, mesh, exact):
         assert a.shape == b.shape, (name, a.shape, b.shape)
-        assert rel(a, b) <= 0.2 * rel(b, e), (name, rel(a, b), rel(b, e))
+        if codec == "none":
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            assert rel(a, b) <= 0.2 * rel(b, e), (name, rel(a, b), rel(b, e))
+
+
+def hlo_ops(text: str, name: str) -> int:
+    """How many instructions of opcode `name` a compiled HLO module has."""
+    return len(re.findall(rf"= \S+ {name}\(", text))
+
+
+@pytest.mark.parametrize("codec", ["none", "taco"])
+@pytest.mark.parametrize("op", ["agm", "mrs"])
+def test_vmap_emulation_indexes_statically(op, codec):
+    """Emulated at P = 8, forward and backward compiled (not run): no gather and no
+    scatter. A device's offsets come from its index on the axis; under jax.vmap the members
+    sit side by side with static offsets, as each device's own offsets are on a mesh, where
+    a dynamic slice, a dynamic update slice or a ppermute computed per member would be a
+    gather or a scatter over all of them. The codec has neither of its own."""
+    p = 8
+    x = jax.ShapeDtypeStruct((p, 2, 16, 32) if op == "agm" else (p, 2, 16 * p, 32),
+                             jnp.float32)
+    w = jax.ShapeDtypeStruct((p, 32, 24), jnp.float32)
+    f = jax.vmap(lambda a, b: OURS[op](a, b, codec=codec, min_bytes=0), axis_name="tp")
+
+    def step(a, b):
+        y, vjp = jax.vjp(f, a, b)
+        return y, vjp(y)
+    text = jax.jit(step).lower(x, w).compile().as_text()
+    assert (hlo_ops(text, "gather"), hlo_ops(text, "scatter")) == (0, 0)
+    assert hlo_ops(text, "dot") > 0                      # the pattern sees instructions
 
 
 # -- the wire ------------------------------------------------------------------------------------
@@ -207,11 +241,13 @@ def permutes(text: str) -> list[str]:
 @pytest.mark.parametrize("codec", ["taco", "echo4", "none"])
 @pytest.mark.parametrize("op", ["agm", "mrs"])
 def test_the_steps_permute_codes(op, codec):
-    """P − 1 collective-permutes forward and as many in the backward's collective matmul,
-    and no other collective: with a codec they carry its uint8 codes, never bf16 values;
-    with codec "none" the bf16 values."""
+    """P − 1 collective-permutes forward and as many in the backward's collective matmul
+    (all_gather_matmul's backward as many again: it gathers x a second time, for dw), and
+    no other collective: with a codec they carry its uint8 codes, never bf16 values; with
+    codec "none" the bf16 values."""
     fn = lambda x, w: OURS[op](x, w, codec=codec, min_bytes=0)
-    for grad, count in ((False, NP - 1), (True, 2 * (NP - 1))):
+    back = 2 if op == "agm" else 1
+    for grad, count in ((False, NP - 1), (True, (1 + back) * (NP - 1))):
         text = lowered(fn, op, grad=grad)
         sent = permutes(text)
         assert len(sent) == count, (grad, sent)
@@ -423,8 +459,10 @@ def test_site_reports_the_plain_route_and_the_recipes_fused_transport_as_xla():
 
 
 def test_collect_records_both_ops_forward_and_backward():
-    """Under telemetry.collect() the forward all_gather_matmul and the matmul_reduce_scatter
-    of its backward each record their error against the exact f32 collective."""
+    """Under telemetry.collect() the forward all_gather_matmul, the matmul_reduce_scatter
+    of its backward and the backward's second gather of x each record their error against
+    the exact f32 collective; the second gather sends the forward's codes again, so its
+    error is the forward's, to the bit."""
     s = SPECS["agm"]
     x, w, ct = inputs("agm")
     fn = jax.shard_map(lambda x, w: OURS["agm"](x, w, min_bytes=0), mesh=mesh4(),
@@ -435,9 +473,10 @@ def test_collect_records_both_ops_forward_and_backward():
             jax.device_put(w, NamedSharding(mesh4(), s["w"][1])))
         jax.block_until_ready(g)
         jax.effects_barrier()
-    recs = {r["op"]: r for r in log.records}
-    assert len(log.records) == 2 and set(recs) == {"all_gather_matmul", "matmul_reduce_scatter"}
+    ops = sorted(r["op"] for r in log.records)
+    assert ops == ["all_gather_matmul", "all_gather_matmul", "matmul_reduce_scatter"], ops
     row = codecs.get("taco").row_bytes
-    assert recs["all_gather_matmul"]["wire_bytes"] == (NP - 1) * 4 * row   # 4 blocks, 3 hops
-    assert recs["matmul_reduce_scatter"]["wire_bytes"] == (NP - 1) * 4 * row
+    assert all(r["wire_bytes"] == (NP - 1) * 4 * row for r in log.records)  # 4 blocks, 3 hops
     assert all(0.005 < r["rel_error"] < 0.1 and r["nonfinite"] == 0 for r in log.records)
+    first, second = [r["rel_error"] for r in log.records if r["op"] == "all_gather_matmul"]
+    assert first == second
