@@ -80,8 +80,12 @@ def place(chunks: list, axes: tuple, p: int, at: Callable, dim: int):
     if not static(axes):
         me = lax.axis_index(axes_lib.name(axes))
         n = chunks[0].shape[dim]
-        shape = (*chunks[0].shape[:dim], p * n, *chunks[0].shape[dim + 1:])
-        out = jnp.zeros(shape, chunks[0].dtype)
+        # the buffer grows from the first chunk rather than from zeros: a constant would
+        # have no operand to wait for, so XLA may make it long before its chunks and hold
+        # it meanwhile (in a backward pass: one per layer, from its start)
+        widths = [(0, 0)] * chunks[0].ndim
+        widths[dim] = (0, (p - 1) * n)
+        out = jnp.pad(chunks[0], widths)
         for s, c in enumerate(chunks):
             out = lax.dynamic_update_slice_in_dim(out, c, at(me, s) * n, dim)
         return out
