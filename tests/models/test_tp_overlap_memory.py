@@ -1,0 +1,62 @@
+"""The overlapped step's memory: XLA's analysis of the compiled training step (compiled,
+never run) at TP 4, on a configuration whose layer activations outweigh the logits.
+model.tp_overlap keeps what the serial sequence-parallel step keeps (all_gather_matmul's
+backward gathers x again rather than holding the gathered x); sequence parallelism holds
+less than plain TP, whose residual stream each device holds whole."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from bench import train_step as bench
+from models import parallel
+from train import config as config_lib
+from train.loop import build_mesh, make_train_step
+
+# 4 layers of (8, 128, 128) activations against (8, 128, 256 / 4) logits
+SHAPE = ["model.vocab_size=256", "model.n_layer=4", "model.dtype=float32",
+         "train.batch_size=8", "parallel.data=1", "parallel.pipe=1", "train.progress=false"]
+
+
+@functools.cache
+def temp_bytes(variant: str, emulated: bool) -> int:
+    """temp_size_in_bytes of the compiled step of a bench.train_step variant at TP 4 (on 4
+    CPU devices, or emulated on one)."""
+    plain, transport = bench.split_transport(variant)
+    codecs = bench.variant_codecs(bench.split_variant(plain)[0], "taco", "tah4", "taco")
+    overlap = transport == bench.OVERLAP
+    tp = ["parallel.tp=1", "parallel.emulate_tp=4"] if emulated else ["parallel.tp=4"]
+    cfg = config_lib.load_config("tiny", [*SHAPE, *tp, *bench.variant_overrides(
+        plain, codecs, overlap)])
+    mesh = build_mesh(cfg, jax.devices()[:1 if emulated else 4])
+    init, step = make_train_step(cfg, mesh)
+    state = jax.eval_shape(lambda: init(0))
+    tokens = parallel.put_batch(np.zeros((8, cfg.model.seq_len), np.int32), mesh)
+    return step.lower(state, tokens, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("variant", ["none:overlap", "taco:overlap"])
+def test_overlap_holds_what_the_serial_sp_step_holds(variant):
+    """On 4 CPU devices: the overlapped step's temporaries within 1.1x the serial SP
+    step's. Measured (MiB): SP 21.29; none:overlap 21.48, taco:overlap 21.55 (27.29 and
+    27.92 while the backward kept the gathered x and XLA made each layer's result buffer
+    from zeros at the backward's start)."""
+    assert temp_bytes(variant, False) <= 1.1 * temp_bytes("sp", False)
+
+
+def test_sequence_parallelism_holds_less_than_plain_tp():
+    """On 4 CPU devices (21.3 against 31.3 MiB measured). Emulated, both hold the same
+    (80.1 and 80.0 MiB): under jax.vmap a value invariant over "tp", plain TP's residual
+    stream, is one array shared by the members, not one a device."""
+    assert temp_bytes("sp", False) < temp_bytes("none", False)
+
+
+@pytest.mark.xfail(strict=True, reason="emulated TP4: the overlapped step holds 1.15x the "
+                   "serial SP step's temporaries (91.7 against 80.1 MiB; 119.4 before the "
+                   "backward gathered x again). A probe of "
+                   "layers of all_gather_matmul under vmap holds 1.5 MiB a layer (three of "
+                   "its four chunk products over the members) more than lax.all_gather and "
+                   "a matmul, whatever it keeps for the backward; not found yet")
+def test_emulated_overlap_holds_what_the_serial_sp_step_holds():
+    assert temp_bytes("none:overlap", True) <= 1.1 * temp_bytes("sp", True)
