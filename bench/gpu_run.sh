@@ -121,9 +121,11 @@
 #                  taco:overlap echo4:overlap: the bf16 step, serial and with collective matmul
 #                  (model.tp_overlap, sequence parallelism), and the codecs with it, over all
 #                  of the machine's GPUs (2+) → bench/results/train_step_overlap.json
-#   train_overlap_emulated  the same variants with tensor parallelism emulated on one GPU
-#                  (--emulate-tp 4 8): what chunking the GEMMs and the codecs' kernels cost
-#                  the step without a link, against the overlap model's assumptions
+#   train_overlap_emulated  the same variants and sp (the serial sequence-parallel step,
+#                  each overlap row's baseline) with tensor parallelism emulated on one GPU
+#                  (--emulate-tp 4 8), 350m then qwen-0.5b, one step each, merged (--update):
+#                  what chunking the GEMMs and the codecs' kernels cost the step without a
+#                  link, against the overlap model's assumptions
 #                  → bench/results/train_step_emulated_overlap.json
 #   gemm_codec     python -m bench.gemm_codec: the row-parallel GEMM whose epilogue encodes
 #                  (kernels.gemm) as a loopback on one GPU, per codec of GEMM_CODEC_CODECS
@@ -360,10 +362,12 @@ for s in "$@"; do
     train_overlap) step train_overlap 540 python -m bench.train_step --presets 350m \
                      --variants none none:overlap taco:overlap echo4:overlap \
                      --out bench/results/train_step_overlap.json ;;
-    train_overlap_emulated) step train_overlap_emulated 540 python -m bench.train_step \
-                              --presets 350m --mesh 1,1,1 --emulate-tp 4 8 --variants none \
-                              none:overlap taco:overlap echo4:overlap --steps 10 \
-                              --out bench/results/train_step_emulated_overlap.json ;;
+    train_overlap_emulated) for preset in 350m qwen-0.5b; do
+                  step "train_overlap_emulated_$preset" 540 python -m bench.train_step \
+                    --presets "$preset" --mesh 1,1,1 --emulate-tp 4 8 --variants none sp \
+                    none:overlap taco:overlap echo4:overlap --steps 10 --update \
+                    --out bench/results/train_step_emulated_overlap.json
+                done ;;
     gemm_codec) for codec in ${GEMM_CODEC_CODECS:-taco echo4}; do
                   for exchange in ${GEMM_CODEC_EXCHANGES:-all owner}; do
                     step "gemm_codec_${codec}_$exchange" 540 python -m bench.gemm_codec \

@@ -24,7 +24,10 @@ under `taco_jax.config(transport=TRANSPORT)`; without one, the library's default
 `SPEC:overlap` (`none:overlap`, `taco:overlap`, `echo4:overlap`) runs the model's collective
 matmul instead: `model.tp_overlap=true` with `model.sequence_parallel=true` (the all-gather
 before each column-parallel GEMM and the reduce-scatter after each row-parallel one, hidden
-under the GEMM), the codec SPEC's, the library's default transport.
+under the GEMM), the codec SPEC's, the library's default transport. Where the variants
+have an overlapped one, `sp` (the same sequence parallelism with its collectives serial,
+codec none) runs too, before it, unless named; each overlap row's `speedup_vs_sp` is
+against it, beside `speedup_vs_none`.
 
 Writes bench/results/train_step.json: per row tokens/s, step time, speedup against the
 "none" row of the same preset, the pipeline's bubble fraction, the bytes each device sends
@@ -68,6 +71,7 @@ ALIASES = {"2d": ("dp", "pp"), "3d": ("dp", "pp", "tp")}
 OUT = "bench/results/train_step.json"
 EMULATED_OUT = "bench/results/train_step_emulated.json"
 OVERLAP = "overlap"               # `SPEC:overlap`: collective matmul (model.tp_overlap)
+SP_BASELINE = "sp"                # an overlap row's baseline: sequence parallelism, serial
 # the ops whose call runs one all-reduce (psum forward, pvary backward)
 ALLREDUCE_OPS = ("psum", "pvary", "psum_with_feedback", "pvary_with_feedback")
 
@@ -276,7 +280,7 @@ def main(argv=None):
     if args.emulate_tp and min(args.emulate_tp) < 1:
         raise ValueError(f"--emulate-tp {args.emulate_tp}: each N must be >= 1")
     plans = []
-    for v in args.variants:                                          # bad names: now
+    for v in with_sp_baseline(args.variants):                        # bad names: now
         plain, transport = split_transport(v)
         plans.append((v, plain, transport, variant_codecs(
             split_variant(plain)[0], args.codec_tp, args.codec_pp, args.codec_dp)))
@@ -288,7 +292,7 @@ def main(argv=None):
                 print(f"[train_step] {preset} at emulated tp={n}: skipped ({why})")
                 skipped.add((preset, n))
                 continue
-            base = None
+            base = base_sp = None
             for variant, plain, transport, codecs in plans:
                 if n is None:
                     row = measure(preset, plain, codecs, args.steps, extra, transport)
@@ -302,6 +306,10 @@ def main(argv=None):
                 if base is None and step and set(codecs.values()) == {"none"}:
                     base = step
                 row["speedup_vs_none"] = round(base / step, 3) if base and step else None
+                if variant == SP_BASELINE and step:
+                    base_sp = step
+                if transport == OVERLAP:
+                    row["speedup_vs_sp"] = round(base_sp / step, 3) if base_sp and step else None
                 if n is not None:
                     row["added_ms"] = round(step - base, 2) if base and step else None
                 rows.append(row)
@@ -318,6 +326,18 @@ def main(argv=None):
                    "variants": args.variants, "steps": args.steps, "overrides": extra,
                    "rows": rows}
     write_json(out, payload)
+
+
+def with_sp_baseline(variants: list[str]) -> list[str]:
+    """The variants, with the serial sequence-parallel step (SP_BASELINE) before the first
+    overlapped one where they have one and lack it: an overlap row's fair baseline is the
+    same sequence parallelism without the overlap (`speedup_vs_sp`), beside "none"."""
+    if SP_BASELINE in variants:
+        return list(variants)
+    for i, v in enumerate(variants):
+        if split_transport(v)[1] == OVERLAP:
+            return [*variants[:i], SP_BASELINE, *variants[i:]]
+    return list(variants)
 
 
 def kept_rows(path: str, measured: set) -> list[dict]:

@@ -348,6 +348,17 @@ def test_train_step_emulated_runs_each_preset_then_the_projection(tmp_path):
     assert calls[-1] == "-m bench.step_projection"
 
 
+def test_train_overlap_emulated_runs_sp_beside_the_overlap_rows_per_preset(tmp_path):
+    """350m then qwen-0.5b, one step each merged into one file, at TP 4 and 8, with sp."""
+    r, calls = run_fake(tmp_path, ["train_overlap_emulated"], "bench.")
+    assert r.returncode == 0
+    assert [c.split("--presets ")[1].split()[0] for c in calls] == ["350m", "qwen-0.5b"]
+    for c in calls:
+        assert ("--mesh 1,1,1 --emulate-tp 4 8 --variants none sp none:overlap taco:overlap "
+                "echo4:overlap --steps 10 --update "
+                "--out bench/results/train_step_emulated_overlap.json" in c)
+
+
 def test_fused_two_shot_phases_times_each_codec_as_it_is_and_without_its_last_phases(tmp_path):
     r, calls = run_fake(tmp_path, ["fused_two_shot_phases"], "bench.fused")
     assert r.returncode == 0 and len(calls) == 6
@@ -381,12 +392,14 @@ def test_gemm_table_then_the_projection(tmp_path):
     which reads it; the overlap steps run the model's collective matmul variants."""
     r, calls = run_fake(tmp_path, ["gemm_table", "train_overlap", "train_overlap_emulated"],
                         "bench.")
-    assert r.returncode == 0 and len(calls) == 4
-    table, projection, real, emulated = calls
+    assert r.returncode == 0 and len(calls) == 5
+    table, projection, real, *emulated = calls             # emulated: one call a preset
     assert "bench.gemm_table --presets 350m --p 2 4 8" in table
     assert "--out bench/results/gemm_table.json" in table
     assert projection == "-m bench.step_projection"
-    for c in (real, emulated):
-        assert "--variants none none:overlap taco:overlap echo4:overlap" in c
+    assert "--variants none none:overlap taco:overlap echo4:overlap" in real
+    assert all("--variants none sp none:overlap taco:overlap echo4:overlap" in c
+               for c in emulated)
     assert "--emulate-tp" not in real and "train_step_overlap.json" in real
-    assert "--emulate-tp 4 8" in emulated and "train_step_emulated_overlap.json" in emulated
+    assert all("--emulate-tp 4 8" in c and "train_step_emulated_overlap.json" in c
+               for c in emulated)
