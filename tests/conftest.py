@@ -45,13 +45,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+# An H200 as jax's public API describes a device that is not attached. Pallas' Triton
+# lowering reads its target (fp8 casts need sm >= 8.9) from the context mesh's abstract
+# device, so kernels lower for the GPU on this CPU machine (test_triton_taco,
+# test_triton_echo4).
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+
+def _h200_mesh(axis_sizes: tuple[int, ...], axis_names: tuple[str, ...]):
+    return jax.sharding.AbstractMesh(axis_sizes, axis_names, abstract_device=H200)
+
+
 @pytest.fixture
-def h200(monkeypatch):
-    """Make Pallas' Triton lowering believe it targets an H200 (fp8 casts need sm >= 8.9), so
-    kernels lower for the GPU on a CPU machine (test_kernels, test_kernels_echo)."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+def h200():
+    """Lowerings in the test target an H200: a one-device mesh of H200s is the context mesh."""
+    with jax.sharding.use_abstract_mesh(_h200_mesh((1,), ("_h200",))):
+        yield
+
+
+@pytest.fixture
+def h200_mesh():
+    """`h200_mesh(axis_sizes, axis_names)`: an abstract mesh of H200s, for a test that lowers
+    a shard_map over it (as the context mesh, `jax.sharding.use_abstract_mesh`, while it
+    traces and lowers; a context mesh cannot change size, hence no `h200` with it)."""
+    return _h200_mesh
 
 
 @pytest.fixture

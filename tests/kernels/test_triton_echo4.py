@@ -619,12 +619,12 @@ def test_default_configs_carry_the_measured_variants():
 
 
 @pytest.mark.parametrize("op", ["psum", "psum_with_feedback"])
-def test_collectives_pick_the_echo4_kernels_on_gpu(h200, op):
+def test_collectives_pick_the_echo4_kernels_on_gpu(h200_mesh, op):
     """On the GPU path (backend "pallas"), lowered for CUDA from this CPU machine: the
     two-shot psum runs echo4's compress, reduce and decompress kernels; the feedback step
     its fused compress_feedback (and compress, decompress for the owner's unfused step)."""
     p = 2
-    mesh = jax.make_mesh((p,), ("tp",), devices=jax.devices()[:p])
+    mesh = h200_mesh((p,), ("tp",))
 
     def body(v):
         if op == "psum":
@@ -635,7 +635,7 @@ def test_collectives_pick_the_echo4_kernels_on_gpu(h200, op):
     f = jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
     x = jax.ShapeDtypeStruct((p, 8, 512), jnp.bfloat16,
                              sharding=jax.NamedSharding(mesh, P("tp")))
-    with taco_jax.config(backend="pallas"):
+    with taco_jax.config(backend="pallas"), jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     names = {"psum": ["echo4_compress", "echo4_reduce", "echo4_decompress"],
              "psum_with_feedback": ["echo4_compress_feedback", "echo4_compress",
