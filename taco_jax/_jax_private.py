@@ -11,7 +11,7 @@ Contents:
   fragmented_array       a Mosaic GPU FragmentedArray from registers (private fields)
   tiled_layout           a canonical Mosaic GPU TiledLayout from a non-canonical spec
   mgpu_store             `ref[...] = value` in a Mosaic GPU kernel, lowered the same on
-                         every checked version
+                         every checked version (planned into tiled SMEM, plain elsewhere)
   mosaic_gpu_modules     the Mosaic GPU kernels of a lowered computation, as MLIR text
 """
 from __future__ import annotations
@@ -126,29 +126,58 @@ def _untiling_transform():
         raise _broken("jax._src.pallas.mosaic_gpu.core.UntilingTransform", e) from None
 
 
+@functools.cache
+def _tiling_traced() -> bool:
+    """Whether a tiled SMEM ref shows its tiling where the kernel body is traced (a view
+    whose transforms hold an UntilingTransform): up to jax 0.12.0.1. From 0.12.1 a scratch
+    ref is traced untransformed and its transforms are applied where the kernel is lowered
+    (`GPUMemoryRef.get_ref_transforms`)."""
+    try:
+        from jax._src.pallas.mosaic_gpu import core as gpu_core
+        ref_type = gpu_core.GPUMemoryRef
+    except (ImportError, AttributeError) as e:
+        raise _broken("jax._src.pallas.mosaic_gpu.core.GPUMemoryRef", e) from None
+    if hasattr(ref_type, "get_ref_transforms"):
+        return False
+    _untiling_transform()
+    return True
+
+
 def _is_tiled(ref) -> bool:
-    """Whether `ref` is a view of a tiled (and swizzled) SMEM buffer."""
+    """Whether `ref` is a view of a tiled (and swizzled) SMEM buffer, where the traced ref
+    shows it (`_tiling_traced`)."""
     cls = _untiling_transform()
     return any(isinstance(t, cls) for t in getattr(ref, "transforms", ()))
 
 
-def mgpu_store(ref, value) -> None:
+def mgpu_store(ref, value, *, tiled: bool = False) -> None:
     """`ref[...] = value` inside a Mosaic GPU kernel (Lane semantics), lowered as jax
-    0.11.2 lowers it on every checked version: a tiled SMEM ref gets Mosaic's
-    bank-conflict-free transfer plan; any other ref (GMEM, untiled SMEM) gets a plain
-    store of each register vector, without a plan.
+    0.11.2 lowers it on every checked version.
 
-    jax 0.12 plans the second kind too and then refuses layouts that it cannot prove
-    aligned to swizzle tiles or 32-byte sectors (e.g. rows 264 bytes apart), although the
-    plain stores are correct; `plgpu.store(..., optimized=False)` keeps them plain.
+    Args:
+      ref: the destination. `tiled=True`: a view of a tiled (and swizzled) SMEM buffer;
+        the store gets Mosaic's bank-conflict-free transfer plan. `tiled=False` (the
+        default): any other ref (GMEM, untiled SMEM); a plain store of each register
+        vector, without a plan.
+      value: the registers to store (a Mosaic GPU array of `ref`'s shape).
+      tiled: what `ref` is. The caller states it: from jax 0.12.1 a ref's tiling is
+        applied where the kernel is lowered and cannot be seen where the store is traced.
+        jax 0.12 plans untiled stores too and then refuses layouts that it cannot prove
+        aligned to swizzle tiles or 32-byte sectors (e.g. rows 264 bytes apart), although
+        the plain stores are correct: `plgpu.store(..., optimized=False)` keeps them plain.
 
     Raises:
+      ValueError: `tiled` is not what `ref` is, on a jax whose traced refs show it
+        (0.11.2, 0.12.0.1).
       JaxInternalsError: jax's Mosaic GPU refs no longer carry their transforms as
         taco_jax expects.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    if _tiling_traced() and _is_tiled(ref) != tiled:
+        raise ValueError(f"mgpu_store({tiled=}) into a ref that is "
+                         f"{'not ' if tiled else ''}a view of a tiled SMEM buffer")
     store = getattr(plgpu, "store", None)
-    if store is None or _is_tiled(ref):     # jax 0.11: `[...] =` stores untiled refs plainly
+    if store is None or tiled:     # jax 0.11: `[...] =` stores untiled refs plainly
         ref[...] = value
     else:
         store(ref, value, optimized=False)

@@ -26,7 +26,8 @@ LANE = plgpu.LoweringSemantics.Lane
 def fresh_checks():
     """The signature checks are cached per process: a simulated break must be seen, and
     must not stay cached for the next test."""
-    caches = (jp._check_fragmented_array, jp._check_tiled_layout, jp._untiling_transform)
+    caches = (jp._check_fragmented_array, jp._check_tiled_layout, jp._untiling_transform,
+              jp._tiling_traced)
     for c in caches:
         c.cache_clear()
     yield
@@ -139,20 +140,55 @@ def lower_for_cuda(kernel, *avals) -> str:
     return jax.jit(kernel).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def mosaic_module(capsys, body, out_type, scratch_types, *avals) -> str:
+    """The Mosaic GPU module of a Lane-semantics kernel lowered for CUDA, as Pallas prints
+    it with `debug=True` (the IR without source locations), its kernel's name unnumbered."""
+    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, debug=True,
+                          compiler_params=plgpu.CompilerParams(lowering_semantics=LANE))
+    capsys.readouterr()
+    text = lower_for_cuda(kernel, *avals)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    module = capsys.readouterr().out.split("The Mosaic GPU module for")[-1].split("\n", 1)[1]
+    return re.sub(rf"\b{body.__name__}_\d+\b", body.__name__, module)
+
+
+def test_mgpu_store_plans_stores_into_tiled_smem(capsys):
+    """Decoded values (16-byte vectors, `registers.value_layout`) into the kernels'
+    swizzled bf16 value tile (`registers.swizzled`): mgpu_store(tiled=True) emits jax's own
+    store into a tiled ref, Mosaic's bank-conflict-free plan; where jax offers a store
+    without the plan, that one differs (the plan is there to be lost)."""
+    from taco_jax.kernels.mosaic import registers
+    layout = registers.value_layout(jnp.bfloat16)
+
+    def module(store):
+        def body(x_gmem, o_gmem, o_smem):
+            store(o_smem, plgpu.load(x_gmem, layout=layout, optimized=False))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+            plgpu.wait_smem_to_gmem(0)
+        tile = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+        return mosaic_module(capsys, body, tile, [plgpu.SMEM(
+            (64, 256), jnp.bfloat16, transforms=registers.swizzled(jnp.bfloat16))], tile)
+
+    def planned(ref, value):
+        ref[...] = value
+    got = module(lambda ref, value: jp.mgpu_store(ref, value, tiled=True))
+    assert got == module(planned)
+    if hasattr(plgpu, "store"):
+        assert got != module(lambda ref, value: plgpu.store(ref, value, optimized=False))
+
+
 def test_mgpu_store_lowers_rows_264_bytes_apart():
     """A (64, 256) uint8 register array in the WGMMA layout stored into rows 264 bytes
-    apart (wire rows with 8 scale bytes), in SMEM and in GMEM; and a 16-bit tile into a
-    swizzled SMEM tile. The kinds of ref are told apart as the lowering needs."""
-    seen = {}
-
+    apart (wire rows with 8 scale bytes), in untiled SMEM and in GMEM: plain stores, which
+    lower (jax 0.12 cannot plan them); and a 16-bit tile into a swizzled SMEM tile (the
+    GEMM's encode epilogue)."""
     def body(x_gmem, w_gmem, o_gmem, w_smem, o_smem):
         codes = plgpu.load(x_gmem, layout=plgpu.Layout.WGMMA, optimized=False)
-        for name, ref in [("smem", w_smem.reshape(64, 264)), ("gmem", w_gmem)]:
-            seen[name] = jp._is_tiled(ref)
+        for ref in (w_smem.reshape(64, 264), w_gmem):
             jp.mgpu_store(ref.at[:, pl.ds(0, 256)], codes)
         vals = plgpu.load(o_gmem, layout=plgpu.Layout.WGMMA, optimized=False)
-        seen["swizzled"] = jp._is_tiled(o_smem)
-        jp.mgpu_store(o_smem, vals)
+        jp.mgpu_store(o_smem, vals, tiled=True)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem)
         plgpu.wait_smem_to_gmem(0)
@@ -165,14 +201,35 @@ def test_mgpu_store_lowers_rows_264_bytes_apart():
         compiler_params=plgpu.CompilerParams(lowering_semantics=LANE))
     text = lower_for_cuda(kernel, jax.ShapeDtypeStruct((64, 256), jnp.uint8))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    assert seen == {"smem": False, "gmem": False, "swizzled": True}
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_mgpu_store_refuses_the_wrong_kind_of_ref(tiled):
+    """Where a traced ref shows its tiling, a store told the wrong kind raises (a kernel
+    that states it wrongly fails on such a jax, not silently unplanned on a later one)."""
+    if not jp._tiling_traced():
+        pytest.skip(f"jax {jax.__version__} applies a ref's tiling where the kernel is "
+                    "lowered: the store cannot check what it is told")
+
+    def body(x_gmem, o_gmem, o_smem, u_smem):
+        vals = plgpu.load(x_gmem, layout=plgpu.Layout.WGMMA, optimized=False)
+        jp.mgpu_store(u_smem if tiled else o_smem, vals, tiled=tiled)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float16),
+        scratch_types=[plgpu.SMEM((64, 64), jnp.float16, transforms=SWIZZLED),
+                       plgpu.SMEM((64, 64), jnp.float16)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=LANE))
+    with pytest.raises(ValueError, match=f"mgpu_store\\(tiled={tiled}\\)"):
+        lower_for_cuda(kernel, jax.ShapeDtypeStruct((64, 64), jnp.float16))
 
 
 def test_mgpu_store_broken(monkeypatch):
-    """Where jax has `plgpu.store`, telling tiled refs apart needs Mosaic's private
-    UntilingTransform; simulate its loss (and `store`, on a jax without it)."""
+    """Where a traced ref shows its tiling, telling tiled refs apart needs Mosaic's private
+    UntilingTransform; simulate its loss (on a jax that applies the tiling where the kernel
+    is lowered, simulate that change undone too)."""
     from jax._src.pallas.mosaic_gpu import core as gpu_core
-    monkeypatch.setattr(plgpu, "store", lambda *a, **k: None, raising=False)
+    monkeypatch.delattr(gpu_core.GPUMemoryRef, "get_ref_transforms", raising=False)
     monkeypatch.delattr(gpu_core, "UntilingTransform")
     with pytest.raises(jp.JaxInternalsError) as err:
         jp.mgpu_store(object(), None)

@@ -194,7 +194,8 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, remote: bool, tiles_m: int,
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             # an untiled tile (echo4's, read back by plain loads) takes plain stores of
             # the WGMMA layout, which jax 0.12's transfer planning would refuse
-            _jax_private.mgpu_store(xs, acc.astype(dtype))
+            _jax_private.mgpu_store(xs, acc.astype(dtype),
+                                    tiled=bool(tiles.x_transforms(dtype)))
             plgpu.commit_smem()
             wire = tiles.encode(xs, consts)
             plgpu.commit_smem()             # every warp is past its reads of xs, which ws overlays

@@ -85,13 +85,22 @@ def elem(v, k: int):
 
 # -- value tiles ----------------------------------------------------------------------------
 def store_part(ref, part: int, parts: int, value):
-    """Column part `part` of `parts` of a (64, 256) view ← value (its value layout)."""
+    """Column part `part` of `parts` of a (64, 256) view ← value (its value layout). The
+    view is of GMEM (plain stores) or of an SMEM tile with `swizzled`'s transforms (the
+    stores planned to spread over the banks)."""
     width = BLOCK // parts
-    _jax_private.mgpu_store(ref.at[:, pl.ds(width * part, width)], value)
+    _jax_private.mgpu_store(ref.at[:, pl.ds(width * part, width)], value,
+                            tiled=_in_smem(ref))
+
+
+def _in_smem(ref) -> bool:
+    base = getattr(ref, "ref", ref)           # a view (`ref.at[...]`) holds its buffer
+    return jax.typeof(base).memory_space == plgpu.SMEM
 
 
 def store_values(ref, values):
-    """Value parts → a (64, 256) view."""
+    """Value parts → a (64, 256) view (of GMEM, or of an SMEM tile with `swizzled`'s
+    transforms)."""
     for p, part in enumerate(values):
         store_part(ref, p, len(values), part)
 
