@@ -8,28 +8,30 @@ import numpy as np
 import pytest
 
 import taco_jax
-from models import parallel
+from models import gpt, parallel
 from models.gpt import GPTConfig
 from model_cases import BATCH, CFG, _max_rel_err, _rel, _tokens, traced_tp_sites
 
 # Odd sizes on purpose: head_dim 6, d_ff 40, vocab 68 (divisible by 4, not a power of two).
-def _loss_and_grads(cfg, data, tp, seed=0, pinned=False):
+def _step(cfg, data, tp, seed=0):
+    """The jitted loss-and-gradient step of `cfg` on a data x tp mesh, lowered, with its
+    arguments: (lowered, params, x, y)."""
     mesh = parallel.make_mesh(data, tp)
     model = parallel.shard_gpt(cfg, mesh)
     params = model.init(0)
     x, y = (parallel.put_batch(a, mesh) for a in _tokens(cfg, seed=seed))
-    # pinned: XLA's default backend optimizations (tests/conftest.py turns them off, a
-    # third of this compile's time): the pinned losses of
-    # test_feedback_off_is_bit_identical_to_before are those of this compile
-    step = jax.jit(model.loss_and_grad_fn()).lower(params, x, y).compile(
-        compiler_options={"xla_backend_optimization_level": 3 if pinned else 0})
-    loss, grads = step(params, x, y)
+    return jax.jit(model.loss_and_grad_fn()).lower(params, x, y), params, x, y
+
+
+def _loss_and_grads(cfg, data, tp, seed=0):
+    lowered, params, x, y = _step(cfg, data, tp, seed)
+    loss, grads = lowered.compile()(params, x, y)
     return float(loss), jax.device_get(grads), jax.device_get(params)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _loss_and_grads(CFG, 1, 1, pinned=True)
+    return _loss_and_grads(CFG, 1, 1)
 
 
 @pytest.mark.parametrize("data,tp", [(1, 2), (1, 4), (2, 2)])
@@ -192,17 +194,41 @@ def echo4_runs():
     feedback both ways (True), forward only ("fwd", the default of model.feedback)."""
     cfgs = {False: ECHO4, True: dataclasses.replace(ECHO4, feedback=True, feedback_bwd=True),
             "fwd": dataclasses.replace(ECHO4, feedback=True)}
-    return {k: _loss_and_grads(c, 1, 4, pinned=k is False)[:2] for k, c in cfgs.items()}
+    return {k: _loss_and_grads(c, 1, 4)[:2] for k, c in cfgs.items()}
 
 
-def test_feedback_off_is_bit_identical_to_before(reference, echo4_runs):
-    """feedback=False (the default) adds nothing to the model's computation: the pinned
-    losses (XLA:CPU, JAX 0.11.2) are those of the model with the feedback branches of
-    GPT.__call__ and Block.__call__ removed. Should a JAX upgrade change them, recompute
-    them that way before updating the values."""
-    assert ECHO4.feedback is False
-    assert reference[0] == float.fromhex("0x1.0da6b60000000p+2")  # codec none, TP=1
-    assert echo4_runs[False][0] == float.fromhex("0x1.0d9fd60000000p+2")  # echo4, TP=4
+def _without_feedback(monkeypatch):
+    """The model as it would be without the feature: GPT.__call__ and Block.__call__ with
+    their feedback branches removed."""
+    def block_call(self, x, state=None):
+        assert state is None
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def gpt_call(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+    monkeypatch.setattr(gpt.Block, "__call__", block_call)
+    monkeypatch.setattr(gpt.GPT, "__call__", gpt_call)
+
+
+@pytest.mark.parametrize("tp,codec", [(1, "none"), (4, "echo4")])
+def test_feedback_off_is_bit_identical_to_the_model_without_it(monkeypatch, reference,
+                                                               echo4_runs, tp, codec):
+    """feedback=False (the default) adds nothing to the model's computation: its step is
+    the program of the model with the feedback branches removed, op for op, and gives the
+    same loss and gradients bit for bit (compiled alike, in this process)."""
+    cfg = ECHO4 if codec == "echo4" else CFG
+    assert cfg.feedback is False
+    loss, grads = echo4_runs[False] if codec == "echo4" else reference[:2]
+    text = _step(cfg, 1, tp)[0].as_text()
+    _without_feedback(monkeypatch)
+    assert _step(cfg, 1, tp)[0].as_text() == text
+    loss_without, grads_without, _ = _loss_and_grads(cfg, 1, tp)
+    assert loss_without == loss
+    jax.tree.map(np.testing.assert_array_equal, grads_without, grads)
 
 
 def test_feedback_brings_echo4_closer_to_exact(reference, echo4_runs):
