@@ -1,0 +1,1 @@
+"""Maintenance programs run from the checkout (`python tools/<name>.py`)."""
