@@ -21,7 +21,7 @@ import inspect
 
 import jax
 
-CHECKED = ("0.11.2", "0.12.0.1")
+CHECKED = ("0.11.2", "0.12.0.1", "0.12.1")
 
 
 class JaxInternalsError(RuntimeError):
