@@ -18,7 +18,7 @@ from train import config as config_lib
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 INSTALLED = ("taco_jax",)      # the wheel's packages
-CHECKOUT_ONLY = ("models", "train", "configs", "experiments", "bench", "tests")
+CHECKOUT_ONLY = ("models", "train", "configs", "experiments", "bench", "tools", "tests")
 PINS = ("constraints.txt", "constraints-latest.txt")
 
 
