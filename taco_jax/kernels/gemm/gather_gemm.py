@@ -246,7 +246,8 @@ def _body(peers, tiles, cfg: GemmConfig, n_ops: int, stages: str, bands: int, kt
                 @pl.when(part == h)
                 def _():
                     total = tiles.decode_add(tiles.load(view, h, PARTS), consts, vec, h, PARTS)
-                    _jax_private.mgpu_store(slot, tiles.finish(total, vec, PARTS).astype(dtype))
+                    _jax_private.mgpu_store(slot, tiles.finish(total, vec, PARTS).astype(dtype),
+                                            tiled=True)     # the wgmma operand slot
             plgpu.commit_smem()
             plgpu.barrier_arrive(full_bar)
 
