@@ -84,6 +84,8 @@ def test_what_the_selection_admits_has_passing_rows():
 
 
 @tables_jax
+@pytest.mark.xfail(not checked.CHECKED, strict=True,
+                   reason=f"the checked table is empty: nothing selected until {checked.RECHECK}")
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("codec", ["taco", "echo4"])
 def test_the_library_selects_the_one_launch_kernels_on_a_gpu_mesh(p, codec, gpu_here):
