@@ -705,15 +705,20 @@ def check_rows(paths=None) -> list[dict]:
     return out
 
 
-def current_fingerprints(rows) -> dict:
+def current_fingerprints(rows, known: dict | None = None) -> dict:
     """{(kernel, codec, dtype, p): the fingerprint this checkout emits} for every
-    configuration of `rows` (`check_rows`) that has a fingerprint and a registered codec."""
+    configuration of `rows` (`check_rows`) that has a fingerprint and a registered codec,
+    each lowered (`kernels.fused.checked.fingerprint`), except those `known` gives (a
+    checked table, {(kernel, codec, dtype): ((p, fingerprint), ...)}, whose fingerprints are
+    known to be current: `checked.stale` says so)."""
     from taco_jax import codecs
     from taco_jax.kernels.fused import checked
+    given = {(*t, p): fp for t, pairs in (known or {}).items() for p, fp in pairs}
     keys = {(r["kernel"], r["codec"], r["dtype"], r["p"]) for r in rows
             if r["fingerprint"] and r["codec"] in codecs.names() and isinstance(r["p"], int)
             and r["p"] >= 2}
-    return {k: checked.fingerprint(k[0], codecs.get(k[1]), k[2], k[3]) for k in sorted(keys)}
+    return {k: given[k] if k in given else checked.fingerprint(k[0], codecs.get(k[1]), k[2], k[3])
+            for k in sorted(keys)}
 
 
 def checked_table(rows, current: dict) -> dict:
@@ -803,13 +808,18 @@ def run_children(a, configs, save=lambda rows: None) -> list[dict]:
     else:
         keys = list(dict.fromkeys((p, d) for p, _, d in configs))
         groups = [(k, [s for p, s, d in configs if (p, d) == k]) for k in keys]
+    from taco_jax import codecs
     rows = []
     for (p, dtype), sizes in groups:
+        # what a configuration that did not finish would have run: its failure counts
+        # against the module it stands for, like a row that ran
+        fp = row_fingerprint(a.impl, a.kernel, codecs.get(a.codec), p, dtype, a.config)
+        mark = {} if fp is None else {"fingerprint": fp}
         if getattr(a, "fail_fast", False) and getattr(a, "_stopped", None):
             rows += [{"p": p, "mib": round(nb / MIB, 6), "bytes": nb, "dtype": dtype,
                       "kernel": row_label(a.impl, a.kernel),
                       "variant": getattr(a, "variant", None) or "default", "ok": False,
-                      "reason": f"not run: {a._stopped}"} for nb in sizes]
+                      "reason": f"not run: {a._stopped}", **mark} for nb in sizes]
             continue
         limit = a.timeout * len(sizes)
         got, why = child_rows(child_cmd(a, p, sizes, dtype), limit, ROOT)
@@ -823,7 +833,7 @@ def run_children(a, configs, save=lambda rows: None) -> list[dict]:
             rows.append({"p": p, "mib": round(nbytes / MIB, 6), "bytes": nbytes,
                          "dtype": dtype, "kernel": row_label(a.impl, a.kernel),
                          "variant": getattr(a, "variant", None) or "default",
-                         "ok": False, "reason": why or "no result"})
+                         "ok": False, "reason": why or "no result", **mark})
             print(f"P={p} {rows[-1]['mib']} MiB {dtype}: {rows[-1]['reason']}", flush=True)
         save(rows)                 # what is done survives a kill of the whole batch
     return rows

@@ -3,9 +3,10 @@ checked.py) holds the (kernel, codec, dtype) whose committed loopback check rows
 (bench/results/fused*.json) passed on a GPU at the fingerprints of the modules this checkout
 emits; a change that emits another module leaves the table stale and this file says which
 configuration and which GPU step re-checks it; one that emits the same modules keeps the
-fused path selected. CPU: the kernels are lowered for CUDA, never run. The two-shot's
-fingerprints are recomputed in test_fused_checked_two_shot.py (beside this file, so the
-two halves lower in parallel)."""
+fused path selected. CPU: the kernels are lowered for CUDA, never run. The table's
+fingerprints are recomputed here (the one-shot's and the two-shot's at P = 3) and in
+test_fused_checked_two_shot.py (the two-shot's at P = 4 and 8), so the two halves lower in
+parallel."""
 import jax
 import jax.numpy as jnp
 import pytest
@@ -31,16 +32,25 @@ def fresh():
     checked._fingerprint.cache_clear()
 
 
-def stale_lines(kernel: str) -> list[str]:
-    """`checked.stale` of the table's rows of one kernel."""
-    return checked.stale({t: pairs for t, pairs in checked.CHECKED.items() if t[0] == kernel})
+def stale_lines(keep) -> list[str]:
+    """`checked.stale` of the table's (kernel, codec, dtype, P) for which keep(kernel, P)."""
+    table = {t: tuple((p, fp) for p, fp in pairs if keep(t[0], p))
+             for t, pairs in checked.CHECKED.items()}
+    return checked.stale({t: pairs for t, pairs in table.items() if pairs})
 
 
-def unbacked(table: dict) -> set:
+def backed(rows) -> dict:
+    """`bench.fused.checked_table` of `rows` at the fingerprints emitted now: the table's
+    own where the stale tests hold them current, the others lowered."""
+    return bench_fused.checked_table(rows, bench_fused.current_fingerprints(rows,
+                                                                            checked.CHECKED))
+
+
+def unbacked(table: dict, rows) -> set:
     """The triples that the selection admits with `table` as its checked table but that no
-    passing check rows at the fingerprints emitted now back (`bench.fused.checked_table`)."""
-    rows = bench_fused.check_rows()
-    passed = bench_fused.checked_table(rows, bench_fused.current_fingerprints(rows))
+    passing check rows (`rows`, `bench.fused.check_rows`) at the fingerprints emitted now
+    back."""
+    passed = backed(rows)
     saved = checked.CHECKED
     checked.CHECKED = table
     try:
@@ -53,8 +63,8 @@ def unbacked(table: dict) -> set:
 
 
 @tables_jax
-def test_every_one_shot_module_the_table_claims_is_the_one_emitted_now():
-    lines = stale_lines("one_shot")
+def test_every_one_shot_and_p3_module_the_table_claims_is_the_one_emitted_now():
+    lines = stale_lines(lambda kernel, p: kernel == "one_shot" or p == 3)
     assert not lines, "the checked table claims modules this checkout no longer emits:\n" + \
         "\n".join(lines)
 
@@ -62,8 +72,7 @@ def test_every_one_shot_module_the_table_claims_is_the_one_emitted_now():
 @tables_jax
 def test_the_table_is_what_the_rows_give_at_the_fingerprints_emitted_now():
     """`python -m bench.fused --write-checked` writes it; this keeps it so."""
-    rows = bench_fused.check_rows()
-    table = bench_fused.checked_table(rows, bench_fused.current_fingerprints(rows))
+    table = backed(bench_fused.check_rows())
     assert checked.CHECKED == table, f"run {checked.RECHECK.split(', then ')[1]}"
     assert open(bench_fused.CHECKED_PY).read().endswith(
         bench_fused.table_text(checked.JAX, checked.CHECKED))
@@ -71,16 +80,15 @@ def test_the_table_is_what_the_rows_give_at_the_fingerprints_emitted_now():
 
 @tables_jax
 def test_what_the_selection_admits_has_passing_rows():
-    """Whatever the committed table holds, and for a table that admits a triple without
-    passing rows (constructed), which this check must catch."""
-    assert unbacked(checked.CHECKED) == set()
-    made_up = {("one_shot", "taco-1scale", "float16"): ((2, "0" * 12),)}
+    """Whatever the committed table holds; and a table that admits a triple without
+    passing rows (constructed: the committed table's triples without their rows, and a
+    made-up fingerprint), which this check must catch."""
     rows = bench_fused.check_rows()
-    backed = bench_fused.checked_table(rows, bench_fused.current_fingerprints(rows))
-    if ("one_shot", "taco-1scale", "float16") in backed:
-        made_up = {("two_shot", "taco-1scale", "float16"): ((3, "0" * 12),)}
-        assert set(made_up) - set(backed), "every triple is backed: pick another"
-    assert unbacked({**checked.CHECKED, **made_up}) == set(made_up)
+    assert unbacked(checked.CHECKED, rows) == set()
+    assert unbacked(checked.CHECKED, []) == set(checked.CHECKED)
+    made_up = {("one_shot", "taco", "bfloat16"): ((2, "0" * 12),)}
+    assert unbacked(made_up, [r for r in rows if r["fingerprint"] != "0" * 12]) == \
+        set(made_up) - set(backed(rows))
 
 
 @tables_jax

@@ -95,4 +95,26 @@ def stale(table: dict | None = None) -> list[str]:
 
 # -- the table: written by `python -m bench.fused --write-checked` from the check rows
 JAX = "0.11.2"
-CHECKED = {}
+CHECKED = {
+    ('one_shot', 'echo4', 'bfloat16'): ((2, '1a9903ee1053'),),
+    ('one_shot', 'echo4', 'float16'): ((2, 'cfbdbb0f6e4b'),),
+    ('one_shot', 'echo4', 'float32'): ((2, '1f487785ce0a'),),
+    ('one_shot', 'taco', 'bfloat16'): ((2, 'eb8dd08b6878'),),
+    ('one_shot', 'taco', 'float16'): ((2, '354c0721fb38'),),
+    ('one_shot', 'taco', 'float32'): ((2, '1279fdbc7a27'),),
+    ('one_shot', 'taco-1scale', 'bfloat16'): ((2, 'f61e0be5bc8d'),),
+    ('one_shot', 'taco-1scale', 'float16'): ((2, '2c1373b0e6fb'),),
+    ('one_shot', 'taco-1scale', 'float32'): ((2, '7cd8e2283c97'),),
+    ('one_shot', 'taco-e5m2', 'bfloat16'): ((2, 'eb48b9ccdcbc'),),
+    ('one_shot', 'taco-e5m2', 'float16'): ((2, 'aa94b83d9224'),),
+    ('one_shot', 'taco-e5m2', 'float32'): ((2, '40d379b0d1a1'),),
+    ('two_shot', 'echo4', 'bfloat16'): ((3, '5c291dac2358'), (4, '553039e87c85'), (8, '39ec38b6dcd7')),
+    ('two_shot', 'echo4', 'float16'): ((3, '50d88ae16605'), (4, '847fb94d14e8'), (8, '3201000e8e9b')),
+    ('two_shot', 'echo4', 'float32'): ((3, '0450ecb5e0c9'), (4, '6fefc41f3621'), (8, 'e8b82f65ae6c')),
+    ('two_shot', 'taco', 'bfloat16'): ((3, 'dd81ce1aa125'), (4, '548df34119e9'), (8, 'bbfc4d4fe4b1')),
+    ('two_shot', 'taco', 'float16'): ((3, 'f5e6e59a0962'), (4, '43e154055015'), (8, '9c9860b444b9')),
+    ('two_shot', 'taco', 'float32'): ((3, 'da7b897292e4'), (4, '07c5d89e6658'), (8, 'be073cbb4762')),
+    ('two_shot', 'taco-1scale', 'bfloat16'): ((3, 'f34f6231102a'), (4, '35e8204f6149'), (8, '78805da2db95')),
+    ('two_shot', 'taco-1scale', 'float16'): ((3, 'ffa5b5d963b5'), (4, '222522275414'), (8, '5a86245e1352')),
+    ('two_shot', 'taco-1scale', 'float32'): ((3, '1541bd3694cc'), (4, 'aa9f07139733'), (8, '74981cb7514f')),
+}
