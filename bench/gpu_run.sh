@@ -62,7 +62,8 @@
 #                  two-shot at P = 3, 4, 8 (FUSED_CHECK_P3), bf16, f32 and f16, 1 KiB,
 #                  1 MiB + 5 B, 16, 64, 256 MiB, 5 calls; each row names the fingerprint of
 #                  the module it ran. The (codec, kernel) runs go side by side (compiling is
-#                  most of a check's time; memory taken as needed), each under
+#                  most of a check's time; memory taken as needed; the two-shots
+#                  FUSED_CHECK_JOBS at a time, default 2), each under
 #                  FUSED_CHECK_S (default 520 s); only what has not passed at the
 #                  fingerprints emitted now runs (--missing), so a call cut short resumes
 #                  → bench/results/fused_checks.json. With the results back in the
@@ -303,16 +304,24 @@ for s in "$@"; do
       wait ;;
     fused_p2) loopback_checks 2 && loopback_time ;;
     fused_checks)
-      for codec in ${FUSED_CHECK_CODECS:-taco echo4 taco-e5m2 taco-1scale}; do
-        for kernel in one_shot two_shot; do
-          ps=2
-          [ "$kernel" = two_shot ] && ps=${FUSED_CHECK_P3:-3 4 8}
-          XLA_PYTHON_CLIENT_PREALLOCATE=false step "fused_checks_${codec}_$kernel" \
-            "${FUSED_CHECK_S:-520}" python -m bench.fused \
-            --kernel "$kernel" --codec "$codec" --p $ps --dtypes bf16 f32 f16 \
-            --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --calls 5 --isolate group --timeout 90 \
-            --fail-fast --update --missing --out bench/results/fused_checks.json &
-        done
+      fused_check() {  # fused_check CODEC KERNEL
+        local ps=2
+        [ "$2" = two_shot ] && ps=${FUSED_CHECK_P3:-3 4 8}
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step "fused_checks_$1_$2" \
+          "${FUSED_CHECK_S:-520}" python -m bench.fused \
+          --kernel "$2" --codec "$1" --p $ps --dtypes bf16 f32 f16 \
+          --sizes 1KiB 1MiB+5 16MiB 64MiB 256MiB --calls 5 --isolate group --timeout 90 \
+          --fail-fast --update --missing --out bench/results/fused_checks.json
+      }
+      codecs=${FUSED_CHECK_CODECS:-taco echo4 taco-e5m2 taco-1scale}
+      n=0
+      for codec in $codecs; do fused_check "$codec" one_shot & done
+      # the two-shots FUSED_CHECK_JOBS at a time: four at P = 8, 256 MiB ran an 80 GB H100
+      # out of memory (bench/results/fused_checks.json, taco-e5m2's P = 8 rows)
+      for codec in $codecs; do
+        fused_check "$codec" two_shot &
+        n=$((n + 1))
+        [ $((n % ${FUSED_CHECK_JOBS:-2})) -eq 0 ] && wait
       done
       wait ;;
     fused_echo4_own) step fused_echo4_own_checks 240 python -m bench.fused --codec echo4 \
