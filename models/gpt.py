@@ -315,9 +315,10 @@ class _TPSublayer:
     device's columns, several column-parallel matmuls of one input (Q, K and V; a gate and
     an up projection) as one kernel; `inner(h)`, this device's computation between the two
     matmuls, (B, T, *n) -> (B, T, *k); `row_kernel(dt)`, (*k, d); and `bias(dt)` (None: no
-    output bias). The fused ops see the kernels flattened to (d, n) and (k, d); a
-    sub-layer whose kernels keep their heads' axes (n, k tuples) gives its own `partial`,
-    contracting them as they are (Attention).
+    output bias). Both matmuls see the kernels flattened to (d, n) and (k, d), fused or
+    not: XLA:CPU sums a contraction over two axes (heads, head_dim) in another order than
+    over their product, so the fused ops and the split collectives compute the same bits
+    only if both contract the flattened kernels.
 
     With sequence parallelism x is this device's part of the sequence, (B, T/tp, d): f is
     the all-gather of the sequence (backward: the reduce-scatter of its cotangent), g the
@@ -330,7 +331,11 @@ class _TPSublayer:
     def partial(self, x):
         """x (B, T, d) varying over "tp" -> this device's partial sum of the output."""
         dt = self.cfg.compute_dtype
-        return self.inner(x @ self.column_kernel(dt)) @ self.row_kernel(dt)
+        w_in, w_out = self.column_kernel(dt), self.row_kernel(dt)
+        h = x @ w_in.reshape(w_in.shape[0], -1)                                     # (B, T, n)
+        y = self.inner(h.reshape(*h.shape[:2], *w_in.shape[1:]))
+        y = y.reshape(*y.shape[:y.ndim - (w_out.ndim - 1)], -1)                  # (B, T, k)
+        return y @ w_out.reshape(-1, w_out.shape[-1])
 
     def overlapped(self, x, sites: "SiteCodecs"):
         """Sequence parallelism's f, the sub-layer and its g, each collective fused with
@@ -394,12 +399,6 @@ class Attention(_TPSublayer, nnx.Module):
 
     def row_kernel(self, dt):
         return self.out_kernel[...].astype(dt)  # (H/tp, hd, d)
-
-    def partial(self, x):
-        """x (B, T, d) varying over "tp" -> this device's partial sum over its heads."""
-        dt = self.cfg.compute_dtype
-        qkv = jnp.einsum("btd,dkhe->btkhe", x, self.column_kernel(dt))
-        return jnp.einsum("bthe,hed->btd", self.inner(qkv), self.row_kernel(dt))
 
 
 class MLP(_TPSublayer, nnx.Module):

@@ -130,9 +130,11 @@ def _nbytes(v) -> int:
 
 
 def _contract_leading(a, b):
-    """aᵀ @ b over every dimension but the last: (…, k), (…, n) → (k, n)."""
+    """aᵀ @ b over every dimension but the last: (…, k), (…, n) → (k, n). Computed as
+    (bᵀ @ a)ᵀ, as jax's transpose of `a @ w` computes w's cotangent: the same products
+    summed in the same order, so a dw here equals the unfused matmul's bit for bit."""
     lead = tuple(range(a.ndim - 1))
-    return jnp.tensordot(a, b, axes=(lead, lead))
+    return jnp.tensordot(b, a, axes=(lead, lead)).T
 
 
 # What all_gather_matmul's backward keeps of x for dw = (gathered x)ᵀ @ dy.
