@@ -115,24 +115,29 @@ def reduced_or_unreduced(x) -> bool:
     return mat is not None and bool(mat.reduced or mat.unreduced)
 
 
-def bound(axes: tuple, p: int):
+def bound(axes: tuple, p):
     """Context for a custom_vjp backward rule that calls collectives over `axes`.
 
     Under `jax.vmap(..., axis_name=...)` JAX traces a custom_vjp's backward rule after the
     vmap has returned, where the axis name is no longer bound (lax's own collectives are
-    batched before that and do not meet this). Re-binding the named axis with its size
+    batched before that and do not meet this). Re-binding the named axes with their sizes
     lets the backward's collectives batch as the forward's did. Under shard_map the axes
     are still bound and nothing changes. JAX exposes no public API for this
-    (`taco_jax._jax_private.extend_axis_env`)."""
+    (`taco_jax._jax_private.extend_axis_env`). p: the axis's size (one axis), or a tuple
+    of each axis's size (any number)."""
     try:
         for a in axes:
             lax.axis_size(a)
         return contextlib.nullcontext()
     except NameError:
-        if len(axes) != 1:
+        sizes = p if isinstance(p, tuple) else (p,) if len(axes) == 1 else None
+        if sizes is None:
             raise UnboundAxisError(f"axes {axes} are unbound in a backward pass; under "
                                    f"jax.vmap use one named axis") from None
-        return _jax_private.extend_axis_env(axes[0], p)
+        stack = contextlib.ExitStack()
+        for a, n in zip(axes, sizes):
+            stack.enter_context(_jax_private.extend_axis_env(a, n))
+        return stack
 
 
 def emulated(axes: tuple) -> bool:

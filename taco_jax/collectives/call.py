@@ -48,7 +48,10 @@ class Call:
         r = recipe.current()
         axes = axes_lib.resolve(axis_name, op)
         p = axes_lib.size(axes, op)
-        codec = codecs.get(r.codec if codec is None else codec)
+        try:
+            codec = codecs.get(r.codec if codec is None else codec)
+        except (TypeError, ValueError) as e:      # which op was given it, too
+            raise type(e)(f"taco_jax.{op}: {e}") from None
         if min_bytes is None:
             min_bytes = r.min_bytes
         if min_bytes is not None and (isinstance(min_bytes, bool)

@@ -33,6 +33,7 @@ a device computes from its index would make gathers and scatters over every memb
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -144,44 +145,44 @@ KEPT_LABEL = telemetry.GATHERED_KEPT
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _ag_mm(x, w, axis, codec, p, dim, want_x, keep):
+def _ag_mm(x, w, axis, codec, sizes, dim, want_x, keep):
     """all_gather(x) @ w, with the gathered x too where `want_x`; w None: the gathered x
     alone (the backward's second gather)."""
-    y, xg = _gather_matmul(x, w, axis, codec, p, dim, want_x)
+    y, xg = _gather_matmul(x, w, axis, codec, math.prod(sizes), dim, want_x)
     if w is None:
         return xg
     return (y, xg) if want_x else y
 
 
-def _ag_mm_fwd(x, w, axis, codec, p, dim, want_x, keep):
+def _ag_mm_fwd(x, w, axis, codec, sizes, dim, want_x, keep):
     # the custom_vjp itself (not _gather_matmul): under higher-order AD JAX differentiates
     # this rule, and the integer codes would give a zero derivative
     like = jnp.zeros((0, *x.shape), x.dtype)             # x's shape and dtype, no bytes
     if w is None:
-        return _ag_mm(x, w, axis, codec, p, dim, want_x, keep), (like, None)
+        return _ag_mm(x, w, axis, codec, sizes, dim, want_x, keep), (like, None)
     if keep == "gathered":
-        y, xg = _ag_mm(x, w, axis, codec, p, dim, True, keep)
+        y, xg = _ag_mm(x, w, axis, codec, sizes, dim, True, keep)
         return ((y, xg) if want_x else y), (like, xg, w)
-    out = _ag_mm(x, w, axis, codec, p, dim, want_x, keep)
+    out = _ag_mm(x, w, axis, codec, sizes, dim, want_x, keep)
     # "shard": x itself, gathered again by the backward (its codes are re-made from it:
     # the same bytes); "codes": the forward's codes of x
     return out, (like, x if keep == "shard" else _encode(x, codec), w)
 
 
-def _ag_mm_bwd(axis, codec, p, dim, want_x, keep, res, cts):
+def _ag_mm_bwd(axis, codec, sizes, dim, want_x, keep, res, cts):
     like, *res = res
-    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+    with axes_lib.bound(axes_lib.as_tuple(axis), sizes):
         if res[0] is None:                                  # the gather alone
-            dx = _mm_rs(cts, None, None, axis, codec, p, dim)
+            dx = _mm_rs(cts, None, None, axis, codec, sizes, dim)
             return dx.astype(like.dtype), None
         kept, w = res
         dy, dxg = cts if want_x else (cts, None)
-        dx = _mm_rs(dy, w.T, dxg, axis, codec, p, dim)
+        dx = _mm_rs(dy, w.T, dxg, axis, codec, sizes, dim)
         if keep == "shard":   # x gathered again beside the dx GEMM, by a custom_vjp op:
-            xg = _ag_mm(kept, None, axis, codec, p, dim, True, keep)  # twice differentiable
+            xg = _ag_mm(kept, None, axis, codec, sizes, dim, True, keep)  # twice differentiable
         elif keep == "codes":
-            xg = _gather_matmul(jnp.zeros(like.shape[1:], like.dtype), None, axis, codec, p,
-                                dim, True, wire=kept)[1]
+            xg = _gather_matmul(jnp.zeros(like.shape[1:], like.dtype), None, axis, codec,
+                                math.prod(sizes), dim, True, wire=kept)[1]
         else:
             xg = kept
     return dx.astype(like.dtype), _contract_leading(xg, dy).astype(w.dtype)
@@ -191,25 +192,25 @@ _ag_mm.defvjp(_ag_mm_fwd, _ag_mm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _mm_rs(x, w, extra, axis, codec, p, dim):
-    return _matmul_scatter(x, w, extra, axis, codec, p, dim)
+def _mm_rs(x, w, extra, axis, codec, sizes, dim):
+    return _matmul_scatter(x, w, extra, axis, codec, math.prod(sizes), dim)
 
 
-def _mm_rs_fwd(x, w, extra, axis, codec, p, dim):
+def _mm_rs_fwd(x, w, extra, axis, codec, sizes, dim):
     # the dtypes of x and of extra (when there is one to give a cotangent to), no bytes
     like = (jnp.zeros((0,), x.dtype), None if extra is None else jnp.zeros((0,), extra.dtype))
     res = (like, x if w is not None else None, w)
-    return _mm_rs(x, w, extra, axis, codec, p, dim), res
+    return _mm_rs(x, w, extra, axis, codec, sizes, dim), res
 
 
-def _mm_rs_bwd(axis, codec, p, dim, res, dz):
+def _mm_rs_bwd(axis, codec, sizes, dim, res, dz):
     (x_like, extra_like), x, w = res
-    with axes_lib.bound(axes_lib.as_tuple(axis), p):
+    with axes_lib.bound(axes_lib.as_tuple(axis), sizes):
         if w is None:                                        # the reduce-scatter alone
-            dx = dzg = _ag_mm(dz, None, axis, codec, p, dim, True, "shard")
+            dx = dzg = _ag_mm(dz, None, axis, codec, sizes, dim, True, "shard")
             dw = None
         else:
-            dx, dzg = _ag_mm(dz, w.T, axis, codec, p, dim, True, "shard")
+            dx, dzg = _ag_mm(dz, w.T, axis, codec, sizes, dim, True, "shard")
             dw = _contract_leading(x, dzg).astype(w.dtype)
     return (dx.astype(x_like.dtype), dw,
             None if extra_like is None else dzg.astype(extra_like.dtype))
@@ -260,6 +261,12 @@ def _route(op: Call, v, x, w, label: str = "xla") -> str:
     telemetry.note_site(op.op, v.shape, v.dtype, op.axes, op.codec.name, why, op.p,
                         "lax" if why is not None else label, op.vma)
     return "lax" if why is not None else "xla"
+
+
+def _sizes(op: Call) -> tuple:
+    """The size of each of the op's axes: its backward binds them again under jax.vmap,
+    where they are unbound by then (`axes.bound`), a tuple of axes included."""
+    return tuple(lax.axis_size(a) for a in op.axes)
 
 
 def _operands(op: Call, x, w):
@@ -326,7 +333,9 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, codec=None,
       The gathered x times w: x's shape with dimension `axis` P times longer and the last
       n, in the dtype of `x @ w`; varying over `axis_name`. Gradient: dx is
       `matmul_reduce_scatter(dy, wᵀ)` (compressed), dw the gathered x (as decoded and
-      multiplied in the forward pass) transposed times dy.
+      multiplied in the forward pass) transposed times dy. Reverse over reverse works (with
+      `keep` "shard" or "gathered"); forward mode (jax.jvp, jax.jacfwd, a jvp of a grad)
+      raises jax's TypeError for a custom_vjp function.
 
     Raises:
       UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
@@ -334,7 +343,8 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, codec=None,
         `axis` out of range or the last dimension; `keep` not one of "shard", "codes",
         "gathered"; transport="fused"; an unknown codec name, a bad `axis_name`,
         `min_bytes` or `transport` (as `taco_jax.psum`).
-      TypeError: a codec that is neither a name nor a Codec.
+      TypeError: a codec that is neither a name nor a Codec (the message names the op and
+        the value).
     """
     op = Call.make("all_gather_matmul", axis_name, codec, min_bytes, transport,
                    xla_only=NO_FUSED)
@@ -345,7 +355,7 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, codec=None,
     if _route(op, x, x, w, "xla" if keep != "gathered" else KEPT_LABEL) == "lax":
         return jnp.matmul(lax.all_gather(x, op.axis, axis=dim, tiled=True), w)
     x, w = _operands(op, x, w)
-    return _ag_mm(x, w, op.axis, op.codec, op.p, dim, False, keep)
+    return _ag_mm(x, w, op.axis, op.codec, _sizes(op), dim, False, keep)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=None,
@@ -379,7 +389,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=
       This device's chunk of the sum over `axis_name` of x @ w along `scatter_dimension`,
       in the dtype of `x @ w`; varying over `axis_name`. Gradient: dx is
       `all_gather_matmul(dz, wᵀ)` (compressed), dw xᵀ times the gathered dz that the same
-      all-gather decoded.
+      all-gather decoded. Reverse over reverse works; forward mode raises jax's TypeError
+      for a custom_vjp function.
 
     Raises:
       UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
@@ -387,7 +398,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=
         `scatter_dimension` out of range, the last, or not divisible by the axis size;
         transport="fused"; an unknown codec name, a bad `axis_name`, `min_bytes` or
         `transport` (as `taco_jax.psum`).
-      TypeError: a codec that is neither a name nor a Codec.
+      TypeError: a codec that is neither a name nor a Codec (the message names the op and
+        the value).
     """
     op = Call.make("matmul_reduce_scatter", axis_name, codec, min_bytes, transport,
                    xla_only=NO_FUSED)
@@ -401,4 +413,4 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=
     if _route(op, z, x, w) == "lax":
         return lax.psum_scatter(jnp.matmul(x, w), op.axis, scatter_dimension=dim, tiled=True)
     x, w = _operands(op, x, w)
-    return _mm_rs(x, w, None, op.axis, op.codec, op.p, dim)
+    return _mm_rs(x, w, None, op.axis, op.codec, _sizes(op), dim)
