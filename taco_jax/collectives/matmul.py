@@ -178,8 +178,12 @@ def _ag_mm_bwd(axis, codec, sizes, dim, want_x, keep, res, cts):
         kept, w = res
         dy, dxg = cts if want_x else (cts, None)
         dx = _mm_rs(dy, w.T, dxg, axis, codec, sizes, dim)
-        if keep == "shard":   # x gathered again beside the dx GEMM, by a custom_vjp op:
-            xg = _ag_mm(kept, None, axis, codec, sizes, dim, True, keep)  # twice differentiable
+        if keep == "shard":   # x gathered again beside the dx GEMM, by a custom_vjp op
+            # (twice differentiable). Tied to dy: the gather needs only x, and where it is
+            # copies without collectives (under jax.vmap) XLA would hoist it into the
+            # forward pass and hold every layer's P-times-x until its backward
+            kept, dy = lax.optimization_barrier((kept, dy))
+            xg = _ag_mm(kept, None, axis, codec, sizes, dim, True, keep)
         elif keep == "codes":
             xg = _gather_matmul(jnp.zeros(like.shape[1:], like.dtype), None, axis, codec,
                                 math.prod(sizes), dim, True, wire=kept)[1]
