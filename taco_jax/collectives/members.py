@@ -94,3 +94,41 @@ def place(chunks: list, axes: tuple, p: int, at: Callable, dim: int):
     return to_members(jnp.stack([
         jnp.concatenate([everyone[source[i][j]][i] for j in range(p)], axis=dim)
         for i in range(p)]), axes)
+
+
+def put(v, part, axes: tuple, start: Callable, dim: int):
+    """Member me's v with `part` written over it at start(me) along `dim` (a dynamic update
+    slice on a mesh)."""
+    if not static(axes):
+        me = lax.axis_index(axes_lib.name(axes))
+        return lax.dynamic_update_slice_in_dim(v, part, start(me), dim)
+    everyone, parts = gather(v, axes), gather(part, axes)
+    n, size = v.shape[dim], part.shape[dim]
+
+    def put_one(i):            # static slices: a dynamic update slice would batch as a scatter
+        a = start(i)
+        return jnp.concatenate([lax.slice_in_dim(everyone[i], 0, a, axis=dim), parts[i],
+                                lax.slice_in_dim(everyone[i], a + size, n, axis=dim)],
+                               axis=dim)
+    return to_members(jnp.stack([put_one(i) for i in range(everyone.shape[0])]), axes)
+
+
+def pick(table, axes: tuple):
+    """Member me's table[me], from a per-member table of Python values (an index into a
+    constant on a mesh)."""
+    table = jnp.asarray(table)
+    if not static(axes):
+        return table[lax.axis_index(axes_lib.name(axes))]
+    return to_members(table, axes)
+
+
+def permute(v, axes: tuple, perm):
+    """`lax.ppermute(v, axes, perm)`: member dst receives member src's v for each (src, dst)
+    of perm, zeros where none is sent to it."""
+    if not static(axes):
+        return lax.ppermute(v, axes_lib.name(axes), perm)
+    everyone = gather(v, axes)
+    source = {dst: src for src, dst in perm}
+    return to_members(jnp.stack([everyone[source[i]] if i in source
+                                 else jnp.zeros_like(everyone[i])
+                                 for i in range(everyone.shape[0])]), axes)

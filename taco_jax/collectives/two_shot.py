@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import codecs, telemetry
-from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives import axes as axes_lib, members
 from taco_jax.kernels import dispatch
 
 
@@ -47,12 +47,17 @@ def segments(x, p: int, block: int):
     return flat.reshape(p * nb, block), nb                           # (rows, B)
 
 
+def _segment(blocks, nb: int, axis):
+    """This device's segment of blocks (P·nb, …): its nb rows, at me·nb (statically under
+    jax.vmap: `members`)."""
+    return members.take(blocks, axes_lib.as_tuple(axis), lambda me: me * nb, nb, 0)
+
+
 def scatter_sum(blocks, nb: int, axis, codec, p: int, move=lax_exchange):
     """Steps 1–3 unfused: (this device's fp32 sum of its segment (nb, B), the decoded form
     of what it sent (P·nb, B))."""
-    me = lax.axis_index(axis)
     wire = dispatch.compress(blocks, codec)                          # (rows, row_bytes)
-    own = lax.dynamic_slice_in_dim(blocks, me * nb, nb).astype(jnp.float32)
+    own = _segment(blocks, nb, axis).astype(jnp.float32)
     return owner_sum(wire, own, nb, axis, codec, p, move), wire
 
 
@@ -82,7 +87,10 @@ def two_shot(x, axis, codec, p: int, vma: bool, *, move=lax_exchange):
     # the own segment is never sent, so its codes need not be computed
     wire = dispatch.compress(blocks, codec, skip_start=me * nb, skip_rows=nb)
     recv = move(wire.reshape(p, nb, row), axis, p, gather=False, vma=False)
-    mine = dispatch.reduce(recv, blocks, me, codec, own_row0=me * nb)
+    if members.static(axes_lib.as_tuple(axis)):     # the own segment, sliced statically
+        mine = dispatch.reduce(recv, _segment(blocks, nb, axis), me, codec)
+    else:                                           # read in place by the kernel
+        mine = dispatch.reduce(recv, blocks, me, codec, own_row0=me * nb)
     out = gather_decoded(mine, axis, codec, p, x.dtype, vma, move)   # (rows, B)
     y = axes_lib.per_member(codecs.from_blocks(out, x.shape), axes_lib.as_tuple(axis))
     if telemetry.enabled():
@@ -104,8 +112,7 @@ def two_shot_feedback(x, r, axis, codec, p: int, vma: bool, *, move=lax_exchange
     me = lax.axis_index(axis)
     # the own segment is never sent: its codes and first error need not be computed
     wire, err = dispatch.compress_feedback(xb, rb, codec, skip_start=me * nb, skip_rows=nb)
-    own = (lax.dynamic_slice_in_dim(xb, me * nb, nb).astype(jnp.float32)
-           - lax.dynamic_slice_in_dim(rb, me * nb, nb))
+    own = _segment(xb, nb, axis).astype(jnp.float32) - _segment(rb, nb, axis)
     s_tilde = owner_sum(wire, own, nb, axis, codec, p, move)
     out = gather_decoded(dispatch.compress(s_tilde, codec), axis, codec, p, x.dtype, vma,
                          move)                                       # (rows, B)
@@ -113,8 +120,8 @@ def two_shot_feedback(x, r, axis, codec, p: int, vma: bool, *, move=lax_exchange
     if telemetry.enabled():
         telemetry.report("psum", x.astype(jnp.float32) - r, y, axis, codec,
                          wire_bytes=2 * p * nb * row)
-    own_err = lax.dynamic_slice_in_dim(out, me * nb, nb).astype(jnp.float32) - s_tilde
-    err = lax.dynamic_update_slice_in_dim(err, own_err, me * nb, 0)
+    own_err = _segment(out, nb, axis).astype(jnp.float32) - s_tilde
+    err = members.put(err, own_err, axes_lib.as_tuple(axis), lambda me: me * nb, 0)
     return y, codecs.from_blocks(err, x.shape)
 
 

@@ -22,7 +22,10 @@ def decompress_reference(w, codec, out_dtype=jnp.float32):
 def reduce_reference(recv, own, me, codec, own_row0=0):
     """Plain-jnp owner step, for every codec: same sum order as the kernel (own, then
     peers 0..P-1)."""
-    acc = jax.lax.dynamic_slice_in_dim(own, own_row0, recv.shape[1]).astype(jnp.float32)
+    n = recv.shape[1]
+    # a static start slices statically: under jax.vmap a dynamic slice is a gather
+    acc = (jax.lax.slice_in_dim(own, own_row0, own_row0 + n) if isinstance(own_row0, int)
+           else jax.lax.dynamic_slice_in_dim(own, own_row0, n)).astype(jnp.float32)
     for p in range(recv.shape[0]):
         acc = acc + jnp.where(me == p, 0.0, codec.decompress_reference(recv[p]))
     return codec.compress_reference(acc)

@@ -99,13 +99,8 @@ UNDER_LAX = {"all_gather invarying", "all_gather invarying tiled"}
 # differ by version): (codec, op) -> (gathers, scatters); 0 elsewhere.
 EXCESS = {
     ("none", "ppermute ring"): (1, 1), ("none", "ppermute chain"): (1, 1),
-    ("taco", "psum"): (2, 0), ("taco", "psum vma"): (1, 0), ("taco", "pvary vma"): (1, 0),
-    ("taco", "all_gather"): (1, 0), ("taco", "all_gather tiled"): (1, 0),
     ("taco", "all_gather invarying"): (1, 0), ("taco", "all_gather invarying tiled"): (1, 0),
-    ("taco", "psum_scatter"): (1, 0), ("taco", "psum_scatter tiled"): (1, 0),
     ("taco", "ppermute ring"): (3, 0), ("taco", "ppermute chain"): (2, 0),
-    ("taco", "psum_with_feedback"): (4, 1), ("taco", "psum_with_feedback vma"): (3, 1),
-    ("taco", "pvary_with_feedback vma"): (3, 1),
 }
 
 
@@ -149,7 +144,7 @@ STEPS = {
                       rope_theta=100.0),
 }
 # beyond those, at most, as EXCESS
-STEP_EXCESS = {"gpt sequence parallel": (7, 1), "gpt feedback": (13, 3), "qwen taco": (7, 2)}
+STEP_EXCESS = {"gpt sequence parallel": (2, 1), "qwen taco": (2, 2)}
 
 
 @pytest.mark.parametrize("name", list(STEPS))
