@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import telemetry
-from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives import axes as axes_lib, members
 from taco_jax.kernels import fused as kernels
 from taco_jax.kernels.fused import checked
 from taco_jax.kernels.fused.exchange import TILE_BYTES, exchange_kernel
@@ -142,7 +142,7 @@ def loopback(x, axis, codec, p: int, vma: bool):
     kernel = (kernels.one_shot_loopback if one_launch_kernel(p) == "one_shot"
               else kernels.two_shot_loopback)
     ys = LOOPBACK_KERNELS.get(kernel, kernel)(xs, codec)
-    return ys[0] if vma else ys[lax.axis_index(axis)]
+    return ys[0] if vma else members.to_members(ys, axes_lib.as_tuple(axis))
 
 
 # The loopback's kernels by the function a test may stand in for them (a CPU test runs the

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import codecs, telemetry
-from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives import axes as axes_lib, members
 from taco_jax.collectives.call import Call, transport_move
 from taco_jax.collectives.two_shot import gather_decoded, scatter_sum
 from taco_jax.kernels import dispatch
@@ -51,12 +51,13 @@ def _agi_fwd(x, axis, codec, p, dim, tiled, transport):
 
 def _agi_bwd(axis, codec, p, dim, tiled, transport, _, g):
     # every device holds the whole (invariant) cotangent: its own part is a slice of it
-    me = lax.axis_index(axis)
-    if tiled:
-        n = g.shape[dim] // p
-        part = lax.dynamic_slice_in_dim(g, me * n, n, dim)
-    else:
-        part = lax.dynamic_index_in_dim(g, me, dim, keepdims=False)
+    # (statically under jax.vmap: `members`)
+    axes = axes_lib.as_tuple(axis)
+    n = g.shape[dim] // p if tiled else 1
+    with axes_lib.bound(axes, p):
+        part = members.take(g, axes, lambda me: me * n, n, dim)
+    if not tiled:
+        part = lax.squeeze(part, (dim,))
     if not axes_lib.varying(part, axes_lib.as_tuple(axis)):
         part = lax.pcast(part, axis, to="varying")
     return (part,)

@@ -12,16 +12,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import codecs, telemetry
-from taco_jax.collectives import axes as axes_lib
+from taco_jax.collectives import axes as axes_lib, members
 from taco_jax.collectives.call import Call
 from taco_jax.kernels import dispatch
 
 
-def _receivers(perm, p: int) -> jax.Array:
+def _receivers(perm, p: int) -> list[bool]:
     got = [False] * p
     for _, dst in perm:
         got[dst] = True
-    return jnp.asarray(got)
+    return got
 
 
 def _complete(perm, p: int) -> tuple:
@@ -33,21 +33,23 @@ def _complete(perm, p: int) -> tuple:
 
 
 def _lax_ppermute(v, axis, perm, p: int, emulated: bool):
-    if not emulated or len(perm) == p:
+    if not emulated:
         return lax.ppermute(v, axis, perm)
-    y = lax.ppermute(v, axis, _complete(perm, p))
-    return jnp.where(_receivers(perm, p)[lax.axis_index(axis)], y, jnp.zeros_like(y))
+    # under vmap: the members' rows in the permutation's order, static (lax.ppermute's
+    # batching rule would gather them), lax's zeros where nothing arrives
+    return members.permute(v, axes_lib.as_tuple(axis), perm)
 
 
 def _permute(x, axis, codec, p, perm):
+    axes = axes_lib.as_tuple(axis)
     blocks = codecs.to_blocks(x, codec.block_size)                   # (nb, B)
-    wire = lax.ppermute(dispatch.compress(blocks, codec), axis, _complete(perm, p))
+    wire = members.permute(dispatch.compress(blocks, codec), axes, _complete(perm, p))
     y = codecs.from_blocks(dispatch.decompress(wire, codec, x.dtype), x.shape)
     # an all-zero wire row decodes to 0/0 for α: keep lax's zeros where nothing arrives
-    got = _receivers(perm, p)[lax.axis_index(axis)]
+    got = members.pick(_receivers(perm, p), axes)
     y = jnp.where(got, y, jnp.zeros_like(y))
     if telemetry.enabled():      # against the exact send of the same tensor, in f32
-        exact = lax.ppermute(x.astype(jnp.float32), axis, _complete(perm, p))
+        exact = members.permute(x.astype(jnp.float32), axes, _complete(perm, p))
         telemetry.report_send("ppermute", jnp.where(got, exact, 0.0), y, axis, codec,
                               wire_bytes=wire.size, bf16_bytes=2 * x.size)
     return y
