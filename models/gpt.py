@@ -56,6 +56,7 @@ from flax import nnx
 from jax import lax
 
 import taco_jax
+from taco_jax.collectives import members
 
 TP = "tp"  # mesh axis of tensor parallelism
 DATA = "data"  # mesh axis of data parallelism
@@ -502,12 +503,8 @@ class GPT(nnx.Module):
         sequence parallelism this device's part of it, (B, T/tp, d) (its tokens are
         embedded: the embeddings' gradients are then summed over "tp" as the other
         replicated parameters' are, rather than the stream's cotangent)."""
-        t = tokens.shape[1]
-        tokens, start = sequence_part(tokens, self.cfg)
-        if not self.cfg.sequence_parallel:
-            return self.wte[...][tokens] + self.wpe[...][:t]
-        return self.wte[...][tokens] + lax.dynamic_slice_in_dim(self.wpe[...], start,
-                                                                tokens.shape[1])
+        tokens, part = sequence_part(tokens, self.cfg)
+        return self.wte[...][tokens] + part(self.wpe[...], 0)
 
     def head(self, x):
         """Stream (B, T, d) -> local logits (B, T, V/tp) fp32: final LayerNorm, the LM
@@ -548,21 +545,26 @@ class GPT(nnx.Module):
 
 
 def sequence_part(tokens, cfg: GPTConfig):
-    """tokens (B, T) int32 -> (the tokens this device embeds, the position of the first):
-    all of them from 0, or with sequence parallelism its part of the sequence, (B, T/tp).
-    Raises ValueError if T exceeds model.seq_len or (sequence parallelism) tp does not
-    divide it."""
+    """tokens (B, T) int32 -> (the tokens this device embeds, `part`): all of them, or with
+    sequence parallelism its part of the sequence, (B, T/tp); part(v, dim) is the same
+    part of the first T positions of v along `dim` (a table of positions). Under emulated
+    TP a member's part is a static slice (`members.take`): one at an offset from its index
+    would be a gather over every member. Raises ValueError if T exceeds model.seq_len or
+    (sequence parallelism) tp does not divide it."""
     t = tokens.shape[1]
     if t > cfg.seq_len:
         raise ValueError(f"sequence length {t} > model.seq_len={cfg.seq_len}")
     if not cfg.sequence_parallel:
-        return tokens, 0
+        return tokens, lambda v, dim: lax.slice_in_dim(v, 0, t, axis=dim)
     n = lax.axis_size(TP)
     if t % n:
         raise ValueError(f"sequence length {t} is not divisible by tp={n} "
                          f"(model.sequence_parallel)")
-    start = lax.axis_index(TP) * (t // n)
-    return lax.dynamic_slice_in_dim(tokens, start, t // n, axis=1), start
+    k = t // n
+
+    def part(v, dim):
+        return members.take(v, (TP,), lambda me: me * k, k, dim)
+    return part(tokens, 1), part
 
 
 def vocab_parallel_xent(logits, targets, axis: str = TP):

@@ -40,6 +40,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from taco_jax.collectives import members
+
 from models.gpt import GPT, TP, Block, GPTConfig, _normal, _TPSublayer, sequence_part
 
 RMS_EPS = 1e-6  # Qwen2.5's rms_norm_eps
@@ -105,9 +107,10 @@ class GQAttention(_TPSublayer, nnx.Module):
         group = cfg.n_head // cfg.kv_heads            # query heads per KV head
         if w.shape[2] * group == hq:                  # split with the queries (or tp = 1)
             return w, b
-        head = lax.axis_index(TP) * hq // group       # < hq query heads share one KV head
-        w = lax.dynamic_slice_in_dim(w, head, 1, axis=2)
-        return w, None if b is None else lax.dynamic_slice_in_dim(b, head, 1, axis=1)
+        # < hq query heads share one KV head (a static slice under emulated TP: `members`)
+        head = lambda me: me * hq // group            # noqa: E731
+        w = members.take(w, (TP,), head, 1, 2)
+        return w, None if b is None else members.take(b, (TP,), head, 1, 1)
 
     def column_kernel(self, dt):
         """Q's and this rank's K/V columns side by side: one matmul, (d, (H/tp + 2k)·hd)."""
