@@ -87,7 +87,9 @@ def ppermute(x, axis_name, perm, *, codec=None, min_bytes: int | None = None,
     decodes them: one quantization per element. Devices that receive nothing get zeros,
     as with lax. Leaves on the plain route (codec "none", below `min_bytes`, not float,
     axis of size 1, or under check_vma=True invariant over the axis, which every device
-    holds already) take `lax.ppermute` and trace to exactly its jaxpr.
+    holds already) take `lax.ppermute` and trace to exactly its jaxpr (under jax.vmap: the
+    members' values in the permutation's order, statically, as `lax.ppermute`'s batching
+    rule would gather them).
 
     Telemetry: the site is noted once, in the forward pass; `telemetry.wire_bytes(site,
     backward=True)` adds the reverse send a training step makes. Under
