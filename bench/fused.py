@@ -43,8 +43,10 @@ what has no passing row at the current fingerprint.
 
 `--write-checked` runs nothing: it writes the fused transport's checked table
 (taco_jax/kernels/fused/checked.py) from the loopback check rows of bench/results/fused*.json
-whose fingerprints are the modules this checkout emits (`check_rows`, `checked_table`): the
-collectives select a one-launch kernel for a codec and dtype only where those pass.
+and of the row-parallel GEMMs' bench/results/gemm_codec_checks*.json (`python -m
+bench.gemm_codec`) whose fingerprints are the modules this checkout emits (`check_rows`,
+`checked_table`): the collectives select a one-launch kernel (or GEMM) for a codec and
+dtype only where those pass.
 
 `--ablate` times the one-shot kernel's VARIANTS side by side (P = 2, bf16, 16/64/256 MiB
 by default): measurement knobs (`FusedConfig.ablate`: a stage left out or done twice;
@@ -671,24 +673,33 @@ def ablation_table(rows: list[dict], base_variant: str = "default") -> list[dict
 
 # -- the fused transport's checked table (--write-checked) -----------------------------------
 CHECK_RESULTS = os.path.join(ROOT, "bench", "results", "fused*.json")
+# the row-parallel GEMMs' loopback checks (python -m bench.gemm_codec)
+GEMM_CHECK_RESULTS = os.path.join(ROOT, "bench", "results", "gemm_codec_checks*.json")
+GEMM_KERNEL_OF_EXCHANGE = {"all": "gemm_all", "owner": "gemm_owner"}
 CHECKED_PY = os.path.join(ROOT, "taco_jax", "kernels", "fused", "checked.py")
 TABLE_MARK = "# -- the table: written by `python -m bench.fused --write-checked`"
 KERNEL_OF_LABEL = {"one_launch": "one_shot", "one_launch_two_shot": "two_shot"}
 
 
 def check_rows(paths=None) -> list[dict]:
-    """The loopback checks among the results files (default: bench/results/fused*.json):
-    rows of the one-launch kernels run on a GPU (`row_label` "one_launch",
-    "one_launch_two_shot") at their default launch, checked (no measurement knob), each as
-    {kernel, codec, dtype (jnp name), p, ok, fingerprint (None: the row has none), file}."""
+    """The loopback checks among the results files (default: bench/results/fused*.json and
+    gemm_codec_checks*.json): rows of the one-launch kernels run on a GPU (`row_label`
+    "one_launch", "one_launch_two_shot") at their default launch, checked (no measurement
+    knob), and of the row-parallel GEMMs (`gemm_check_rows`), each as {kernel, codec,
+    dtype (jnp name), p, ok, fingerprint (None: the row has none), file}."""
+    if paths is None:
+        paths = sorted(glob.glob(CHECK_RESULTS)) + sorted(glob.glob(GEMM_CHECK_RESULTS))
     out = []
-    for path in sorted(glob.glob(CHECK_RESULTS)) if paths is None else paths:
+    for path in paths:
         try:
             with open(path) as f:
                 doc = json.load(f)
         except (OSError, ValueError):
             continue
         if not isinstance(doc, dict) or doc.get("platform") != "gpu":
+            continue
+        if os.path.basename(path).startswith("gemm_codec"):
+            out += gemm_check_rows(doc, os.path.basename(path))
             continue
         for r in doc.get("rows", []):
             kernel = KERNEL_OF_LABEL.get(r.get("kernel"))
@@ -703,6 +714,31 @@ def check_rows(paths=None) -> list[dict]:
                         "fingerprint": r.get("fingerprint"),
                         "file": os.path.basename(path)})
     return out
+
+
+def gemm_check_rows(doc: dict, name: str) -> list[dict]:
+    """`check_rows`' rows of one bench.gemm_codec checks file: the loopback kernels (--impl
+    kernel) at their default launch, kernel "gemm_all" or "gemm_owner" by exchange."""
+    out = []
+    for r in doc.get("rows", []):
+        kernel = GEMM_KERNEL_OF_EXCHANGE.get(r.get("exchange"))
+        dt = DTYPES.get(r.get("dtype"))
+        if (kernel is None or dt is None or r.get("kind", "check") != "check"
+                or r.get("impl", doc.get("impl")) != "kernel"
+                or r.get("config", "default") != "default"):
+            continue
+        out.append({"kernel": kernel, "codec": r.get("codec"), "dtype": jnp.dtype(dt).name,
+                    "p": r.get("p"), "ok": bool(r.get("ok")) and r.get("calls", 0) >= 1,
+                    "fingerprint": r.get("fingerprint"), "file": name})
+    return out
+
+
+def takes(kernel: str, p: int) -> bool:
+    """Do the collectives take `kernel` at axis size P? The one-launch all-reduce's by P
+    (`collectives.fused.one_launch_kernel`), the GEMMs at every P ≥ 2."""
+    from taco_jax.collectives.fused import one_launch_kernel
+    from taco_jax.kernels.fused import checked
+    return p >= 2 and (kernel in checked.GEMM_KERNELS or one_launch_kernel(p) == kernel)
 
 
 def current_fingerprints(rows, known: dict | None = None) -> dict:
@@ -725,8 +761,8 @@ def checked_table(rows, current: dict) -> dict:
     """{(kernel, codec, dtype): ((P, fingerprint), ...)} of the triples whose check rows
     (`check_rows`) at the fingerprints `current` gives (`current_fingerprints`) all pass,
     some at a P the collectives take that kernel at (the one-shot at 2, the two-shot at 3
-    and above): what the fused transport may select, with the modules it was checked at."""
-    from taco_jax.collectives.fused import one_launch_kernel
+    and above, the GEMMs at 2 and above: `takes`): what the fused transport may select,
+    with the modules it was checked at."""
     groups: dict = {}
     for r in rows:
         key = (r["kernel"], r["codec"], r["dtype"], r["p"])
@@ -734,7 +770,7 @@ def checked_table(rows, current: dict) -> dict:
             groups.setdefault(key[:3], []).append(r)
     return {t: tuple(sorted({(r["p"], r["fingerprint"]) for r in rs}))
             for t, rs in sorted(groups.items()) if all(r["ok"] for r in rs)
-            and any(one_launch_kernel(r["p"]) == t[0] for r in rs)}
+            and any(takes(t[0], r["p"]) for r in rs)}
 
 
 def table_text(jax_version: str, table: dict) -> str:

@@ -32,7 +32,10 @@ of round(x_j @ w_j)); "wire_rows_equal" is the share of device 0's wire rows, as
 P − 1 received them, equal to the reference's bytes (the rounding of the f32 sums and the
 encoder's approximate reciprocals make a few differ). Rows → --checks-out, each with its
 codec, P, dtype, exchange, shape, the GEMM's launch ("config": `--gemm-config` over the
-default), ok, reason, the library's sources hash and the commit.
+default), ok, reason, the library's sources hash and the commit, and (the kernels at their
+default launch) the fingerprint of the modules they ran (`kernels.fused.checked`): the
+fused transport selects the GEMMs where such rows pass (`python -m bench.fused
+--write-checked`).
 
 Times (device time, per virtual device; a configuration is timed only after its checks
 pass): "per_device_us" the GEMM with its encode and exchange, "decode_us" the decode,
@@ -243,6 +246,19 @@ def check_call(fn, reference, xs, ws, res, nan_row, wire=None,
     return figures, why
 
 
+def row_fingerprint(impl: str, codec, p: int, exchange: str, config=None) -> str | None:
+    """The fingerprint of the modules a check row vouches for (`kernels.fused.checked.
+    fingerprint` of kernel "gemm_all" or "gemm_owner", bf16): the kernels on a GPU (--impl
+    kernel) at their default launch; None for a --gemm-config or the jnp reference. The
+    fused transport selects the row-parallel GEMMs from such rows (`python -m bench.fused
+    --write-checked`)."""
+    if impl != "kernel" or config:
+        return None
+    from taco_jax.kernels.fused import checked
+    return checked.fingerprint("gemm_owner" if exchange == "owner" else "gemm_all", codec,
+                               jnp.bfloat16, p)
+
+
 def describe(a) -> str:
     return " ".join(a.gemm_config or ()) or "default"
 
@@ -254,6 +270,9 @@ def run_checks(a, codec, p: int, shape: str, exchange: str = "all") -> dict:
     row = {"kind": "check", "kernel": "gemm_encode", "codec": a.codec_name, "p": p,
            "dtype": DTYPE, "shape": shape, "exchange": exchange, "config": describe(a),
            "m": m, "k": k, "n": n, "impl": a.impl}
+    fp = row_fingerprint(a.impl, codec, p, exchange, a.gemm_config)
+    if fp is not None:
+        row["fingerprint"] = fp
     why = gemm.unsupported(codec, p, (m, k), (k, n), jnp.bfloat16, cfg,
                            scatter=exchange == "owner")
     if why is not None:

@@ -1,8 +1,8 @@
 """What the fused-kernel tests share: `lowered_psum` (taco_jax.psum over the fused transport
-on a mesh, lowered for CUDA, once per run), `assumed_checked` (the one-launch kernels
-selected as if their GPU checks had passed), `scratch_bytes` (a Mosaic kernel's shared
-memory as the lowering allocates it) and `rel_l2` (the `gpu_here` and `all_checked`
-fixtures are in conftest.py)."""
+on a mesh, lowered for CUDA, once per run), `assumed_checked` (the one-launch kernels, or
+with GEMM_COVERED the row-parallel GEMMs, selected as if their GPU checks had passed),
+`scratch_bytes` (a Mosaic kernel's shared memory as the lowering allocates it) and `rel_l2`
+(the `gpu_here` and `all_checked` fixtures are in conftest.py)."""
 import contextlib
 import functools
 from unittest import mock
@@ -26,6 +26,11 @@ COVERED = tuple((k, c, d) for k in ("one_shot", "two_shot")
                 for d in ("bfloat16", "float16", "float32"))
 
 
+# every (kernel, codec, dtype) the row-parallel GEMMs cover (their tile codecs, 16-bit input)
+GEMM_COVERED = tuple((k, c, d) for k in ("gemm_all", "gemm_owner") for c in ("taco", "echo4")
+                     for d in ("bfloat16", "float16"))
+
+
 @contextlib.contextmanager
 def assumed_checked(triples=COVERED):
     """The fused transport selects the one-launch kernels for `triples` ((kernel, codec name,
@@ -40,7 +45,7 @@ def assumed_checked(triples=COVERED):
 def assumed_table(triples=COVERED) -> dict:
     """A checked table (`kernels.fused.checked.CHECKED`) holding `triples`, at fingerprints
     that no module has: what selection reads, without the modules' own check."""
-    return {t: ((2 if t[0] == "one_shot" else 3, "assumed"),) for t in triples}
+    return {t: ((3 if t[0] == "two_shot" else 2, "assumed"),) for t in triples}
 
 
 @cached

@@ -152,3 +152,26 @@ def test_a_refactor_that_emits_the_same_module_keeps_the_fingerprint(monkeypatch
         fresh()
     assert checked.fingerprint("one_shot", codec, jnp.bfloat16, 2) != before   # a dtype
     assert checked.fingerprint("two_shot", codec, jnp.float32, 3) != before    # a kernel
+
+
+def test_gemm_check_rows_admit_the_row_parallel_gemms_at_their_fingerprints(tmp_path):
+    """bench.gemm_codec's check rows (kernel at its default launch, each with the
+    fingerprint of the modules it ran) are read with the fused ones: passing rows at the
+    fingerprint emitted now admit ("gemm_owner", codec, dtype) at any P ≥ 2; a failing row,
+    or one at another fingerprint, does not."""
+    import json
+    codec = codecs.get("taco")
+    fp = checked.fingerprint("gemm_owner", codec, jnp.bfloat16, 2)
+    assert fp != checked.fingerprint("gemm_all", codec, jnp.bfloat16, 2)
+
+    def table(rows):
+        path = tmp_path / "gemm_codec_checks.json"
+        path.write_text(json.dumps({"platform": "gpu", "impl": "kernel", "rows": rows}))
+        got = bench_fused.check_rows([str(path)])
+        return bench_fused.checked_table(got, bench_fused.current_fingerprints(got))
+    row = {"kind": "check", "codec": "taco", "p": 2, "dtype": "bf16", "exchange": "owner",
+           "config": "default", "impl": "kernel", "ok": True, "calls": 3, "fingerprint": fp}
+    assert table([row]) == {("gemm_owner", "taco", "bfloat16"): ((2, fp),)}
+    assert table([row, {**row, "shape": "odd", "ok": False}]) == {}
+    assert table([{**row, "fingerprint": "0" * 12}]) == {}
+    assert table([{**row, "config": "pingpong=true"}]) == {}

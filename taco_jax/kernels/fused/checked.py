@@ -1,5 +1,6 @@
-"""What the fused transport selects: a one-launch kernel ("one_shot", "two_shot") for a codec
-and input dtype only where its loopback checks passed on a GPU for the kernel it emits now.
+"""What the fused transport selects: a one-launch kernel ("one_shot", "two_shot"; the
+row-parallel GEMMs' "gemm_all", "gemm_owner") for a codec and input dtype only where its
+loopback checks passed on a GPU for the kernel it emits now.
 
 A configuration (kernel, codec, dtype, P) is known by the fingerprint of what it emits
 (`fingerprint`): the Mosaic GPU module of its loopback kernel at its default launch, lowered
@@ -17,10 +18,11 @@ to the code changes a module the table still claims as checked; a change that em
 same modules keeps the fused path selected.
 
 Both constants are written by `python -m bench.fused --write-checked` from the committed
-check rows (bench/results/fused*.json), each row naming the fingerprint it ran at; a GPU run
-of `bash bench/gpu_run.sh fused_checks` adds rows at the current fingerprints. A triple is
-checked where every row of it at a current fingerprint passed, and some ran at a P the
-collectives take the kernel at (the one-shot at P = 2, the two-shot at P ≥ 3:
+check rows (bench/results/fused*.json; the GEMMs' bench/results/gemm_codec_checks*.json),
+each row naming the fingerprint it ran at; a GPU run of `bash bench/gpu_run.sh fused_checks`
+(the GEMMs': `gemm_codec`) adds rows at the current fingerprints. A triple is checked where
+every row of it at a current fingerprint passed, and some ran at a P the collectives take
+the kernel at (the one-shot at P = 2, the two-shot at P ≥ 3, the GEMMs at P ≥ 2:
 `bench.fused.checked_table`)."""
 from __future__ import annotations
 
@@ -32,28 +34,52 @@ import jax.numpy as jnp
 
 from taco_jax import codec_registry
 
-KERNELS = ("one_shot", "two_shot")
+# The one-launch all-reduces, and the row-parallel GEMMs of `kernels.gemm` (their two
+# launches: the GEMM whose epilogue encodes and stores each tile's wire, then the decode,
+# sum and residual add) by exchange: "gemm_all" (every tile to every device: the
+# all-reduce), "gemm_owner" (each tile to the owner of its rows: the reduce-scatter).
+KERNELS = ("one_shot", "two_shot", "gemm_all", "gemm_owner")
+GEMM_KERNELS = ("gemm_all", "gemm_owner")
 # The size a fingerprint lowers each device's input at: odd, so the last tile is padded.
 FINGERPRINT_ELEMENTS = (1 << 20) + 5
+# The GEMMs' (M, K, N) per device: 16 row tiles (M / 64 divisible by every P ≤ 8, so each
+# owner has whole tiles), 5 K steps, 3 column tiles.
+FINGERPRINT_GEMM = (1024, 320, 768)
 RECHECK = "bash bench/gpu_run.sh fused_checks, then python -m bench.fused --write-checked"
+RECHECK_GEMM = "bash bench/gpu_run.sh gemm_codec, then python -m bench.fused --write-checked"
+
+
+def recheck(kernel: str) -> str:
+    """The GPU step whose check rows admit `kernel`, then the table's rewrite."""
+    return RECHECK_GEMM if kernel in GEMM_KERNELS else RECHECK
 
 
 def fingerprint(kernel: str, codec, dtype, p: int) -> str:
     """12 hex digits of sha256 over the Mosaic GPU module(s) that `kernel`'s loopback at its
     default launch emits for P devices, this codec and input dtype
     (`_jax_private.mosaic_gpu_modules`: no locations, no names of dump files), lowered for
-    CUDA with the installed jax. Takes a second or two on a CPU; cached per process."""
+    CUDA with the installed jax: the all-reduces' on FINGERPRINT_ELEMENTS values a device,
+    the GEMMs' (`kernels.gemm.loopback_gemm_allreduce`, both launches) at FINGERPRINT_GEMM.
+    Takes a second or two on a CPU; cached per process."""
     return _fingerprint(kernel, codec, jnp.dtype(dtype).name, int(p))
 
 
 @functools.cache
 def _fingerprint(kernel: str, codec, dtype: str, p: int) -> str:
     from taco_jax import _jax_private
-    from taco_jax.kernels.fused import one_shot, two_shot
-    fn = {"one_shot": one_shot.one_shot_loopback,
-          "two_shot": two_shot.two_shot_loopback}[kernel]
-    xs = jax.ShapeDtypeStruct((p, FINGERPRINT_ELEMENTS), jnp.dtype(dtype))
-    lowered = jax.jit(lambda v: fn(v, codec)).trace(xs).lower(lowering_platforms=("cuda",))
+    if kernel in GEMM_KERNELS:
+        from taco_jax.kernels.gemm import row_parallel
+        m, k, n = FINGERPRINT_GEMM
+        args = [jax.ShapeDtypeStruct(s, jnp.dtype(dtype)) for s in ((p, m, k), (p, k, n), (m, n))]
+        fn = lambda xs, ws, r: row_parallel.loopback_gemm_allreduce(   # noqa: E731
+            xs, ws, r, codec, scatter=kernel == "gemm_owner")
+    else:
+        from taco_jax.kernels.fused import one_shot, two_shot
+        launch = {"one_shot": one_shot.one_shot_loopback,
+                  "two_shot": two_shot.two_shot_loopback}[kernel]
+        args = [jax.ShapeDtypeStruct((p, FINGERPRINT_ELEMENTS), jnp.dtype(dtype))]
+        fn = lambda v: launch(v, codec)                                # noqa: E731
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     modules = _jax_private.mosaic_gpu_modules(lowered)
     if not modules:
         raise RuntimeError(f"{kernel} {codec.name} {dtype} P={p} lowered no Mosaic GPU kernel")
@@ -72,10 +98,16 @@ def unchecked(kernel: str, codec, dtype) -> str | None:
     if known and (kernel, name, dt) in CHECKED:
         if jax.__version__ == JAX:
             return None
-        return (f"the one-launch {kernel.replace('_', '-')} kernel for {name}, {dt} was "
-                f"checked as jax {JAX} lowers it, not jax {jax.__version__}")
-    return (f"the one-launch {kernel.replace('_', '-')} kernel has no passing loopback "
-            f"checks on a GPU for {what}, {dt} as it is emitted now ({RECHECK})")
+        return (f"the {_what(kernel)} for {name}, {dt} was checked as jax {JAX} lowers it, "
+                f"not jax {jax.__version__}")
+    return (f"the {_what(kernel)} has no passing loopback checks on a GPU for {what}, {dt} "
+            f"as it is emitted now ({recheck(kernel)})")
+
+
+def _what(kernel: str) -> str:
+    if kernel in GEMM_KERNELS:
+        return f"row-parallel GEMM kernel (exchange {kernel.split('_')[1]!r})"
+    return f"one-launch {kernel.replace('_', '-')} kernel"
 
 
 def stale(table: dict | None = None) -> list[str]:
@@ -89,7 +121,7 @@ def stale(table: dict | None = None) -> list[str]:
             now = fingerprint(kernel, codec, dt, p)
             if now != checked_fp:
                 out.append(f"{kernel} {name} {dt} P={p}: emits {now}, checked {checked_fp}; "
-                           f"re-check it on a GPU: {RECHECK}")
+                           f"re-check it on a GPU: {recheck(kernel)}")
     return out
 
 
