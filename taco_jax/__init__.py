@@ -9,7 +9,8 @@ import importlib.metadata
 
 from taco_jax import codecs, telemetry
 from taco_jax.collectives import (DEFAULT_MIN_BYTES, UnboundAxisError, all_gather,
-                                  all_gather_matmul, feedback, matmul_reduce_scatter, ppermute,
+                                  all_gather_matmul, feedback, matmul_psum,
+                                  matmul_reduce_scatter, ppermute,
                                   psum, psum_scatter, psum_two_level, pvary)
 from taco_jax.collectives.feedback import (FeedbackState, psum_with_feedback,
                                            pvary_with_feedback)
@@ -23,7 +24,7 @@ except importlib.metadata.PackageNotFoundError:    # imported from a checkout no
 __all__ = ["psum", "pvary", "all_gather", "psum_scatter", "ppermute", "psum_two_level", "psum_with_feedback",
            "pvary_with_feedback", "FeedbackState", "feedback", "config", "Recipe", "codecs",
            "telemetry", "calibrate", "UnboundAxisError", "DEFAULT_MIN_BYTES",
-           "all_gather_matmul", "matmul_reduce_scatter"]
+           "all_gather_matmul", "matmul_reduce_scatter", "matmul_psum"]
 
 
 def __getattr__(name):

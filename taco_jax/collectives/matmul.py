@@ -362,8 +362,9 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, codec=None,
     return _ag_mm(x, w, op.axis, op.codec, _sizes(op), dim, False, keep)
 
 
-def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=None,
-                          min_bytes: int | None = None, transport: str | None = None):
+def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, residual=None,
+                          codec=None, min_bytes: int | None = None,
+                          transport: str | None = None):
     """`psum_scatter(x @ w, axis_name, scatter_dimension=scatter_dimension, tiled=True)`,
     its reduce-scatter compressed and overlapped with the GEMM: Megatron-SP's row-parallel
     GEMM (x this device's block of columns of the activations, w its block of rows).
@@ -375,7 +376,11 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=
     Codec "none" runs the same steps with the values on the wire. Below `min_bytes` (of
     x @ w, per device), for an integer dtype or over an axis of size 1 it is
     `lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)`, with lax's
-    gradients.
+    gradients. With the fused transport, where its kernels cover the call and their GPU
+    checks admit it, it is one GEMM launch whose epilogue encodes each output tile and
+    stores it into its owner's receive buffer, then the owner's decode, f32 sum and
+    residual add in one launch (`collectives.gemm_fused`); elsewhere transport="fused"
+    runs XLA's GEMM and the fused transport's separate kernels (`psum_scatter`'s).
 
     Args:
       x: an array (…, k), at least 2-D.
@@ -385,28 +390,36 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=
       scatter_dimension: int, default 0: the dimension of x @ w split among the devices
         (negative counts from the end); its length must be divisible by the axis size, and
         it may not be the last (n).
+      residual: None (default: nothing added), or a float array of the result's shape,
+        added after the reduce-scatter (Megatron-SP's residual stream: this device's part
+        of the sequence); the fused GEMM adds it in its decode (x's dtype there).
       codec, min_bytes: as `taco_jax.psum`'s (each None by default: the recipe's); the
         backward uses the same codec.
-      transport: as `all_gather_matmul`'s.
+      transport: "xla" (the collective-permutes above), "fused" (the fused GEMM, else the
+        separate kernels; GPUs of one process, one mesh axis, or jax.vmap on a GPU) or
+        "auto" (the fused GEMM where it runs, else "xla"); None (default): the recipe's.
+        Codec "none" takes "xla" whatever the transport (the overlapped bf16 baseline).
 
     Returns:
-      This device's chunk of the sum over `axis_name` of x @ w along `scatter_dimension`,
-      in the dtype of `x @ w`; varying over `axis_name`. Gradient: dx is
-      `all_gather_matmul(dz, wᵀ)` (compressed), dw xᵀ times the gathered dz that the same
-      all-gather decoded. Reverse over reverse works; forward mode raises jax's TypeError
-      for a custom_vjp function.
+      This device's chunk of the sum over `axis_name` of x @ w along `scatter_dimension`
+      (plus the residual), in the dtype of `x @ w` (promoted with the residual's); varying
+      over `axis_name`. Gradient: dx is `all_gather_matmul(dz, wᵀ)` (compressed), dw xᵀ
+      times the gathered dz that the same all-gather decoded, whatever the route; the
+      residual's cotangent is dz. Reverse over reverse works; forward mode raises jax's
+      TypeError for a custom_vjp function.
 
     Raises:
       UnboundAxisError: (a NameError) a name in `axis_name` is not bound here.
       ValueError: w not 2-D; x below 2-D or empty (or w empty); x.shape[-1] != w.shape[0];
         `scatter_dimension` out of range, the last, or not divisible by the axis size;
-        transport="fused"; an unknown codec name, a bad `axis_name`, `min_bytes` or
-        `transport` (as `taco_jax.psum`).
+        a residual of another shape or not float; transport="fused" where the fused
+        transport cannot run (the message says why); an unknown codec name, a bad
+        `axis_name`, `min_bytes` or `transport` (as `taco_jax.psum`).
       TypeError: a codec that is neither a name nor a Codec (the message names the op and
         the value).
     """
-    op = Call.make("matmul_reduce_scatter", axis_name, codec, min_bytes, transport,
-                   xla_only=NO_FUSED)
+    from taco_jax.collectives import gemm_fused      # the fused route (it imports this module)
+    op = Call.make("matmul_reduce_scatter", axis_name, codec, min_bytes, transport)
     x, w = jnp.asarray(x), jnp.asarray(w)
     dim = _check(op.op, x, w, scatter_dimension, "scatter_dimension")
     if x.shape[dim] % op.p:
@@ -414,7 +427,14 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension: int = 0, codec=
                          f"{x.shape} ({x.shape[dim]}) must be divisible by the axis size "
                          f"{op.p}")
     z = jax.eval_shape(jnp.matmul, x, w)                             # x @ w, not computed
-    if _route(op, z, x, w) == "lax":
-        return lax.psum_scatter(jnp.matmul(x, w), op.axis, scatter_dimension=dim, tiled=True)
-    x, w = _operands(op, x, w)
-    return _mm_rs(x, w, None, op.axis, op.codec, _sizes(op), dim)
+    out = z.shape[:dim] + (z.shape[dim] // op.p,) + z.shape[dim + 1:]
+    residual = gemm_fused.check_residual(op.op, residual, out)
+    fused_plan = gemm_fused.plan(op, x, w, residual, dim, scatter=True)
+    if _route(op, z, x, w, "xla" if fused_plan is None else fused_plan.label) == "lax":
+        y = lax.psum_scatter(jnp.matmul(x, w), op.axis, scatter_dimension=dim, tiled=True)
+    elif fused_plan is not None:
+        return fused_plan.run()
+    else:
+        x, w = _operands(op, x, w)
+        y = _mm_rs(x, w, None, op.axis, op.codec, _sizes(op), dim)
+    return y if residual is None else y + residual

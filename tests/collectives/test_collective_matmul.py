@@ -362,8 +362,8 @@ BAD = {   # (op, global x, global w, kwargs) → what the message names
     "unknown codec": (AGM, (2, 4 * 8, 64), (64, 4 * 8), dict(codec="fp3"),
                       r"unknown codec 'fp3'"),
     "fused transport": (MRS, (2, 4 * 8, 64), (64, 4 * 8), dict(transport="fused"),
-                        r"taco_jax.matmul_reduce_scatter: transport='fused' cannot run it: .*"
-                        r"use transport='xla' or 'auto'"),
+                        r"taco_jax.matmul_reduce_scatter: transport='fused' cannot run here: "
+                        r"platform 'cpu' .*use transport='auto' or 'xla'"),
     "unknown transport": (AGM, (2, 4 * 8, 64), (64, 4 * 8), dict(transport="nvlink"),
                           r"transport='nvlink'"),
     "bad min_bytes": (AGM, (2, 4 * 8, 64), (64, 4 * 8), dict(min_bytes=-1),
@@ -450,11 +450,15 @@ def test_site_is_named_by_the_op_and_counts_what_its_permutes_send(op, codec):
     assert telemetry.wire_bytes(site, backward=True) == permuted_bytes(lowered(fn, op, grad=True))
 
 
-def test_site_reports_the_plain_route_and_the_recipes_fused_transport_as_xla():
+def test_site_reports_the_plain_route_and_the_recipes_fused_transport():
+    """The recipe's "fused" is "xla" for all_gather_matmul; matmul_reduce_scatter has a
+    fused route (tests/collectives/test_matmul_fused.py), which a CPU cannot run."""
     [plain] = traced(lambda x, w: OURS["agm"](x, w, min_bytes=1 << 20), "agm")
     assert not plain.compressed and plain.reason == f"{2 * 8 * 64 * 4} B < min_bytes=1048576"
     with taco_jax.config(transport="fused", min_bytes=0):
-        [site] = traced(lambda x, w: OURS["mrs"](x, w), "mrs")
+        [site] = traced(lambda x, w: OURS["agm"](x, w), "agm")
+        with pytest.raises(ValueError, match="transport='fused' cannot run here"):
+            traced(lambda x, w: OURS["mrs"](x, w), "mrs")
     assert (site.compressed, site.transport) == (True, "xla")
 
 

@@ -400,13 +400,15 @@ def test_unsupported_gives_a_reason_for_a_dispatcher():
     assert "fp8" in gemm.unsupported(codecs.get("fp8"), 2, (256, 64), (64, 256), jnp.bfloat16)
 
 
-def test_no_library_path_selects_the_gemm_kernels():
-    """The checked-selection rule: until their GPU checks pass, only explicit calls (and
-    the bench) reach them: no taco_jax module outside kernels/gemm imports them, at module
-    level or inside a function, in any spelling (tests/test_import_graph.py's graph)."""
+def test_only_the_checked_route_reaches_the_gemm_kernels():
+    """The checked-selection rule: the library reaches them only through the fused route of
+    the row-parallel collective matmuls (`collectives.gemm_fused`, which asks the checked
+    table first) and the table's fingerprints (`kernels.fused.checked`): no other taco_jax
+    module outside kernels/gemm imports them, at module level or inside a function, in any
+    spelling (tests/test_import_graph.py's graph)."""
     graph = import_graph(nested=True)
     kernels = {m for m in graph if m == "taco_jax.kernels.gemm"
                or m.startswith("taco_jax.kernels.gemm.")}
     assert "taco_jax.kernels.gemm.encode_epilogue" in kernels
     users = sorted(m for m, deps in graph.items() if m not in kernels and deps & kernels)
-    assert users == []
+    assert users == ["taco_jax.collectives.gemm_fused", "taco_jax.kernels.fused.checked"]
