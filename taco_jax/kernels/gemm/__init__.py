@@ -5,8 +5,9 @@ buffers (`encode_epilogue`), the decode, sum and residual add that consumes them
 (`decode_residual`), and the two as the row-parallel GEMM's compressed all-reduce or
 reduce-scatter (`row_parallel`), and the column-parallel GEMM whose producer decodes the
 all-gathered codes into its operand tiles (`gather_gemm`), each with its jnp reference.
-Only explicit calls use them: no library path selects them until their GPU checks pass
-(`bench/gemm_codec.py`, `bench/gather_gemm.py`)."""
+The row-parallel GEMMs are selected by the library (`collectives.gemm_fused`) only where
+their GPU checks passed (`kernels.fused.checked`, from `bench/gemm_codec.py`'s rows); the
+column-parallel one only by explicit calls until its checks pass (`bench/gather_gemm.py`)."""
 from taco_jax.kernels.gemm.config import GemmConfig
 from taco_jax.kernels.gemm.decode_residual import (DecodeConfig, decode_sum_residual,
                                                    decode_sum_residual_reference)

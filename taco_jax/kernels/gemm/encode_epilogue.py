@@ -28,8 +28,8 @@ put a tile's rows N/256 rows apart, 264 bytes each: not a TMA stride.)
 
 `gemm_encode` (one device, no exchange), `loopback_gemm_encode`, `gemm_encode_exchange`
 (inside `jax.shard_map`); `gemm_encode_reference` the jnp reference; `unsupported` says
-why a call is not covered. No library path selects these kernels: their GPU checks have
-not run (`bench/gemm_codec.py`); only explicit calls use them.
+why a call is not covered. The library selects these kernels (`row_parallel`, through
+`collectives.gemm_fused`) only where their GPU checks passed (`kernels.fused.checked`).
 """
 from __future__ import annotations
 

@@ -11,8 +11,10 @@ j = 0 … P − 1 in order. One quantization per element; every device decodes t
 in the same order, so all get the same bits (the reduce-scatter's shards are the
 all-reduce's rows, bit for bit). Per output element a device writes P wire copies and
 reads P (all-reduce), or writes one and reads P of its 1/P of the rows (reduce-scatter),
-plus the residual's read and the result's write. Not selected by any library path (their
-GPU checks have not run: `bench/gemm_codec.py`).
+plus the residual's read and the result's write. The library selects them
+(`collectives.gemm_fused`: matmul_reduce_scatter, matmul_psum) only where their loopback
+checks passed on a GPU (`kernels.fused.checked`, kernels "gemm_owner", "gemm_all", from
+`bench/gemm_codec.py`'s rows).
 """
 from __future__ import annotations
 
