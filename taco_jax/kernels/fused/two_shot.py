@@ -26,7 +26,8 @@ other's work. It shares the one-shot kernel's ways of addressing a peer (`peers.
 `Loopback`), its tile codecs and its configuration (`FusedConfig`: `programs`, `per_sm`,
 `parts`, `x_slots`, `out_store`, `ring`). Its loopback checks passed on an H200 at P = 3..8
 for taco and echo4, bf16, f16 and f32, to 1 GiB, at earlier kernel sources
-(bench/results/fused_two_shot_checks.json; what is selected now: `checked`);
+(bench/results/fused_two_shot_checks.json), and on an H100 at P = 3, 4, 8 for the modules
+it emits now (bench/results/fused_checks.json; what is selected: `checked`);
 its time per device and how it spends it: docs/fused_kernels.md.
 """
 from __future__ import annotations
