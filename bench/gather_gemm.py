@@ -53,8 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import child_rows, device_time, env_facts, print_table, write_json
-from bench.gemm_codec import ROOT, merged, preset_dims
+from bench.common import child_rows, device_time, print_table
+from bench.gemm_codec import ROOT, _same_bits, _us, preset_dims, results_saver
 
 SHAPES = ["350m.qkv", "350m.fc1", "odd"]
 SLACK = 1.05          # the kernel's error within this factor of its jnp reference's
@@ -149,12 +149,6 @@ def _rel_err(y, exact, finite):
     return jnp.sqrt(jnp.sum(d * d)) / jnp.sqrt(jnp.sum(e * e))
 
 
-@jax.jit
-def _same_bits(y):
-    u = jax.lax.bitcast_convert_type(y, jnp.uint16)
-    return jnp.all(u == u[:1])
-
-
 def check_call(fn, reference, xs, w, nan_row, wire=None) -> tuple[dict, str | None]:
     """One call's checks → (figures, failure reason or None). fn(xs, w) → (P, M, N);
     reference(xs, w) → (M, N); wire: (kernel's, reference's) wire rows, or None."""
@@ -221,10 +215,6 @@ def run_checks(a, codec, p: int, shape: str) -> dict:
 
 
 # -- times -------------------------------------------------------------------------------------
-def _us(t: dict) -> float:
-    return t["us"] if t.get("us") is not None else t["host_us"]
-
-
 def run_times(a, codec, p: int, shape: str, fp: str | None) -> dict:
     """Device time per virtual device of the launch, the plain GEMM of the gathered shape,
     and XLA's all_gather + dot in the loopback."""
@@ -338,20 +328,7 @@ def main(argv=None) -> int:
         for r in run_group(a, int(a.one[1])):
             print("ROW " + json.dumps(r), flush=True)
         return 0
-    facts = env_facts()
-    meta = {**facts, "impl": a.impl, "calls": a.calls, "slack": SLACK,
-            "command": "python -m bench.gather_gemm " + " ".join(
-                sys.argv[1:] if argv is None else argv)}
-
-    def save(rows):
-        rows = [{**r, "commit": facts["commit"], "sources": facts["sources"]} for r in rows]
-        checks = [r for r in rows if r["kind"] == "check"]
-        times = [r for r in rows if r["kind"] == "time"]
-        write_json(a.checks_out, {**meta, "rows": merged(a.checks_out, checks, a.update)})
-        if times:
-            write_json(a.times_out, {**meta, "per_device": "µs per virtual device",
-                                     "rows": merged(a.times_out, times, a.update)})
-        return checks, times
+    save = results_saver(a, "gather_gemm", argv, SLACK)
     checks, times = save(run_children(a, [(c, p) for c in a.codecs for p in a.p], save))
     print_table(checks, ["codec", "p", "shape", "m", "k", "n", "ok", "rel_err",
                          "reference_rel_err", "wire_rows_equal", "fingerprint"])

@@ -441,6 +441,27 @@ def merged(path: str, rows: list[dict], update: bool) -> list[dict]:
     return [r for r in old if row_key(r) not in mine] + rows
 
 
+def results_saver(a, name: str, argv, slack: float = SLACK):
+    """save(rows) → (check rows, time rows): writes both files of a `bench.<name>` run
+    (a.checks_out, a.times_out; --update keeps the rows they do not measure again), each
+    row naming the commit and library sources, the run's facts and command beside them."""
+    facts = env_facts()
+    meta = {**facts, "impl": a.impl, "calls": a.calls, "slack": slack,
+            "command": f"python -m bench.{name} " + " ".join(
+                sys.argv[1:] if argv is None else argv)}
+
+    def save(rows):
+        rows = [{**r, "commit": facts["commit"], "sources": facts["sources"]} for r in rows]
+        checks = [r for r in rows if r["kind"] == "check"]
+        times = [r for r in rows if r["kind"] == "time"]
+        write_json(a.checks_out, {**meta, "rows": merged(a.checks_out, checks, a.update)})
+        if times:
+            write_json(a.times_out, {**meta, "per_device": "µs per virtual device",
+                                     "rows": merged(a.times_out, times, a.update)})
+        return checks, times
+    return save
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--p", type=int, nargs="+", default=[2, 4, 8])
@@ -484,20 +505,7 @@ def main(argv=None) -> int:
         for r in run_group(a, int(a.one[1])):
             print("ROW " + json.dumps(r), flush=True)
         return 0
-    facts = env_facts()
-    meta = {**facts, "impl": a.impl, "calls": a.calls, "slack": SLACK,
-            "command": "python -m bench.gemm_codec " + " ".join(
-                sys.argv[1:] if argv is None else argv)}
-
-    def save(rows):
-        rows = [{**r, "commit": facts["commit"], "sources": facts["sources"]} for r in rows]
-        checks = [r for r in rows if r["kind"] == "check"]
-        times = [r for r in rows if r["kind"] == "time"]
-        write_json(a.checks_out, {**meta, "rows": merged(a.checks_out, checks, a.update)})
-        if times:
-            write_json(a.times_out, {**meta, "per_device": "µs per virtual device",
-                                     "rows": merged(a.times_out, times, a.update)})
-        return checks, times
+    save = results_saver(a, "gemm_codec", argv)
     checks, times = save(run_children(a, [(c, p) for c in a.codecs for p in a.p], save))
     print_table(checks, ["codec", "p", "exchange", "shape", "m", "k", "n", "ok", "rel_err",
                          "reference_rel_err", "wire_rows_equal"])
