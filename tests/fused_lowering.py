@@ -5,6 +5,7 @@ with GEMM_COVERED the row-parallel GEMMs, selected as if their GPU checks had pa
 (the `gpu_here` and `all_checked` fixtures are in conftest.py)."""
 import contextlib
 import functools
+import re
 from unittest import mock
 
 import numpy as np
@@ -69,6 +70,14 @@ def _lowered_psum(shape, names, axis, vma, dtype, codec):
     f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=vma)
     x = jax.ShapeDtypeStruct((n, 3, 5000), dtype, sharding=NamedSharding(mesh, spec))
     return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def peer_addressed(text: str) -> list[bool]:
+    """Per Mosaic GPU launch of a lowered module, in order: does it address other devices'
+    buffers (XLA's collective metadata, through which remote stores and peer semaphores
+    translate their addresses)?"""
+    return [re.search(r"uses_xla_collective_metadata = (true|false)", line).group(1) == "true"
+            for line in text.splitlines() if "@mosaic_gpu_v2" in line]
 
 
 def rel_l2(y, exact):

@@ -26,7 +26,7 @@ from meshes import per_device
 TACO = codecs.get("taco")
 ECHO4 = codecs.get("echo4")
 
-from fused_lowering import cached, lowered_psum, rel_l2, scratch_bytes
+from fused_lowering import cached, lowered_psum, peer_addressed, rel_l2, scratch_bytes
 
 
 @pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((1, 2), ("data", "tp")),
@@ -96,7 +96,8 @@ def test_knobs_change_the_kernel():
 
 @pytest.mark.parametrize("ablate", ["no_peer_stores", "no_signal", "decode_twice"])
 def test_knobs_lower_on_two_gpus(ablate):
-    """The Remote form (remote_ref stores, peer semaphores) with a knob, under shard_map."""
+    """The Remote form (remote_ref stores, peer semaphores) with a knob, under shard_map: one
+    launch, addressing its peer's buffers."""
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
     cfg = fa.FusedConfig(ablate=ablate)
     f = jax.shard_map(lambda v: fa.one_shot_allreduce(v[0], "tp", 2, TACO, cfg=cfg)[None],
@@ -104,7 +105,7 @@ def test_knobs_lower_on_two_gpus(ablate):
     x = jax.ShapeDtypeStruct((2, 3, 5000), jnp.bfloat16,
                              sharding=NamedSharding(mesh, P("tp")))
     text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("taco_fused_allreduce") >= 1
+    assert text.count("taco_fused_allreduce") >= 1 and peer_addressed(text) == [True]
 
 
 @pytest.mark.parametrize("p", [2, 8])
@@ -361,7 +362,8 @@ def test_reference_is_the_one_shot(dtype):
                                          ((2, 1, 2), ("data", "pipe", "tp"))])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_echo4_lowers_on_meshes_of_one_two_three_axes(shape, names, dtype):
-    """The Remote form with echo4's tile math, peers addressed by axis name."""
+    """The Remote form with echo4's tile math, peers addressed by axis name: one launch,
+    addressing the peers' buffers."""
     n = int(np.prod(shape))
     mesh = jax.make_mesh(shape, names, devices=jax.devices()[:n])
     f = jax.shard_map(lambda v: fa.one_shot_allreduce(v[0], "tp", 2, ECHO4)[None], mesh=mesh,
@@ -369,6 +371,7 @@ def test_echo4_lowers_on_meshes_of_one_two_three_axes(shape, names, dtype):
     x = jax.ShapeDtypeStruct((n, 3, 5000), dtype, sharding=NamedSharding(mesh, P(names)))
     text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("taco_fused_allreduce") >= 1 and text.count("custom_call") == 1
+    assert peer_addressed(text) == [True]
 
 
 @cached
