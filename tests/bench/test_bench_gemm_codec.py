@@ -104,3 +104,19 @@ def test_gemm_config_pairs_apply_over_the_default():
         gemm_codec.gemm_config(["nope=1"], 256)
     with pytest.raises(SystemExit, match="wgs=1"):            # M = 192: one warpgroup
         gemm_codec.gemm_config(["pingpong=true"], 192)
+
+
+def test_a_group_that_does_not_finish_fails_at_its_fingerprint(monkeypatch):
+    """A crashed or timed-out child's rows fail against the modules they stand for, so the
+    checked table (which counts the rows at the fingerprints emitted now) cannot admit the
+    kernel past them; without a fingerprint they would not count at all."""
+    import argparse
+    monkeypatch.setattr(gemm_codec, "child_rows", lambda cmd, limit, root: ([], "timed out"))
+    monkeypatch.setattr(gemm_codec, "row_fingerprint",
+                        lambda impl, codec, p, exchange, config=None: f"fp-{exchange}-{p}")
+    a = argparse.Namespace(impl="kernel", gemm_config=None, exchanges=["all", "owner"],
+                           shapes=["odd"], timeout=1.0, isolate="group", calls=1, time=False,
+                           wrong_exchange=None)
+    rows = gemm_codec.run_children(a, [("taco", 2)])
+    assert [(r["exchange"], r["ok"], r["reason"], r["fingerprint"]) for r in rows] == [
+        ("all", False, "timed out", "fp-all-2"), ("owner", False, "timed out", "fp-owner-2")]
